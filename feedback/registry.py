@@ -1,0 +1,122 @@
+"""The MLflow model registry: register versions, resolve aliases, fetch a version's files."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+EXPERIMENT_NAME = "reflow"
+MODEL_ARTIFACT_PATH = "model"
+# The only files a version may carry: weights as safetensors, JSON config and tokenizer.
+MODEL_FILES = ("model.safetensors", "config.json", "tokenizer.json")
+
+
+@dataclass(frozen=True)
+class VersionRef:
+    """One registered model version and the aliases that point at it."""
+
+    name: str
+    version: str
+    aliases: tuple[str, ...] = ()
+
+
+class Registry:
+    """A thin, typed face on MlflowClient for the operations reflow needs."""
+
+    def __init__(self, tracking_uri: str, artifact_root: str | None = None):
+        from mlflow.tracking import MlflowClient  # slow import: only for processes that need it
+
+        self.tracking_uri = tracking_uri
+        self.artifact_root = artifact_root
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+    def resolve(self, name: str, *, version: str = "", alias: str = "") -> VersionRef:
+        """The version asked for by number, else by alias; LookupError when there is none."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            if version:
+                mv = self.client.get_model_version(name, version)
+            else:
+                mv = self.client.get_model_version_by_alias(name, alias)
+        except MlflowException as error:
+            what = f"version {version}" if version else f"alias @{alias}"
+            raise LookupError(f"model {name!r} has no {what} in the registry") from error
+        return VersionRef(name, str(mv.version), tuple(mv.aliases))
+
+    def has_alias(self, name: str, alias: str) -> bool:
+        """True when `name@alias` resolves."""
+        try:
+            self.resolve(name, alias=alias)
+        except LookupError:
+            return False
+        return True
+
+    def download(self, ref: VersionRef, cache_dir: Path) -> Path:
+        """A local directory holding the version's files, downloaded once and then reused."""
+        import mlflow.artifacts
+
+        target = cache_dir / ref.name / ref.version
+        if all((target / f).is_file() for f in MODEL_FILES):
+            return target
+        source = self.client.get_model_version(ref.name, ref.version).source
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+            for filename in MODEL_FILES:
+                mlflow.artifacts.download_artifacts(
+                    artifact_uri=f"{source.rstrip('/')}/{filename}",
+                    dst_path=tmp,
+                    tracking_uri=self.tracking_uri,
+                )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(target, ignore_errors=True)
+            Path(tmp).rename(target)
+            Path(tmp).mkdir()  # so TemporaryDirectory's cleanup finds its directory
+        logger.info("downloaded model=%s version=%s to %s", ref.name, ref.version, target)
+        return target
+
+    def experiment_id(self) -> str:
+        """The `reflow` experiment, created with the configured artifact root when missing."""
+        experiment = self.client.get_experiment_by_name(EXPERIMENT_NAME)
+        if experiment is not None:
+            return experiment.experiment_id
+        return self.client.create_experiment(EXPERIMENT_NAME, artifact_location=self.artifact_root)
+
+    def register(
+        self,
+        name: str,
+        model_dir: Path,
+        *,
+        params: dict[str, object],
+        metrics: dict[str, float],
+        alias: str,
+        tags: dict[str, str] | None = None,
+    ) -> VersionRef:
+        """Logs a run holding `model_dir`, registers it as a new version and points `alias` at it."""
+        from mlflow.exceptions import MlflowException
+
+        missing = [f for f in MODEL_FILES if not (model_dir / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir} lacks {missing}")
+        run = self.client.create_run(self.experiment_id(), run_name=f"{name}-register")
+        run_id = run.info.run_id
+        for key, value in params.items():
+            self.client.log_param(run_id, key, value)
+        for key, value in metrics.items():
+            self.client.log_metric(run_id, key, value)
+        for filename in MODEL_FILES:
+            self.client.log_artifact(run_id, str(model_dir / filename), MODEL_ARTIFACT_PATH)
+        self.client.set_terminated(run_id)
+        with contextlib.suppress(MlflowException):  # already registered
+            self.client.create_registered_model(name)
+        source = f"{run.info.artifact_uri}/{MODEL_ARTIFACT_PATH}"
+        mv = self.client.create_model_version(name, source, run_id=run_id, tags=tags or {})
+        self.client.set_registered_model_alias(name, alias, mv.version)
+        logger.info("registered model=%s version=%s alias=%s", name, mv.version, alias)
+        return VersionRef(name, str(mv.version), (alias,))

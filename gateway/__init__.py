@@ -1,0 +1,1 @@
+"""gateway: the public Inference gRPC server — auth, quotas, validation, routing and the streaming relay."""

@@ -1,0 +1,54 @@
+"""Authenticates calls: the bearer key in metadata, looked up in the store through a short TTL cache."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+from sqlalchemy import Engine
+
+from gateway.tenants import TenantInfo, find_by_key, hash_key
+from reflow.errors import Unauthenticated
+
+
+def bearer_key(context: grpc.aio.ServicerContext) -> str:
+    """The API key in `authorization: Bearer <key>`; Unauthenticated when absent or malformed."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+            break
+    raise Unauthenticated("send your API key as metadata `authorization: Bearer <key>`")
+
+
+class Authenticator:
+    """Maps keys to tenants; a key's answer (found or not) is reused for `ttl_s` seconds.
+
+    So a request costs no database round trip, and a revoked key stops working within `ttl_s`.
+    """
+
+    def __init__(self, engine: Engine, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self.engine = engine
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._cache: dict[str, tuple[float, TenantInfo | None]] = {}  # key hash -> (expiry, tenant)
+
+    async def authenticate(self, context: grpc.aio.ServicerContext) -> TenantInfo:
+        """The calling tenant; Unauthenticated for a missing, unknown or revoked key."""
+        api_key = bearer_key(context)
+        digest = hash_key(api_key)
+        now = self.clock()
+        cached = self._cache.get(digest)
+        if cached is not None and cached[0] > now:
+            tenant = cached[1]
+        else:
+            tenant = await asyncio.to_thread(find_by_key, self.engine, api_key)
+            if len(self._cache) > 10_000:  # bound memory under a flood of bad keys
+                self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
+            self._cache[digest] = (now + self.ttl_s, tenant)
+        if tenant is None:
+            raise Unauthenticated("unknown or revoked API key; create one with `reflow tenants create`")
+        return tenant

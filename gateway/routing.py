@@ -1,0 +1,143 @@
+"""The worker pool: tracks what each worker serves and picks the least-busy one for a model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from reflow.errors import InvalidArgument, NotFound, Unavailable
+from reflow.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a request asks for: a name and a version number or an alias."""
+
+    name: str
+    version: str = ""
+    alias: str = ""
+
+    @classmethod
+    def parse(cls, text: str, default_name: str, default_alias: str) -> ModelSpec:
+        """`name`, `name@alias` or `name/version`; empty = the default model."""
+        text = text.strip()
+        name, sep, rest = text.partition("@")
+        if sep:
+            spec = cls(name, alias=rest)
+        else:
+            name, sep, rest = text.partition("/")
+            spec = cls(name, version=rest) if sep else cls(name, alias=default_alias)
+        spec = cls(spec.name or default_name, spec.version, spec.alias)
+        if (sep and not rest) or "/" in spec.alias or "@" in spec.version or not spec.name:
+            raise InvalidArgument(f"model {text!r} is not of the form NAME, NAME@ALIAS or NAME/VERSION")
+        if spec.version and not spec.version.isdigit():
+            raise InvalidArgument(f"model version {spec.version!r} must be a number")
+        return spec
+
+    def __str__(self) -> str:
+        return f"{self.name}/{self.version}" if self.version else f"{self.name}@{self.alias}"
+
+
+@dataclass
+class WorkerHandle:
+    """One worker: its channel, last reported status and requests in flight through us."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    loaded: list[worker_pb2.LoadedVersion] = field(default_factory=list)
+    healthy: bool = False
+    outstanding: int = 0
+
+    def serves(self, spec: ModelSpec) -> worker_pb2.LoadedVersion | None:
+        """The loaded version matching `spec`, if this worker has one."""
+        for loaded in self.loaded:
+            if loaded.model == spec.name and (
+                loaded.version == spec.version if spec.version else spec.alias in loaded.aliases
+            ):
+                return loaded
+        return None
+
+
+class WorkerPool:
+    """Polls workers' status and routes each request to a healthy worker holding its version."""
+
+    def __init__(self, addresses: list[str], poll_s: float):
+        self.poll_s = poll_s
+        self.workers = [self._connect(a) for a in addresses]
+        self._poller: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def _connect(address: str) -> WorkerHandle:
+        channel = grpc.aio.insecure_channel(address)
+        return WorkerHandle(address, channel, worker_pb2_grpc.WorkerStub(channel))
+
+    async def start(self) -> None:
+        """Fetches every worker's status once, then keeps refreshing in the background."""
+        await self.refresh()
+        self._poller = asyncio.create_task(self._poll(), name="worker-poll")
+
+    async def refresh(self) -> None:
+        """Asks every worker for its status; a worker that does not answer is marked unhealthy."""
+        await asyncio.gather(*(self._refresh_one(w) for w in self.workers))
+
+    async def _refresh_one(self, worker: WorkerHandle) -> None:
+        try:
+            status = await worker.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError as error:
+            if worker.healthy:
+                logger.warning("worker %s unavailable: %s", worker.address, error.code().name)
+            worker.healthy = False
+            return
+        if not worker.healthy:
+            logger.info(
+                "worker %s ready: %s", worker.address, [f"{v.model}/{v.version}" for v in status.loaded]
+            )
+        worker.loaded, worker.healthy = list(status.loaded), True
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self.refresh()
+
+    def mark_unhealthy(self, worker: WorkerHandle) -> None:
+        """Takes a worker out of routing until its next successful status poll."""
+        worker.healthy = False
+
+    def route(
+        self, spec: ModelSpec, exclude: frozenset[str] = frozenset()
+    ) -> tuple[WorkerHandle, worker_pb2.LoadedVersion]:
+        """The least-busy healthy worker serving `spec`; Unavailable or NotFound otherwise."""
+        healthy = [w for w in self.workers if w.healthy and w.address not in exclude]
+        if not healthy:
+            raise Unavailable("no worker is available; check that `reflow worker` processes are running")
+        candidates = [(w, v) for w in healthy if (v := w.serves(spec)) is not None]
+        if not candidates:
+            served = sorted({f"{v.model}/{v.version} {list(v.aliases)}" for w in healthy for v in w.loaded})
+            raise NotFound(f"no worker serves model {spec}; served now: {', '.join(served) or 'nothing'}")
+        return min(candidates, key=lambda pair: pair[0].outstanding)
+
+    def served_versions(self) -> dict[str, dict[str, tuple[set[str], int]]]:
+        """model -> version -> (aliases, ready workers), over healthy workers."""
+        models: dict[str, dict[str, tuple[set[str], int]]] = {}
+        for worker in self.workers:
+            if not worker.healthy:
+                continue
+            for v in worker.loaded:
+                aliases, count = models.setdefault(v.model, {}).get(v.version, (set(), 0))
+                models[v.model][v.version] = (aliases | set(v.aliases), count + 1)
+        return models
+
+    async def close(self) -> None:
+        """Stops polling and closes every channel."""
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        await asyncio.gather(*(w.channel.close() for w in self.workers))

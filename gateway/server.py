@@ -1,0 +1,200 @@
+"""The public Inference service: authenticate, validate, route, relay the worker's token stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from feedback.store import open_engine, require_current_schema
+from gateway.auth import Authenticator
+from gateway.quotas import Quotas
+from gateway.routing import ModelSpec, WorkerHandle, WorkerPool
+from gateway.validation import check_request, worker_request
+from reflow.errors import DeadlineExceeded, InvalidArgument, ReflowError, Unavailable
+from reflow.serving import bind, new_server, set_serving, wait_for_signal, write_ready_file
+from reflow.settings import Settings
+from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
+
+logger = logging.getLogger(__name__)
+SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+ARM_CHAMPION = "champion"
+
+# Worker statuses that pass through to the client unchanged.
+PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument}
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """Serves Generate and ListModels; SubmitFeedback arrives with the feedback pipeline."""
+
+    def __init__(self, settings: Settings, auth: Authenticator, quotas: Quotas, pool: WorkerPool):
+        self.settings = settings
+        self.auth = auth
+        self.quotas = quotas
+        self.pool = pool
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        received = time.perf_counter()
+        tenant = await self.auth.authenticate(context)
+        check_request(request, self.settings)
+        spec = ModelSpec.parse(request.model, self.settings.model_name, self.settings.model_alias)
+        request_id = uuid.uuid4().hex
+        await context.send_initial_metadata((("x-request-id", request_id),))
+        deadline = _deadline(context.time_remaining(), request.latency_budget_ms, received)
+        with self.quotas.admit(tenant):
+            async for message in self._relay(request, spec, request_id, deadline, received):
+                yield message
+
+    async def _relay(
+        self,
+        request: inference_pb2.GenerateRequest,
+        spec: ModelSpec,
+        request_id: str,
+        deadline: float | None,
+        received: float,
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Streams from a worker, moving to another one if the first fails before any token."""
+        tried: set[str] = set()
+        while True:
+            worker, loaded = self.pool.route(spec, exclude=frozenset(tried))
+            tried.add(worker.address)
+            call_request = worker_request(request, self.settings, request_id=request_id, loaded=loaded)
+            header = inference_pb2.GenerateResponse(
+                request_id=request_id, model=loaded.model, model_version=loaded.version, arm=ARM_CHAMPION
+            )
+            remaining_s = None if deadline is None else max(deadline - time.perf_counter(), 0.001)
+            stream = self._stream_from(worker, call_request, remaining_s, header, received)
+            try:
+                async for message in stream:
+                    yield message
+                return
+            except _WorkerUnreachable:
+                self.pool.mark_unhealthy(worker)
+                logger.warning("request_id=%s worker %s unreachable; retrying", request_id, worker.address)
+
+    async def _stream_from(
+        self,
+        worker: WorkerHandle,
+        call_request: worker_pb2.WorkerGenerateRequest,
+        remaining_s: float | None,
+        header: inference_pb2.GenerateResponse,
+        received: float,
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        call = worker.stub.Generate(call_request, timeout=remaining_s)
+        worker.outstanding += 1
+        first_token_at: float | None = None
+        try:
+            async for delta in call:
+                message = inference_pb2.GenerateResponse(text=delta.text, reasoning_text=delta.reasoning_text)
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                    message.MergeFrom(header)
+                if delta.finish_reason:
+                    message.finish_reason = delta.finish_reason
+                    done = time.perf_counter()
+                    message.usage.CopyFrom(
+                        inference_pb2.Usage(
+                            prompt_tokens=delta.prompt_tokens,
+                            completion_tokens=delta.completion_tokens,
+                            reasoning_tokens=delta.reasoning_tokens,
+                            time_to_first_token_ms=(first_token_at - received) * 1000,
+                            total_ms=(done - received) * 1000,
+                        )
+                    )
+                    logger.info(
+                        "request_id=%s model=%s model_version=%s arm=%s finish=%s tokens=%d total_ms=%.1f",
+                        header.request_id, header.model, header.model_version, header.arm,
+                        inference_pb2.FinishReason.Name(delta.finish_reason),
+                        delta.completion_tokens, message.usage.total_ms,
+                    )  # fmt: skip
+                yield message
+        except grpc.aio.AioRpcError as error:
+            raise _worker_error(worker, error, started=first_token_at is not None) from None
+        finally:
+            worker.outstanding -= 1
+            call.cancel()  # no-op when finished; stops the worker when the client went away
+
+    async def SubmitFeedback(
+        self, request_iterator: AsyncIterator[inference_pb2.Feedback], context: grpc.aio.ServicerContext
+    ) -> inference_pb2.FeedbackAck:
+        await self.auth.authenticate(context)
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "SubmitFeedback is not available in this release; it arrives with the feedback pipeline",
+        )
+
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
+        await self.auth.authenticate(context)
+        response = inference_pb2.ListModelsResponse()
+        for name, versions in sorted(self.pool.served_versions().items()):
+            model = response.models.add(name=name)
+            for version, (aliases, ready) in sorted(versions.items(), key=lambda kv: int(kv[0])):
+                model.versions.add(version=version, aliases=sorted(aliases), ready_workers=ready)
+        return response
+
+
+def _deadline(time_remaining: float | None, latency_budget_ms: int, received: float) -> float | None:
+    """The stream's deadline on the perf_counter clock: the call's own or the latency budget."""
+    limits = [received + latency_budget_ms / 1000] if latency_budget_ms else []
+    if time_remaining is not None:
+        limits.append(time.perf_counter() + time_remaining)
+    return min(limits, default=None)
+
+
+class _WorkerUnreachable(Exception):
+    """The worker failed before sending a token; another worker may take the request."""
+
+
+def _worker_error(worker: WorkerHandle, error: grpc.aio.AioRpcError, *, started: bool) -> Exception:
+    code = error.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(
+            "the completion did not finish within the call deadline or latency_budget_ms; "
+            "raise them or lower max_tokens"
+        )
+    if code in PASS_THROUGH:
+        return PASS_THROUGH[code](error.details() or code.name)
+    if not started and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
+        return _WorkerUnreachable()
+    return Unavailable(f"worker {worker.address} failed mid-stream ({code.name}); retry the request")
+
+
+async def create_server(settings: Settings, pool: WorkerPool) -> tuple[grpc.aio.Server, int, object]:
+    """A started gateway on the configured host and port; returns (server, port, health servicer)."""
+    engine = open_engine(settings.resolved_database_url)
+    require_current_schema(engine)
+    servicer = InferenceServicer(settings, Authenticator(engine, settings.auth_cache_ttl_s), Quotas(), pool)
+    server, health_servicer = new_server([SERVICE])
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+    port = bind(server, settings.gateway_host, settings.gateway_port)
+    await pool.start()
+    await server.start()
+    await set_serving(health_servicer, [SERVICE], True)
+    return server, port, health_servicer
+
+
+async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
+    """`reflow gateway`: serve until SIGINT/SIGTERM, then drain in-flight streams."""
+    if not settings.workers:
+        raise ReflowError("no workers configured; set REFLOW_WORKERS=host:port[,host:port]")
+    pool = WorkerPool(settings.workers, settings.worker_poll_s)
+    server, port, health_servicer = await create_server(settings, pool)
+    address = f"{settings.gateway_host}:{port}"
+    logger.info("gateway serving on %s, workers %s", address, settings.workers)
+    write_ready_file(ready_file, address=address)
+    await wait_for_signal()
+    logger.info("gateway draining (grace %.0fs)", settings.shutdown_grace_s)
+    await set_serving(health_servicer, [SERVICE], False)
+    with contextlib.suppress(asyncio.CancelledError):
+        await server.stop(settings.shutdown_grace_s)
+    await pool.close()

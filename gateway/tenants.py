@@ -1,0 +1,102 @@
+"""Tenants and API keys: create, revoke and look up keys, which are stored only as SHA-256 hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from feedback.store import Tenant, utcnow
+
+KEY_PREFIX = "rf_"
+MIN_KEY_LENGTH = 16
+
+
+@dataclass(frozen=True)
+class TenantInfo:
+    """What the gateway needs to know about the caller of a request."""
+
+    id: int
+    name: str
+    max_concurrent_streams: int
+    requests_per_minute: int
+
+
+def hash_key(api_key: str) -> str:
+    """SHA-256 hex of a key; keys are long and random, so a fast unsalted hash is enough to look up."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    """A fresh API key with 256 bits of randomness."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def _info(tenant: Tenant) -> TenantInfo:
+    return TenantInfo(tenant.id, tenant.name, tenant.max_concurrent_streams, tenant.requests_per_minute)
+
+
+def create_tenant(
+    engine: Engine,
+    name: str,
+    *,
+    api_key: str | None = None,
+    max_concurrent_streams: int = 32,
+    requests_per_minute: int = 600,
+) -> tuple[TenantInfo, str]:
+    """Creates a tenant with `api_key` (or a new one); returns it and the key, shown only now."""
+    key = api_key or new_key()
+    if len(key) < MIN_KEY_LENGTH:
+        raise ValueError(f"an API key needs at least {MIN_KEY_LENGTH} characters")
+    with Session(engine) as session, session.begin():
+        if session.scalar(select(Tenant).where(Tenant.name == name)) is not None:
+            raise ValueError(f"tenant {name!r} already exists")
+        tenant = Tenant(
+            name=name,
+            key_hash=hash_key(key),
+            key_prefix=key[:8],
+            max_concurrent_streams=max_concurrent_streams,
+            requests_per_minute=requests_per_minute,
+        )
+        session.add(tenant)
+        session.flush()
+        return _info(tenant), key
+
+
+def ensure_tenant(engine: Engine, name: str, api_key: str) -> TenantInfo:
+    """The tenant `name` holding `api_key`: created, or re-keyed and re-enabled, as needed."""
+    with Session(engine) as session, session.begin():
+        tenant = session.scalar(select(Tenant).where(Tenant.name == name))
+        if tenant is not None:
+            tenant.key_hash, tenant.key_prefix, tenant.revoked_at = hash_key(api_key), api_key[:8], None
+            return _info(tenant)
+    return create_tenant(engine, name, api_key=api_key)[0]
+
+
+def revoke_tenant(engine: Engine, name: str) -> bool:
+    """Disables a tenant's key; False when there is no such active tenant."""
+    with Session(engine) as session, session.begin():
+        tenant = session.scalar(select(Tenant).where(Tenant.name == name, Tenant.revoked_at.is_(None)))
+        if tenant is None:
+            return False
+        tenant.revoked_at = utcnow()
+        return True
+
+
+def list_tenants(engine: Engine) -> list[tuple[TenantInfo, str, bool]]:
+    """Every tenant with its key prefix and whether it is revoked."""
+    with Session(engine) as session:
+        tenants = session.scalars(select(Tenant).order_by(Tenant.id)).all()
+        return [(_info(t), t.key_prefix, t.revoked_at is not None) for t in tenants]
+
+
+def find_by_key(engine: Engine, api_key: str) -> TenantInfo | None:
+    """The active tenant holding `api_key`, or None."""
+    with Session(engine) as session:
+        tenant = session.scalar(
+            select(Tenant).where(Tenant.key_hash == hash_key(api_key), Tenant.revoked_at.is_(None))
+        )
+        return None if tenant is None else _info(tenant)

@@ -1,0 +1,67 @@
+"""Validates a GenerateRequest at the edge and turns it into the worker's request, defaults applied."""
+
+from __future__ import annotations
+
+import math
+
+from reflow.errors import InvalidArgument
+from reflow.settings import Settings
+from reflow.v1 import inference_pb2, worker_pb2
+
+MAX_STOP_CHARS = 64
+MAX_LABELS = 32
+MAX_LABEL_CHARS = 256
+MAX_USER_ID_CHARS = 256
+
+
+def check_request(request: inference_pb2.GenerateRequest, settings: Settings) -> None:
+    """Raises InvalidArgument, with what to change, for anything a worker should never see."""
+    if not request.prompt:
+        raise InvalidArgument("prompt is empty; send the text to complete, e.g. '47+38='")
+    if len(request.prompt) > settings.max_prompt_chars:
+        raise InvalidArgument(
+            f"prompt is {len(request.prompt)} characters; the limit is {settings.max_prompt_chars}"
+        )
+    s = request.sampling
+    if not math.isfinite(s.temperature) or not 0.0 <= s.temperature <= 100.0:
+        raise InvalidArgument(f"sampling.temperature must be in [0, 100], got {s.temperature}")
+    if not math.isfinite(s.top_p) or not 0.0 <= s.top_p <= 1.0:
+        raise InvalidArgument(f"sampling.top_p must be in [0, 1] (0 = off), got {s.top_p}")
+    if len(s.stop) > settings.max_stop_strings:
+        raise InvalidArgument(f"at most {settings.max_stop_strings} stop strings, got {len(s.stop)}")
+    if any(not stop or len(stop) > MAX_STOP_CHARS for stop in s.stop):
+        raise InvalidArgument(f"stop strings must be 1 to {MAX_STOP_CHARS} characters")
+    if len(request.user_id) > MAX_USER_ID_CHARS:
+        raise InvalidArgument(f"user_id is longer than {MAX_USER_ID_CHARS} characters")
+    if len(request.labels) > MAX_LABELS or any(
+        len(k) > MAX_LABEL_CHARS or len(v) > MAX_LABEL_CHARS for k, v in request.labels.items()
+    ):
+        raise InvalidArgument(f"at most {MAX_LABELS} labels of at most {MAX_LABEL_CHARS} characters each")
+
+
+def worker_request(
+    request: inference_pb2.GenerateRequest,
+    settings: Settings,
+    *,
+    request_id: str,
+    loaded: worker_pb2.LoadedVersion,
+) -> worker_pb2.WorkerGenerateRequest:
+    """The request for the worker serving `loaded`, with max_tokens defaulted and bounded."""
+    limit = loaded.max_sequence_length - 1
+    max_tokens = request.sampling.max_tokens or min(settings.default_max_tokens, limit)
+    if max_tokens > limit:
+        raise InvalidArgument(
+            f"sampling.max_tokens must be between 1 and {limit} for {loaded.model}/{loaded.version}, "
+            f"got {max_tokens}"
+        )
+    sampling = inference_pb2.SamplingParams()
+    sampling.CopyFrom(request.sampling)
+    sampling.max_tokens = max_tokens
+    return worker_pb2.WorkerGenerateRequest(
+        request_id=request_id,
+        model=loaded.model,
+        version=loaded.version,
+        prompt=request.prompt,
+        sampling=sampling,
+        reasoning_budget=request.reasoning_budget,
+    )

@@ -1,0 +1,1 @@
+"""Alembic migrations of the reflow store (run with `reflow db upgrade`)."""

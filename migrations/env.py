@@ -1,0 +1,16 @@
+"""Alembic environment: runs migrations on the engine that feedback.store hands over."""
+
+from __future__ import annotations
+
+from alembic import context
+
+from feedback.store import Base
+
+engine = context.config.attributes["engine"]
+with engine.begin() as connection:
+    context.configure(
+        connection=connection,
+        target_metadata=Base.metadata,
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+    context.run_migrations()

@@ -1,0 +1,1 @@
+"""reflow: the project package — settings, command line, process supervisor and generated stubs."""

@@ -1,0 +1,212 @@
+"""The `reflow` command line: run the processes, manage tenants and the store, stream completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from reflow.settings import Settings
+
+app = typer.Typer(
+    help="reflow: a streaming inference gateway that learns from its users.", no_args_is_help=True
+)
+tenants_app = typer.Typer(help="Manage tenants and their API keys.", no_args_is_help=True)
+db_app = typer.Typer(help="Manage the store's schema.", no_args_is_help=True)
+app.add_typer(tenants_app, name="tenants")
+app.add_typer(db_app, name="db")
+console = Console()
+err_console = Console(stderr=True)
+
+ReadyFile = Annotated[
+    Path | None, typer.Option(help="Write {'address': ...} here once serving (used by `reflow up`).")
+]
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment and REFLOW_CONFIG, with command-line options on top."""
+    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    return settings
+
+
+@app.command()
+def up(
+    data_dir: Annotated[Path | None, typer.Option(help="Data directory [default: ./.reflow].")] = None,
+    port: Annotated[int | None, typer.Option(help="Gateway port [default: 50051].")] = None,
+    workers: Annotated[int | None, typer.Option(help="Workers [default: one per GPU, else 1].")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="REFLOW_API_KEY", help="API key of the default tenant.", show_default=False),
+    ] = None,
+) -> None:
+    """Run everything on this machine with embedded defaults until Ctrl-C or SIGTERM."""
+    from reflow.supervisor import default_worker_count, run_up
+
+    settings = load_settings(data_dir=data_dir, gateway_port=port, api_key=api_key)
+    raise typer.Exit(run_up(settings, workers or default_worker_count(), console))
+
+
+@app.command()
+def gateway(
+    port: Annotated[int | None, typer.Option(help="Port [default: REFLOW_GATEWAY_PORT or 50051].")] = None,
+    ready_file: ReadyFile = None,
+) -> None:
+    """Serve the public Inference API, routing to REFLOW_WORKERS."""
+    from gateway.server import serve
+
+    asyncio.run(serve(load_settings(gateway_port=port), ready_file=ready_file))
+
+
+@app.command()
+def worker(
+    version: Annotated[str, typer.Option(help="Load this version instead of REFLOW_MODEL_ALIAS.")] = "",
+    port: Annotated[int | None, typer.Option(help="Port [default: REFLOW_WORKER_PORT, 0 = free].")] = None,
+    ready_file: ReadyFile = None,
+) -> None:
+    """Serve the internal Worker API for REFLOW_MODEL_NAME on REFLOW_DEVICE."""
+    from workers.server import serve
+
+    asyncio.run(serve(load_settings(worker_port=port), version=version, ready_file=ready_file))
+
+
+def _default_target(settings: Settings) -> str:
+    endpoints = settings.data_dir / "endpoints.json"
+    if endpoints.is_file():
+        return json.loads(endpoints.read_text())["gateway"]
+    return f"{settings.gateway_host}:{settings.gateway_port}"
+
+
+def _default_api_key(settings: Settings) -> str:
+    if settings.api_key is not None:
+        return settings.api_key.get_secret_value()
+    key_file = settings.data_dir / "api_key"
+    if key_file.is_file():
+        return key_file.read_text().strip()
+    err_console.print("[red]no API key:[/] pass --api-key, set REFLOW_API_KEY, or run `reflow up` first")
+    raise typer.Exit(2)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help='The prompt, e.g. "47+38=".')],
+    model: Annotated[str, typer.Option(help="NAME, NAME@ALIAS or NAME/VERSION.")] = "",
+    max_tokens: Annotated[int, typer.Option(help="0 = server default.")] = 0,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="0 = off.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
+    seed: Annotated[int, typer.Option(help="0 = random.")] = 0,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    reasoning_budget: Annotated[int, typer.Option(help="Most thinking tokens; 0 = no own cap.")] = 0,
+    target: Annotated[
+        str | None, typer.Option(help="Gateway host:port [default: from endpoints.json].")
+    ] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="REFLOW_API_KEY", show_default=False)] = None,
+) -> None:
+    """Stream a completion to the terminal: reasoning dimmed, then the answer and usage."""
+    import grpc
+
+    from reflow.client import Client
+    from reflow.v1 import inference_pb2
+
+    settings = Settings(**({"api_key": api_key} if api_key else {}))
+    sampling = inference_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop or []
+    )
+    last = None
+    try:
+        with Client(target or _default_target(settings), _default_api_key(settings)) as client:
+            for message in client.generate(
+                prompt, model=model, sampling=sampling, reasoning_budget=reasoning_budget
+            ):
+                if message.reasoning_text:
+                    console.print(
+                        message.reasoning_text, style="dim", end="", soft_wrap=True, highlight=False
+                    )
+                if message.text:
+                    console.print(message.text, end="", soft_wrap=True, highlight=False, markup=False)
+                last = message if message.finish_reason else last
+    except grpc.RpcError as error:
+        err_console.print(f"\n[red]{error.code().name}:[/] {error.details()}")
+        raise typer.Exit(1) from None
+    console.print()
+    if last is not None:
+        u = last.usage
+        reason = inference_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        err_console.print(
+            f"[dim]{reason} · {u.prompt_tokens} prompt + {u.completion_tokens} completion tokens "
+            f"({u.reasoning_tokens} reasoning) · first token {u.time_to_first_token_ms:.1f} ms · "
+            f"total {u.total_ms:.1f} ms[/]"
+        )
+
+
+def _engine() -> Any:
+    from feedback.store import open_engine
+
+    return open_engine(load_settings().resolved_database_url)
+
+
+@tenants_app.command("create")
+def tenants_create(
+    name: str,
+    max_streams: Annotated[int, typer.Option(help="Concurrent streams per gateway.")] = 32,
+    rpm: Annotated[int, typer.Option(help="Requests per minute per gateway; 0 = unlimited.")] = 600,
+) -> None:
+    """Create a tenant and print its new API key (shown only once; stored hashed)."""
+    from feedback.store import migrate
+    from gateway.tenants import create_tenant
+
+    engine = _engine()
+    migrate(engine)
+    try:
+        _, key = create_tenant(engine, name, max_concurrent_streams=max_streams, requests_per_minute=rpm)
+    except ValueError as error:
+        err_console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+    print(key)
+
+
+@tenants_app.command("revoke")
+def tenants_revoke(name: str) -> None:
+    """Disable a tenant's key (gateways notice within REFLOW_AUTH_CACHE_TTL_S)."""
+    from gateway.tenants import revoke_tenant
+
+    if not revoke_tenant(_engine(), name):
+        err_console.print(f"[red]error:[/] no active tenant named {name!r}")
+        raise typer.Exit(1)
+
+
+@tenants_app.command("list")
+def tenants_list() -> None:
+    """List tenants with their key prefix, quotas and state."""
+    from gateway.tenants import list_tenants
+
+    for info, prefix, revoked in list_tenants(_engine()):
+        state = "revoked" if revoked else "active"
+        quotas = f"{info.max_concurrent_streams} streams\t{info.requests_per_minute} rpm"
+        print(f"{info.name}\t{prefix}…\t{quotas}\t{state}")
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
+    """Bring the store's schema up to REVISION (default: the newest)."""
+    from feedback.store import migrate
+
+    migrate(_engine(), revision)
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: str) -> None:
+    """Take the store's schema back to REVISION ("base" drops every table)."""
+    from feedback.store import downgrade
+
+    downgrade(_engine(), revision)

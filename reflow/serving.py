@@ -1,0 +1,65 @@
+"""What every reflow gRPC server shares: health, reflection, error mapping, ready files, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from collections.abc import Iterable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from reflow.errors import ErrorInterceptor
+
+logger = logging.getLogger(__name__)
+
+
+def new_server(service_names: Iterable[str]) -> tuple[grpc.aio.Server, health.HealthServicer]:
+    """An aio server with the error interceptor, health checking and reflection for `service_names`."""
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor()],
+        options=[("grpc.so_reuseport", 0)],
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    return server, health_servicer
+
+
+async def set_serving(health_servicer: health.HealthServicer, services: Iterable[str], up: bool) -> None:
+    """Marks the server and each of `services` SERVING or NOT_SERVING."""
+    status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *services):
+        await health_servicer.set(name, status)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Binds an insecure port; returns the port actually bound (useful with port 0)."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}: is another process using it?")
+    return bound
+
+
+def write_ready_file(path: Path | None, **fields: object) -> None:
+    """Atomically writes `fields` as JSON, so a supervisor knows where a child listens."""
+    if path is None:
+        return
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(fields))
+    os.replace(tmp, path)
+
+
+async def wait_for_signal() -> int:
+    """Returns the first SIGINT or SIGTERM received."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[int] = loop.create_future()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s))
+    return await received

@@ -1,0 +1,103 @@
+"""The one settings object: `REFLOW_*` environment variables, an optional YAML file, embedded defaults."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+
+class Settings(BaseSettings):
+    """Every knob of every reflow process; see the configuration table in README.md."""
+
+    model_config = SettingsConfigDict(env_prefix="REFLOW_", extra="forbid")
+
+    data_dir: Path = Field(Path(".reflow"), description="Where every embedded store lives.")
+    database_url: str = Field("", description="SQLAlchemy URL; empty = SQLite in the data dir.")
+    mlflow_tracking_uri: str = Field(
+        "", description="MLflow tracking/registry URI; empty = SQLite store in the data dir."
+    )
+    mlflow_artifact_root: str = Field(
+        "", description="Artifact root for new MLflow experiments; empty = the data dir."
+    )
+    mlflow_ui_port: int = Field(0, description="Port of the MLflow UI under `reflow up`; 0 = free.")
+    api_key: SecretStr | None = Field(None, description="API key `reflow up` gives its tenant.")
+
+    model_name: str = Field("arith", description="Registered model served by default.")
+    model_alias: str = Field("champion", description="Alias a worker loads at start.")
+    model_preset: str = Field("arith-small", description="Preset of the base model bootstrap trains.")
+    bootstrap_steps: int = Field(0, description="Training steps of the base model; 0 = the recipe's.")
+    device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, cuda:N.")
+    torch_threads: int = Field(0, description="Intra-op threads per worker; 0 = torch default.")
+
+    gateway_host: str = Field("127.0.0.1", description="Interface the gateway binds.")
+    gateway_port: int = Field(50051, description="Gateway port; 0 = free.")
+    worker_host: str = Field("127.0.0.1", description="Interface a worker binds.")
+    worker_port: int = Field(0, description="Worker port; 0 = free.")
+    workers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Worker addresses a standalone gateway routes to."
+    )
+    worker_poll_s: float = Field(1.0, description="How often the gateway refreshes worker status.")
+    shutdown_grace_s: float = Field(30.0, description="Seconds in-flight streams get to finish on shutdown.")
+
+    auth_cache_ttl_s: float = Field(10.0, description="How long an API-key lookup is cached.")
+    max_prompt_chars: int = Field(4096, description="Longest prompt the gateway accepts.")
+    default_max_tokens: int = Field(64, description="max_tokens when a request leaves it 0.")
+    max_stop_strings: int = Field(8, description="Most stop strings per request.")
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _split_addresses(cls, value: object) -> object:
+        """Accepts `host:port,host:port` from the environment as well as a list."""
+        if isinstance(value, str):
+            return [a.strip() for a in value.split(",") if a.strip()]
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Precedence: arguments, then REFLOW_* variables, then the YAML file in REFLOW_CONFIG."""
+        yaml_file = os.environ.get("REFLOW_CONFIG")
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        if yaml_file:
+            sources += (YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file),)
+        return sources
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The store's URL, defaulting to SQLite in the data dir."""
+        return self.database_url or f"sqlite:///{self.data_dir.resolve() / 'reflow.db'}"
+
+    @property
+    def resolved_tracking_uri(self) -> str:
+        """The MLflow URI, defaulting to a SQLite store in the data dir."""
+        return self.mlflow_tracking_uri or f"sqlite:///{self.data_dir.resolve() / 'mlflow.db'}"
+
+    @property
+    def resolved_artifact_root(self) -> str | None:
+        """Where new experiments keep artifacts; None lets a remote tracking server decide."""
+        if self.mlflow_artifact_root:
+            return self.mlflow_artifact_root
+        if self.mlflow_tracking_uri:
+            return None
+        return (self.data_dir.resolve() / "mlartifacts").as_uri()
+
+    @property
+    def model_cache_dir(self) -> Path:
+        """Local copies of downloaded model versions."""
+        return self.data_dir.resolve() / "models"

@@ -1,0 +1,30 @@
+// Streams one completion from a reflow gateway, given only protos/.
+// Usage: node stream.js HOST:PORT API_KEY PROMPT
+// Prints one JSON object per received message, then {"status": "OK"} or the error.
+"use strict";
+
+const path = require("path");
+const grpc = require("@grpc/grpc-js");
+const protoLoader = require("@grpc/proto-loader");
+
+const [target, apiKey, prompt] = process.argv.slice(2);
+const protoRoot = path.resolve(__dirname, "../../../protos");
+const definition = protoLoader.loadSync("reflow/v1/inference.proto", {
+  includeDirs: [protoRoot],
+  keepCase: true,
+  longs: String,
+  enums: String,
+  defaults: true,
+});
+const reflow = grpc.loadPackageDefinition(definition).reflow.v1;
+const client = new reflow.Inference(target, grpc.credentials.createInsecure());
+
+const metadata = new grpc.Metadata();
+metadata.add("authorization", `Bearer ${apiKey}`);
+const call = client.Generate({ prompt, sampling: { max_tokens: 12 } }, metadata);
+call.on("data", (message) => console.log(JSON.stringify(message)));
+call.on("error", (error) => {
+  console.log(JSON.stringify({ status: grpc.status[error.code], details: error.details }));
+  process.exit(1);
+});
+call.on("end", () => console.log(JSON.stringify({ status: "OK" })));

@@ -1,0 +1,191 @@
+"""Shared fixtures: a real MLflow store with a tiny model, and real gateway + worker servers on port 0."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from feedback.registry import Registry, VersionRef
+from feedback.store import migrate, open_engine
+from gateway.routing import WorkerPool
+from gateway.server import create_server as create_gateway
+from gateway.tenants import create_tenant
+from reflow.settings import Settings
+from reflow.v1 import inference_pb2_grpc, worker_pb2_grpc
+from workers.engine import Engine
+from workers.model import ModelConfig, Transformer, init_weights
+from workers.server import WorkerServicer
+from workers.server import create_server as create_worker
+from workers.tokenizer import ByteTokenizer
+
+MODEL = "arith"
+
+
+def tiny_model(seed: int = 0) -> Transformer:
+    """A randomly initialised `tiny` model: deterministic for a seed, fast on any CPU."""
+    model = Transformer(ModelConfig.from_name("tiny"))
+    init_weights(model, seed)
+    return model.eval()
+
+
+def save_model(model: Transformer, directory: Path) -> Path:
+    """Writes weights, config and tokenizer as a registered version carries them."""
+    model.save(directory)
+    ByteTokenizer().save(directory)
+    return directory
+
+
+@dataclass(frozen=True)
+class RegistryFixture:
+    """A real MLflow store in a temp dir holding `arith` v1 (champion) and v2, both tiny."""
+
+    tracking_uri: str
+    artifact_root: str
+    champion: VersionRef
+    other: VersionRef
+
+    def registry(self) -> Registry:
+        return Registry(self.tracking_uri, self.artifact_root)
+
+
+@pytest.fixture(scope="session")
+def mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> RegistryFixture:
+    root = tmp_path_factory.mktemp("mlflow")
+    registry = Registry(f"sqlite:///{root / 'mlflow.db'}", (root / "artifacts").as_uri())
+    versions = []
+    for seed, alias in ((0, "champion"), (1, "other")):
+        directory = save_model(tiny_model(seed), root / f"model-{seed}")
+        versions.append(registry.register(MODEL, directory, params={"seed": seed}, metrics={}, alias=alias))
+    return RegistryFixture(registry.tracking_uri, registry.artifact_root or "", *versions)
+
+
+@pytest.fixture
+def settings(tmp_path: Path, mlflow_store: RegistryFixture) -> Settings:
+    return Settings(
+        data_dir=tmp_path,
+        mlflow_tracking_uri=mlflow_store.tracking_uri,
+        mlflow_artifact_root=mlflow_store.artifact_root,
+        device="cpu",
+        gateway_port=0,
+        worker_poll_s=0.2,
+        auth_cache_ttl_s=0.5,
+        shutdown_grace_s=5.0,
+    )
+
+
+@dataclass
+class WorkerUnderTest:
+    """An in-process worker server."""
+
+    server: grpc.aio.Server
+    servicer: WorkerServicer
+    address: str
+
+    @property
+    def engine(self) -> Engine:
+        return self.servicer.engine
+
+
+@dataclass
+class Stack:
+    """A gateway in front of in-process workers, with a tenant's key."""
+
+    settings: Settings
+    gateway: grpc.aio.Server
+    address: str
+    workers: list[WorkerUnderTest]
+    api_key: str
+    channel: grpc.aio.Channel
+    pool: WorkerPool
+    extra: list[grpc.aio.Channel] = field(default_factory=list)
+
+    @property
+    def stub(self) -> inference_pb2_grpc.InferenceStub:
+        return inference_pb2_grpc.InferenceStub(self.channel)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_key}"),)
+
+    def worker_stub(self, i: int = 0) -> worker_pb2_grpc.WorkerStub:
+        channel = grpc.aio.insecure_channel(self.workers[i].address)
+        self.extra.append(channel)
+        return worker_pb2_grpc.WorkerStub(channel)
+
+
+async def start_worker(settings: Settings, alias: str = "champion") -> WorkerUnderTest:
+    """A worker with `arith@alias` loaded, serving on a free port."""
+    registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+    servicer = WorkerServicer(Engine(), registry, settings, torch.device("cpu"))
+    await servicer.load(MODEL, alias=alias)
+    server, port, _ = await create_worker(servicer, "127.0.0.1", 0)
+    return WorkerUnderTest(server, servicer, f"127.0.0.1:{port}")
+
+
+async def start_stack(
+    settings: Settings, n_workers: int = 1, extra_addresses: tuple[str, ...] = (), **tenant: int
+) -> Stack:
+    """Workers, a migrated store with one tenant, and a gateway routing to them."""
+    workers = [await start_worker(settings) for _ in range(n_workers)]
+    engine = open_engine(settings.resolved_database_url)
+    migrate(engine)
+    _, api_key = create_tenant(engine, "acme", **tenant)
+    pool = WorkerPool([w.address for w in workers] + list(extra_addresses), settings.worker_poll_s)
+    gateway, port, _ = await create_gateway(settings, pool)
+    address = f"127.0.0.1:{port}"
+    return Stack(settings, gateway, address, workers, api_key, grpc.aio.insecure_channel(address), pool)
+
+
+async def stop_stack(stack: Stack) -> None:
+    for channel in [stack.channel, *stack.extra]:
+        await channel.close()
+    await stack.gateway.stop(0)
+    await stack.pool.close()
+    for worker in stack.workers:
+        with contextlib.suppress(Exception):
+            await worker.server.stop(0)
+        worker.engine.close()
+
+
+@pytest.fixture
+async def stack(settings: Settings) -> AsyncIterator[Stack]:
+    s = await start_stack(settings)
+    yield s
+    await stop_stack(s)
+
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "REFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database: SQLite in a temp dir, or a new PostgreSQL database dropped afterwards."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'store.db'}"
+        return
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import OperationalError
+
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = f"reflow_test_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+    except OperationalError as error:
+        pytest.skip(f"PostgreSQL unreachable at {POSTGRES_ADMIN_URL} (set REFLOW_TEST_POSTGRES_URL): {error}")
+    try:
+        yield admin.url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

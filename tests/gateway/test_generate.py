@@ -1,0 +1,268 @@
+"""Gateway + worker over real gRPC: streaming, every error status, cancellation, load sharing, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from feedback.store import open_engine
+from gateway.tenants import revoke_tenant
+from reflow.settings import Settings
+from reflow.v1 import inference_pb2, worker_pb2
+from tests.conftest import Stack, start_stack, stop_stack
+
+P = inference_pb2
+
+
+def request(prompt: str = "47+38=", max_tokens: int = 12, **kw: object) -> P.GenerateRequest:
+    return P.GenerateRequest(prompt=prompt, sampling=P.SamplingParams(max_tokens=max_tokens), **kw)
+
+
+async def generate(stack: Stack, req: P.GenerateRequest, **kw: object) -> list[P.GenerateResponse]:
+    return [m async for m in stack.stub.Generate(req, metadata=stack.metadata, **kw)]
+
+
+async def status_of(stack: Stack, req: P.GenerateRequest, metadata: object = None) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in stack.stub.Generate(req, metadata=stack.metadata if metadata is None else metadata):
+            pass
+    return info.value.code()
+
+
+async def test_stream_carries_header_first_and_usage_last(stack: Stack) -> None:
+    messages = await generate(stack, request(max_tokens=12))
+    first, last = messages[0], messages[-1]
+    assert len(first.request_id) == 32
+    assert (first.model, first.model_version, first.arm) == ("arith", "1", "champion")
+    assert all(m.finish_reason == P.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    assert last.finish_reason in (P.FINISH_REASON_STOP, P.FINISH_REASON_LENGTH)
+    assert last.usage.prompt_tokens == 7  # <bos> + "47+38="
+    assert last.usage.completion_tokens == len(messages) <= 12
+    assert 0 < last.usage.time_to_first_token_ms <= last.usage.total_ms
+
+
+async def test_gateway_output_equals_the_workers_own(stack: Stack) -> None:
+    via_gateway = "".join(m.text + m.reasoning_text for m in await generate(stack, request(max_tokens=20)))
+    direct = worker_pb2.WorkerGenerateRequest(
+        model="arith", version="1", prompt="47+38=", sampling=P.SamplingParams(max_tokens=20)
+    )
+    from_worker = "".join([m.text + m.reasoning_text async for m in stack.worker_stub().Generate(direct)])
+    assert via_gateway == from_worker
+
+
+async def test_versions_by_number_and_alias(stack: Stack) -> None:
+    messages = await generate(stack, request(model="arith/1"))
+    assert messages[0].model_version == "1"
+    assert await status_of(stack, request(model="arith/2")) == grpc.StatusCode.NOT_FOUND
+    await stack.worker_stub().Load(worker_pb2.LoadRequest(model="arith", alias="other"))
+    await stack.pool.refresh()
+    assert (await generate(stack, request(model="arith@other")))[0].model_version == "2"
+    assert (await generate(stack, request(model="arith/2")))[0].model_version == "2"
+
+
+async def test_seeded_sampling_is_reproducible_through_the_gateway(stack: Stack) -> None:
+    sampling = P.SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=11)
+    req = P.GenerateRequest(prompt="5+5=", sampling=sampling)
+    texts = ["".join(m.text + m.reasoning_text for m in await generate(stack, req)) for _ in range(2)]
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize(
+    ("req", "message"),
+    [
+        (request(prompt=""), "prompt is empty"),
+        (request(prompt="1" * 5000), "limit is 4096"),
+        (request(max_tokens=64), "max_tokens must be between 1 and 63"),
+        (P.GenerateRequest(prompt="1+1=", sampling=P.SamplingParams(temperature=-1)), "temperature"),
+        (P.GenerateRequest(prompt="1+1=", sampling=P.SamplingParams(top_p=1.5)), "top_p"),
+        (P.GenerateRequest(prompt="1+1=", sampling=P.SamplingParams(stop=[""])), "stop strings"),
+        (request(model="arith/x"), "must be a number"),
+        (request(prompt="9" * 80), "takes at most 63"),  # too long for the model's context
+    ],
+)
+async def test_invalid_arguments(stack: Stack, req: P.GenerateRequest, message: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(stack, req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+
+
+async def test_authentication(stack: Stack) -> None:
+    assert await status_of(stack, request(), metadata=()) == grpc.StatusCode.UNAUTHENTICATED
+    bad = (("authorization", "Bearer rf_not_a_real_key_at_all"),)
+    assert await status_of(stack, request(), metadata=bad) == grpc.StatusCode.UNAUTHENTICATED
+    basic = (("authorization", f"Basic {stack.api_key}"),)
+    assert await status_of(stack, request(), metadata=basic) == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_a_revoked_key_stops_working_within_the_cache_ttl(stack: Stack) -> None:
+    await generate(stack, request())  # caches the key
+    assert revoke_tenant(open_engine(stack.settings.resolved_database_url), "acme")
+    await generate(stack, request())  # still cached
+    await asyncio.sleep(stack.settings.auth_cache_ttl_s + 0.1)
+    assert await status_of(stack, request()) == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_unknown_model_is_not_found(stack: Stack) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(stack, request(model="poetry"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "arith/1" in info.value.details()  # says what is served instead
+
+
+async def test_concurrent_stream_quota(settings: Settings) -> None:
+    stack = await start_stack(settings, max_concurrent_streams=1)
+    try:
+        held = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
+        await held.read()  # one stream open
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(stack, request())
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry" in info.value.details()
+        held.cancel()
+        await asyncio.sleep(0.1)
+        await generate(stack, request())  # the slot is free again
+    finally:
+        await stop_stack(stack)
+
+
+async def test_request_rate_quota(settings: Settings) -> None:
+    stack = await start_stack(settings, requests_per_minute=2)
+    try:
+        await generate(stack, request(max_tokens=1))
+        await generate(stack, request(max_tokens=1))
+        assert await status_of(stack, request(max_tokens=1)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await stop_stack(stack)
+
+
+async def test_no_worker_is_unavailable(settings: Settings) -> None:
+    stack = await start_stack(settings, n_workers=0, extra_addresses=("127.0.0.1:1",))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(stack, request())
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "reflow worker" in info.value.details()
+    finally:
+        await stop_stack(stack)
+
+
+async def read_all(call: grpc.aio.UnaryStreamCall) -> list[P.GenerateResponse]:
+    """Reads a call that was started with read() to its end."""
+    messages = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    return messages
+
+
+async def test_latency_budget_and_client_deadline(stack: Stack) -> None:
+    slow = request(max_tokens=60, latency_budget_ms=1)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(stack, slow)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "latency_budget_ms" in info.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(stack, request(max_tokens=60), timeout=0.005)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.sleep(0.2)
+    assert stack.workers[0].engine.running == 0
+
+
+async def test_submit_feedback_is_declared_but_not_yet_implemented(stack: Stack) -> None:
+    async def items():
+        yield P.Feedback(request_id="x", rating=1)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stack.stub.SubmitFeedback(items(), metadata=stack.metadata)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_cancelling_a_stream_frees_the_worker(stack: Stack) -> None:
+    engine = stack.workers[0].engine
+    call = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
+    await call.read()
+    assert engine.running == 1
+    call.cancel()
+    for _ in range(50):
+        if engine.running == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.running == 0
+
+
+async def test_two_workers_share_the_load(settings: Settings) -> None:
+    stack = await start_stack(settings, n_workers=2)
+    served: list[int] = []
+    try:
+        calls = [stack.stub.Generate(request(max_tokens=40), metadata=stack.metadata) for _ in range(4)]
+        for call in calls:
+            await call.read()
+        served = [w.engine.running for w in stack.workers]
+        for call in calls:
+            call.cancel()
+    finally:
+        await stop_stack(stack)
+    assert served == [2, 2]
+
+
+async def test_a_dead_worker_is_routed_around(settings: Settings) -> None:
+    stack = await start_stack(settings, n_workers=2)
+    try:
+        await stack.workers[0].server.stop(0)
+        for _ in range(4):
+            assert (await generate(stack, request()))[-1].finish_reason != P.FINISH_REASON_UNSPECIFIED
+    finally:
+        await stop_stack(stack)
+
+
+async def test_shutdown_drains_in_flight_streams(stack: Stack) -> None:
+    call = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
+    first = await call.read()
+    stopping = asyncio.create_task(stack.gateway.stop(10))
+    await asyncio.sleep(0.05)
+    rest = await read_all(call)
+    await stopping
+    assert first.request_id and rest[-1].finish_reason == P.FINISH_REASON_LENGTH
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # nothing new is accepted
+        await generate(stack, request())
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_list_models(stack: Stack) -> None:
+    reply = await stack.stub.ListModels(P.ListModelsRequest(), metadata=stack.metadata)
+    assert [
+        (m.name, [(v.version, list(v.aliases), v.ready_workers) for v in m.versions]) for m in reply.models
+    ] == [("arith", [("1", ["champion"], 1)])]
+
+
+@pytest.mark.parametrize("target", ["gateway", "worker"])
+async def test_health_and_reflection(stack: Stack, target: str) -> None:
+    address = stack.address if target == "gateway" else stack.workers[0].address
+    service = "reflow.v1.Inference" if target == "gateway" else "reflow.v1.Worker"
+    async with grpc.aio.insecure_channel(address) as channel:
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service)
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name async for r in replies for s in r.list_services_response.service}
+    assert {service, "grpc.health.v1.Health"} <= names
+
+
+async def test_worker_status_reports_versions_and_memory(stack: Stack) -> None:
+    status = await stack.worker_stub().Status(worker_pb2.WorkerStatusRequest())
+    assert [(v.model, v.version, list(v.aliases), v.device) for v in status.loaded] == [
+        ("arith", "1", ["champion"], "cpu")
+    ]
+    assert status.memory_bytes > 10_000_000 and status.running == 0
+    assert status.loaded[0].parameters > 0 and status.loaded[0].max_sequence_length == 64
+    start = time.perf_counter()
+    unloaded = await stack.worker_stub().Unload(worker_pb2.UnloadRequest(model="arith", version="1"))
+    assert unloaded.unloaded and time.perf_counter() - start < 5
+    assert not (await stack.worker_stub().Status(worker_pb2.WorkerStatusRequest())).loaded

@@ -1,0 +1,104 @@
+"""Tenants, hashed keys, the auth cache and quotas."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+
+from feedback.store import migrate, open_engine
+from gateway.auth import Authenticator
+from gateway.quotas import Quotas
+from gateway.tenants import (
+    TenantInfo,
+    create_tenant,
+    ensure_tenant,
+    find_by_key,
+    hash_key,
+    list_tenants,
+    revoke_tenant,
+)
+from reflow.errors import ResourceExhausted, Unauthenticated
+
+
+class FakeContext:
+    """Just enough of a ServicerContext for the authenticator."""
+
+    def __init__(self, key: str):
+        self.metadata = (("authorization", f"Bearer {key}"),)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_keys_are_stored_only_as_hashes(database_url: str) -> None:
+    engine = open_engine(database_url)
+    migrate(engine)
+    info, key = create_tenant(engine, "acme")
+    with engine.connect() as connection:
+        dump = " ".join(str(row) for row in connection.execute(text("SELECT * FROM tenants")))
+    assert key not in dump and hash_key(key) in dump
+    assert find_by_key(engine, key) == info
+    assert find_by_key(engine, key + "x") is None
+    with pytest.raises(ValueError, match="already exists"):
+        create_tenant(engine, "acme")
+    assert revoke_tenant(engine, "acme") and find_by_key(engine, key) is None
+    assert not revoke_tenant(engine, "acme")
+    assert [(i.name, revoked) for i, _, revoked in list_tenants(engine)] == [("acme", True)]
+    engine.dispose()
+
+
+def test_ensure_tenant_rekeys_and_reenables(tmp_path) -> None:
+    engine = open_engine(f"sqlite:///{tmp_path / 's.db'}")
+    migrate(engine)
+    ensure_tenant(engine, "default", "first-key-0123456789")
+    revoke_tenant(engine, "default")
+    ensure_tenant(engine, "default", "second-key-0123456789")
+    assert find_by_key(engine, "first-key-0123456789") is None
+    assert find_by_key(engine, "second-key-0123456789") is not None
+    with pytest.raises(ValueError, match="at least 16"):
+        create_tenant(engine, "weak", api_key="short")
+
+
+async def test_lookups_are_cached_for_the_ttl(tmp_path) -> None:
+    engine = open_engine(f"sqlite:///{tmp_path / 's.db'}")
+    migrate(engine)
+    _, key = create_tenant(engine, "acme")
+    clock = Clock()
+    auth = Authenticator(engine, ttl_s=10, clock=clock)
+    assert (await auth.authenticate(FakeContext(key))).name == "acme"
+    revoke_tenant(engine, "acme")
+    clock.now = 9.9
+    assert (await auth.authenticate(FakeContext(key))).name == "acme"  # served from the cache
+    clock.now = 10.1
+    with pytest.raises(Unauthenticated):
+        await auth.authenticate(FakeContext(key))
+
+
+def test_stream_quota_and_rate_limit() -> None:
+    clock = Clock()
+    quotas = Quotas(clock)
+    tenant = TenantInfo(1, "acme", max_concurrent_streams=2, requests_per_minute=3)
+    with (
+        quotas.admit(tenant),
+        quotas.admit(tenant),
+        pytest.raises(ResourceExhausted, match="2 streams open"),
+        quotas.admit(tenant),
+    ):
+        pass
+    with pytest.raises(ResourceExhausted, match=r"retry in 20\.0s"), quotas.admit(tenant):
+        pass
+    clock.now = 20.0  # one request's worth refilled
+    with quotas.admit(tenant):
+        pass
+    other = TenantInfo(2, "other", max_concurrent_streams=1, requests_per_minute=0)  # unlimited rate
+    for _ in range(100):
+        with quotas.admit(other):
+            pass

@@ -1,0 +1,54 @@
+"""The wire contract: stubs are fresh, every rpc and field is documented, contract names hold."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from reflow import protogen
+from reflow.v1 import inference_pb2, worker_pb2
+
+
+def test_generated_stubs_are_not_stale(tmp_path: Path) -> None:
+    fresh = protogen.generate(tmp_path)
+    for path in fresh:
+        committed = protogen.STUB_ROOT / path.relative_to(tmp_path)
+        assert committed.read_bytes() == path.read_bytes(), f"{committed} is stale: run `make protos`"
+
+
+def test_every_rpc_and_field_has_a_comment() -> None:
+    declaration = re.compile(r"^\s*(rpc \w+|(repeated |map<[^>]+> )?[\w.]+ \w+ = \d+;|\w+ = \d+;)")
+    for proto in protogen.PROTO_ROOT.rglob("*.proto"):
+        lines = proto.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if declaration.match(line):
+                assert lines[i - 1].strip().startswith("//"), f"{proto.name}:{i + 1} lacks a comment: {line}"
+
+
+def test_public_contract_names() -> None:
+    service = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
+    assert [m.name for m in service.methods] == ["Generate", "SubmitFeedback", "ListModels"]
+    generate = service.methods_by_name["Generate"]
+    assert generate.server_streaming and not generate.client_streaming
+    feedback = service.methods_by_name["SubmitFeedback"]
+    assert feedback.client_streaming and not feedback.server_streaming
+    fields = {
+        "GenerateRequest": ["model", "prompt", "sampling", "user_id", "reasoning_budget",
+                            "latency_budget_ms", "labels"],
+        "SamplingParams": ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop"],
+        "GenerateResponse": ["request_id", "model", "model_version", "arm", "text", "reasoning_text",
+                             "finish_reason", "usage"],
+        "Usage": ["prompt_tokens", "completion_tokens", "reasoning_tokens", "time_to_first_token_ms",
+                  "total_ms"],
+        "Feedback": ["feedback_id", "request_id", "rating", "correction", "user_id", "labels"],
+        "FeedbackAck": ["accepted", "rejected", "errors"],
+    }  # fmt: skip
+    for message, names in fields.items():
+        assert [f.name for f in inference_pb2.DESCRIPTOR.message_types_by_name[message].fields] == names
+    reasons = inference_pb2.DESCRIPTOR.enum_types_by_name["FinishReason"].values_by_name
+    assert list(reasons) == [
+        "FINISH_REASON_UNSPECIFIED", "FINISH_REASON_STOP", "FINISH_REASON_LENGTH",
+        "FINISH_REASON_CANCELLED", "FINISH_REASON_ERROR",
+    ]  # fmt: skip
+    worker = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
+    assert [m.name for m in worker.methods] == ["Generate", "Status", "Load", "Unload"]

@@ -1,0 +1,125 @@
+"""`reflow up` as a user runs it: endpoints.json, a streamed completion, a clean stop, a cached restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reflow.client import Client
+from reflow.v1 import inference_pb2
+
+pytestmark = pytest.mark.slow
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (Linux /proc)."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    frontier.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Up:
+    """A `reflow up` process in a temp data dir."""
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+        self.log = data_dir.parent / f"up-{time.monotonic_ns()}.log"
+        env = {
+            **os.environ,
+            "REFLOW_MODEL_PRESET": "tiny",
+            "REFLOW_BOOTSTRAP_STEPS": "5",
+            "REFLOW_DEVICE": "cpu",
+            "REFLOW_API_KEY": "rf_test_key_0123456789",
+        }
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "reflow", "up", "--data-dir", str(data_dir), "--port", "0"],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
+
+    def endpoints(self, timeout_s: float = 240) -> dict:
+        path = self.data_dir / "endpoints.json"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.output()
+            if path.is_file():
+                return json.loads(path.read_text())
+            time.sleep(0.5)
+        raise AssertionError(f"no endpoints.json after {timeout_s}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(90)
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "data"
+
+
+def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: Path) -> None:
+    up = Up(data_dir)
+    try:
+        endpoints = up.endpoints()
+        assert {"gateway", "mlflow", "database", "api_key_file", "workers"} <= set(endpoints)
+        assert Path(endpoints["api_key_file"]).read_text().strip() == "rf_test_key_0123456789"
+        assert oct(Path(endpoints["api_key_file"]).stat().st_mode & 0o777) == "0o600"
+        with Client(endpoints["gateway"], "rf_test_key_0123456789") as client:
+            sampling = inference_pb2.SamplingParams(max_tokens=5)
+            messages = list(client.generate("47+38=", sampling=sampling))
+        assert messages[0].model_version == "1" and messages[-1].usage.completion_tokens == 5
+        with urllib.request.urlopen(f"{endpoints['mlflow']}/health", timeout=10) as reply:
+            assert reply.status == 200
+        cli = subprocess.run(
+            [sys.executable, "-m", "reflow", "generate", "47+38=", "--max-tokens", "3"],
+            env={**os.environ, "REFLOW_DATA_DIR": str(data_dir)}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert cli.returncode == 0, cli.stderr
+        assert "3 completion tokens" in cli.stderr
+        children = descendants(up.process.pid)
+        assert len(children) >= 3  # mlflow, worker, gateway
+    finally:
+        code = up.stop()
+    assert code == 0, up.output()
+    time.sleep(0.5)
+    assert not [pid for pid in children if alive(pid)], "children outlived `reflow up`"
+    assert not (data_dir / "endpoints.json").exists()
+    assert "training base model" in up.output()
+
+    again = Up(data_dir)
+    try:
+        again.endpoints()
+    finally:
+        assert again.stop() == 0
+    assert "training base model" not in again.output()  # the registered champion is reused

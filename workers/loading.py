@@ -1,0 +1,55 @@
+"""Builds a servable model from a registered version: pick the device, fetch files, load weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from feedback.registry import Registry, VersionRef
+from workers.model import Transformer
+from workers.tokenizer import ByteTokenizer
+
+
+def resolve_device(setting: str) -> torch.device:
+    """`auto` is the first CUDA device when present, else the CPU; anything else as given."""
+    if setting == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = torch.device(setting)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"REFLOW_DEVICE={setting} but torch sees no CUDA device; use cpu or auto")
+    return device
+
+
+@dataclass
+class LoadedModel:
+    """A version in memory, ready to generate."""
+
+    name: str
+    version: str
+    model: Transformer
+    tokenizer: ByteTokenizer
+    device: torch.device
+    aliases: set[str] = field(default_factory=set)
+
+    @property
+    def max_len(self) -> int:
+        """Longest prompt plus completion, in tokens."""
+        return self.model.config.max_seq_len
+
+
+def load_directory(
+    directory: Path, name: str, version: str, device: torch.device, aliases: set[str] | None = None
+) -> LoadedModel:
+    """Loads safetensors weights, JSON config and tokenizer from a local directory."""
+    model = Transformer.load(directory, device)
+    return LoadedModel(name, version, model, ByteTokenizer.load(directory), device, aliases or set())
+
+
+def load_version(
+    registry: Registry, ref: VersionRef, cache_dir: Path, device: torch.device, alias: str = ""
+) -> LoadedModel:
+    """Fetches `ref` from the registry (cached) and loads it onto `device`."""
+    directory = registry.download(ref, cache_dir)
+    return load_directory(directory, ref.name, ref.version, device, {alias} if alias else set())

@@ -1,0 +1,167 @@
+"""The Worker gRPC service: generate over a loaded version, status, load and unload."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import torch
+
+from feedback.registry import Registry
+from reflow.errors import InvalidArgument, NotFound
+from reflow.serving import bind, new_server, set_serving, wait_for_signal, write_ready_file
+from reflow.settings import Settings
+from reflow.v1 import worker_pb2, worker_pb2_grpc
+from workers.engine import Engine
+from workers.loading import LoadedModel, load_version, resolve_device
+from workers.sampling import SamplingParams
+from workers.sequence import Delta, GenerationParams
+
+logger = logging.getLogger(__name__)
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+def params_from_pb(request: worker_pb2.WorkerGenerateRequest) -> GenerationParams:
+    """Decode parameters of a worker request (the gateway has applied defaults and limits)."""
+    s = request.sampling
+    if s.max_tokens == 0:
+        raise InvalidArgument("sampling.max_tokens must be at least 1")
+    return GenerationParams(
+        max_tokens=s.max_tokens,
+        sampling=SamplingParams(s.temperature, s.top_p or 1.0, s.top_k, s.seed),
+        stop=tuple(s.stop),
+        reasoning_budget=request.reasoning_budget,
+    )
+
+
+def delta_to_pb(delta: Delta) -> worker_pb2.WorkerGenerateResponse:
+    """Wire form of one delta; the last one carries the token counts."""
+    message = worker_pb2.WorkerGenerateResponse(
+        token_ids=delta.token_ids,
+        text=delta.text,
+        reasoning_text=delta.reasoning_text,
+        finish_reason=delta.finish_reason.value if delta.finish_reason else 0,
+    )
+    if delta.usage is not None:
+        message.prompt_tokens = delta.usage.prompt_tokens
+        message.completion_tokens = delta.usage.completion_tokens
+        message.reasoning_tokens = delta.usage.reasoning_tokens
+    return message
+
+
+def loaded_to_pb(loaded: LoadedModel) -> worker_pb2.LoadedVersion:
+    """Wire form of a loaded version."""
+    return worker_pb2.LoadedVersion(
+        model=loaded.name,
+        version=loaded.version,
+        aliases=sorted(loaded.aliases),
+        parameters=loaded.model.parameter_count(),
+        device=str(loaded.device),
+        max_sequence_length=loaded.max_len,
+    )
+
+
+def resident_memory_bytes() -> int:
+    """Resident set size of this process (Linux), 0 where unknown."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    import resource
+
+    return pages * resource.getpagesize()
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves the versions held by an Engine."""
+
+    def __init__(self, engine: Engine, registry: Registry | None, settings: Settings, device: torch.device):
+        self.engine = engine
+        self.registry = registry
+        self.settings = settings
+        self.device = device
+
+    async def Generate(
+        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        loaded = self.engine.get(request.model, request.version)
+        params = params_from_pb(request)
+        prompt_ids = list(request.prompt_token_ids) or loaded.tokenizer.encode(request.prompt)
+        async for delta in self.engine.generate(request.model, request.version, prompt_ids, params):
+            yield delta_to_pb(delta)
+
+    async def Status(
+        self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStatusResponse:
+        device_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        return worker_pb2.WorkerStatusResponse(
+            loaded=[loaded_to_pb(m) for m in self.engine.loaded()],
+            running=self.engine.running,
+            waiting=self.engine.waiting,
+            memory_bytes=resident_memory_bytes(),
+            device_memory_bytes=device_bytes,
+        )
+
+    async def Load(
+        self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoadResponse:
+        if not request.model or not (request.version or request.alias):
+            raise InvalidArgument("Load needs a model and a version or an alias")
+        loaded = await self.load(request.model, version=request.version, alias=request.alias)
+        return worker_pb2.LoadResponse(loaded=loaded_to_pb(loaded))
+
+    async def Unload(
+        self, request: worker_pb2.UnloadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.UnloadResponse:
+        return worker_pb2.UnloadResponse(unloaded=self.engine.remove(request.model, request.version))
+
+    async def load(self, name: str, *, version: str = "", alias: str = "") -> LoadedModel:
+        """Resolves, fetches and loads a version off the event loop, then makes it servable."""
+        if self.registry is None:
+            raise NotFound("this worker has no registry to load from")
+        registry = self.registry
+        try:
+            ref = await asyncio.to_thread(registry.resolve, name, version=version, alias=alias)
+        except LookupError as error:
+            raise NotFound(str(error)) from error
+        cache = self.settings.model_cache_dir
+        loaded = await self.engine.run(lambda: load_version(registry, ref, cache, self.device, alias))
+        self.engine.add(loaded)
+        logger.info("loaded model=%s version=%s alias=%s device=%s", name, ref.version, alias, self.device)
+        return loaded
+
+
+async def create_server(
+    servicer: WorkerServicer, host: str, port: int
+) -> tuple[grpc.aio.Server, int, object]:
+    """A started Worker server on host:port (0 = free); returns (server, port, health servicer)."""
+    server, health_servicer = new_server([SERVICE])
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    bound = bind(server, host, port)
+    await server.start()
+    await set_serving(health_servicer, [SERVICE], True)
+    return server, bound, health_servicer
+
+
+async def serve(settings: Settings, *, version: str = "", ready_file: Path | None = None) -> None:
+    """`reflow worker`: load the configured version, serve until SIGINT/SIGTERM, then drain."""
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    device = resolve_device(settings.device)
+    registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+    engine = Engine()
+    servicer = WorkerServicer(engine, registry, settings, device)
+    alias = "" if version else settings.model_alias
+    await servicer.load(settings.model_name, version=version, alias=alias)
+    server, port, health_servicer = await create_server(servicer, settings.worker_host, settings.worker_port)
+    address = f"{settings.worker_host}:{port}"
+    logger.info("worker serving on %s device=%s", address, device)
+    write_ready_file(ready_file, address=address)
+    await wait_for_signal()
+    logger.info("worker draining (grace %.0fs)", settings.shutdown_grace_s)
+    await set_serving(health_servicer, [SERVICE], False)
+    await server.stop(settings.shutdown_grace_s)
+    engine.close()

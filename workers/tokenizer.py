@@ -1,0 +1,73 @@
+"""Byte-level tokenizer: UTF-8 bytes are tokens 0-255, special tokens follow."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+TOKENIZER_FILE = "tokenizer.json"
+
+# Special tokens, in id order after the 256 byte tokens.
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<think>", "</think>")
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """Maps text to UTF-8 byte ids and back; specials never appear in decoded text."""
+
+    pad_id: int = 256
+    bos_id: int = 257
+    eos_id: int = 258
+    think_id: int = 259
+    end_think_id: int = 260
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids in use (bytes plus specials)."""
+        return 256 + len(SPECIAL_TOKENS)
+
+    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+        """Token ids of `text`, prefixed with <bos> unless `bos` is False."""
+        ids = list(text.encode("utf-8"))
+        return [self.bos_id, *ids] if bos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of the byte tokens in `ids`; special tokens are dropped."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def is_special(self, token_id: int) -> bool:
+        """True for <pad>, <bos>, <eos>, <think> and </think>."""
+        return token_id >= 256
+
+    def save(self, directory: Path) -> None:
+        """Writes `tokenizer.json` so a version's artifacts describe their tokenizer."""
+        specials = dict(zip(SPECIAL_TOKENS, range(256, 256 + len(SPECIAL_TOKENS)), strict=True))
+        spec = {"type": "byte", "special_tokens": specials}
+        (directory / TOKENIZER_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> ByteTokenizer:
+        """Reads `tokenizer.json`; refuses tokenizers this runtime does not implement."""
+        spec = json.loads((directory / TOKENIZER_FILE).read_text())
+        expected = cls()
+        specials = dict(zip(SPECIAL_TOKENS, range(256, 256 + len(SPECIAL_TOKENS)), strict=True))
+        if spec.get("type") != "byte" or spec.get("special_tokens") != specials:
+            raise ValueError(f"unsupported tokenizer in {directory}: {spec}")
+        return expected
+
+
+class IncrementalDecoder:
+    """Turns a stream of byte tokens into text, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Text completed by `token_id` (empty while a character is incomplete)."""
+        return self._decoder.decode(bytes([token_id])) if token_id < 256 else ""
+
+    def flush(self) -> str:
+        """Whatever is left, with incomplete sequences replaced by U+FFFD."""
+        return self._decoder.decode(b"", final=True)
