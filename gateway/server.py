@@ -26,9 +26,6 @@ logger = logging.getLogger(__name__)
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 ARM_CHAMPION = "champion"
 
-# Worker statuses that pass through to the client unchanged.
-PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument}
-
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """Serves Generate and ListModels; SubmitFeedback arrives with the feedback pipeline."""
@@ -162,8 +159,8 @@ def _worker_error(worker: WorkerHandle, error: grpc.aio.AioRpcError, *, started:
             "the completion did not finish within the call deadline or latency_budget_ms; "
             "raise them or lower max_tokens"
         )
-    if code in PASS_THROUGH:
-        return PASS_THROUGH[code](error.details() or code.name)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:  # e.g. a prompt longer than the model's context
+        return InvalidArgument(error.details() or code.name)
     if not started and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
         return _WorkerUnreachable()
     return Unavailable(f"worker {worker.address} failed mid-stream ({code.name}); retry the request")
