@@ -89,8 +89,11 @@ def greedy_answers(
     max_new_tokens: int = 48,
     batch_size: int = 256,
 ) -> list[str]:
-    """Greedy answer text for each prompt: the bytes after `</think>` (or after the prompt
-    when the model does not think) up to `<eos>`; empty when a thought is never closed."""
+    """Greedy answer text for each prompt, decoded `batch_size` prompts at a time with the KV cache.
+
+    The answer is the text after `</think>` (after the prompt when the model does not
+    think) up to `<eos>`; it is empty when a thought is never closed.
+    """
     answers: list[str] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]

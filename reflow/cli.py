@@ -123,29 +123,36 @@ def generate(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop or []
     )
     last = None
+    thinking = False  # the answer starts on a line of its own after the thought
     try:
         with Client(target or _default_target(settings), _default_api_key(settings)) as client:
             for message in client.generate(
                 prompt, model=model, sampling=sampling, reasoning_budget=reasoning_budget
             ):
                 if message.reasoning_text:
+                    thinking = True
                     console.print(
                         message.reasoning_text, style="dim", end="", soft_wrap=True, highlight=False
                     )
                 if message.text:
+                    if thinking:
+                        console.print()
+                        thinking = False
                     console.print(message.text, end="", soft_wrap=True, highlight=False, markup=False)
                 last = message if message.finish_reason else last
     except grpc.RpcError as error:
         err_console.print(f"\n[red]{error.code().name}:[/] {error.details()}")
         raise typer.Exit(1) from None
     console.print()
+    console.file.flush()  # the usage line goes to stderr: keep the order when both are piped
     if last is not None:
         u = last.usage
         reason = inference_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
         err_console.print(
             f"[dim]{reason} · {u.prompt_tokens} prompt + {u.completion_tokens} completion tokens "
             f"({u.reasoning_tokens} reasoning) · first token {u.time_to_first_token_ms:.1f} ms · "
-            f"total {u.total_ms:.1f} ms[/]"
+            f"total {u.total_ms:.1f} ms[/]",
+            soft_wrap=True,
         )
 
 
