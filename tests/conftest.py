@@ -36,6 +36,20 @@ def tiny_model(seed: int = 0) -> Transformer:
     return model.eval()
 
 
+def reference_greedy(model: Transformer, prompt: str, max_new_tokens: int) -> list[int]:
+    """Greedy decoding by full causal passes, no cache: the ground truth for every cached path."""
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode(prompt)
+    generated: list[int] = []
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            token = int(model(torch.tensor([ids + generated]))[0, -1].argmax())
+            generated.append(token)
+            if token == tokenizer.eos_id:
+                break
+    return generated
+
+
 def save_model(model: Transformer, directory: Path) -> Path:
     """Writes weights, config and tokenizer as a registered version carries them."""
     model.save(directory)

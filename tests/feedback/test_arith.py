@@ -18,6 +18,7 @@ from feedback.arith import (
     training_example,
 )
 from feedback.pretrain import PretrainConfig, train_base_model
+from tests.conftest import reference_greedy
 from workers.model import ModelConfig, Transformer, init_weights
 from workers.tokenizer import ByteTokenizer
 
@@ -114,19 +115,6 @@ def test_training_example_without_thought_has_no_think_tags() -> None:
     assert mask == [0, 0, 0, 0, 0, 1, 1]
 
 
-def _reference_greedy(model: Transformer, prompt: str, max_new_tokens: int) -> list[int]:
-    """Greedy decoding by full causal passes, no cache: the ground truth for the cached path."""
-    ids = TOKENIZER.encode(prompt)
-    generated: list[int] = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            token = int(model(torch.tensor([ids + generated]))[0, -1].argmax())
-            generated.append(token)
-            if token == TOKENIZER.eos_id:
-                break
-    return generated
-
-
 PROMPTS = ["1+2=", "47+38=", "0+0=", "123+4567=", "9+10=", "5+5="]
 
 
@@ -141,7 +129,7 @@ def test_greedy_answers_batched_matches_one_at_a_time(tiny_model: Transformer) -
 def test_greedy_answers_match_uncached_decoding(tiny_model: Transformer) -> None:
     answers = greedy_answers(tiny_model, TOKENIZER, PROMPTS, max_new_tokens=20)
     for prompt, answer in zip(PROMPTS, answers, strict=True):
-        generated = _reference_greedy(tiny_model, prompt, max_new_tokens=20)
+        generated = reference_greedy(tiny_model, prompt, max_new_tokens=20)
         assert TOKENIZER.think_id not in generated  # so the whole continuation is the answer
         assert answer == TOKENIZER.decode([t for t in generated if t != TOKENIZER.eos_id])
 

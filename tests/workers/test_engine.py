@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reflow.errors import InvalidArgument, NotFound
-from tests.conftest import tiny_model
+from tests.conftest import reference_greedy, tiny_model
 from workers.engine import Engine
 from workers.loading import LoadedModel
 from workers.sampling import SamplingParams
@@ -33,22 +33,9 @@ async def collect(engine: Engine, prompt: str, params: GenerationParams) -> Delt
     return out
 
 
-def reference_greedy(prompt: str, n: int) -> list[int]:
-    """Greedy decoding by re-running the full sequence each step: no cache involved."""
-    model, ids = tiny_model(0), TOK.encode(prompt)
-    out = []
-    with torch.inference_mode():
-        for _ in range(n):
-            token = int(model(torch.tensor([ids + out]))[0, -1].argmax())
-            out.append(token)
-            if token == TOK.eos_id:
-                break
-    return out
-
-
 async def test_greedy_tokens_match_a_cache_free_reference(engine: Engine) -> None:
     out = await collect(engine, "47+38=", GenerationParams(max_tokens=20))
-    assert out.token_ids == reference_greedy("47+38=", 20)
+    assert out.token_ids == reference_greedy(tiny_model(0), "47+38=", 20)
 
 
 async def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
@@ -71,7 +58,7 @@ async def test_concurrent_streams_interleave_and_stay_exact(engine: Engine) -> N
     params = GenerationParams(max_tokens=15)
     outs = await asyncio.gather(*(collect(engine, p, params) for p in ("1+1=", "22+7=", "9+40=")))
     for prompt, out in zip(("1+1=", "22+7=", "9+40="), outs, strict=True):
-        assert out.token_ids == reference_greedy(prompt, 15)
+        assert out.token_ids == reference_greedy(tiny_model(0), prompt, 15)
 
 
 async def test_event_loop_stays_responsive_while_decoding(engine: Engine) -> None:
