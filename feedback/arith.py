@@ -138,7 +138,9 @@ def _greedy_tokens(
     positions = torch.arange(max_len, device=device).expand(n, max_len)  # [B, T]
     # Padding is written past each row's prompt, then overwritten by its generated
     # tokens before any query can attend to it (the mask keeps key_pos <= query_pos).
+    banned = tokenizer.never_generated(model.config.vocab_size)
     logits = model(tokens, positions, cache, slots)  # [B, T, V]
+    logits[..., banned] = float("-inf")  # as the serving engine does
     next_ids = logits[slots, lengths - 1].argmax(-1)  # [B]
     next_pos = lengths.clone()  # [B]: where each row's next token goes
     # A token at position p is fed back only if the one it predicts is still allowed.
@@ -153,6 +155,7 @@ def _greedy_tokens(
         if active.numel() == 0:
             break
         logits = model(next_ids[:, None], next_pos[active, None], cache, active)  # [b, 1, V]
+        logits[..., banned] = float("-inf")
         next_pos[active] += 1
         next_ids = logits[:, -1].argmax(-1)  # [b]
     return generated

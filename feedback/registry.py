@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,25 +58,31 @@ class Registry:
         return True
 
     def download(self, ref: VersionRef, cache_dir: Path) -> Path:
-        """A local directory holding the version's files, downloaded once and then reused."""
+        """A local directory holding the version's files, downloaded once and then reused.
+
+        The cache is keyed by the version's run, so a registry rebuilt from scratch never
+        serves stale files; concurrent downloads of one version are safe (first rename wins).
+        """
         import mlflow.artifacts
 
-        target = cache_dir / ref.name / ref.version
+        mv = self.client.get_model_version(ref.name, ref.version)
+        target = cache_dir / ref.name / f"{ref.version}-{mv.run_id or 'norun'}"
         if all((target / f).is_file() for f in MODEL_FILES):
             return target
-        source = self.client.get_model_version(ref.name, ref.version).source
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            staging = Path(tmp) / "files"
             for filename in MODEL_FILES:
                 mlflow.artifacts.download_artifacts(
-                    artifact_uri=f"{source.rstrip('/')}/{filename}",
-                    dst_path=tmp,
+                    artifact_uri=f"{mv.source.rstrip('/')}/{filename}",
+                    dst_path=str(staging),
                     tracking_uri=self.tracking_uri,
                 )
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(target, ignore_errors=True)
-            Path(tmp).rename(target)
-            Path(tmp).mkdir()  # so TemporaryDirectory's cleanup finds its directory
+            try:
+                staging.rename(target)
+            except OSError:  # another process got there first: its copy is complete
+                if not all((target / f).is_file() for f in MODEL_FILES):
+                    raise
         logger.info("downloaded model=%s version=%s to %s", ref.name, ref.version, target)
         return target
 

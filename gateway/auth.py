@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import grpc
@@ -30,11 +31,14 @@ class Authenticator:
     So a request costs no database round trip, and a revoked key stops working within `ttl_s`.
     """
 
+    max_entries = 10_000  # bounds memory under a flood of distinct bad keys
+
     def __init__(self, engine: Engine, ttl_s: float, clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self.ttl_s = ttl_s
         self.clock = clock
-        self._cache: dict[str, tuple[float, TenantInfo | None]] = {}  # key hash -> (expiry, tenant)
+        # key hash -> (expiry, tenant), least recently used first
+        self._cache: OrderedDict[str, tuple[float, TenantInfo | None]] = OrderedDict()
 
     async def authenticate(self, context: grpc.aio.ServicerContext) -> TenantInfo:
         """The calling tenant; Unauthenticated for a missing, unknown or revoked key."""
@@ -43,12 +47,14 @@ class Authenticator:
         now = self.clock()
         cached = self._cache.get(digest)
         if cached is not None and cached[0] > now:
+            self._cache.move_to_end(digest)
             tenant = cached[1]
         else:
             tenant = await asyncio.to_thread(find_by_key, self.engine, api_key)
-            if len(self._cache) > 10_000:  # bound memory under a flood of bad keys
-                self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
             self._cache[digest] = (now + self.ttl_s, tenant)
+            self._cache.move_to_end(digest)
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
         if tenant is None:
             raise Unauthenticated("unknown or revoked API key; create one with `reflow tenants create`")
         return tenant

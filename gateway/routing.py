@@ -34,7 +34,11 @@ class ModelSpec:
             name, sep, rest = text.partition("/")
             spec = cls(name, version=rest) if sep else cls(name, alias=default_alias)
         spec = cls(spec.name or default_name, spec.version, spec.alias)
-        if (sep and not rest) or "/" in spec.alias or "@" in spec.version or not spec.name:
+        if (
+            (sep and not rest)
+            or any(c in spec.name + spec.alias + spec.version for c in "/@")
+            or not spec.name
+        ):
             raise InvalidArgument(f"model {text!r} is not of the form NAME, NAME@ALIAS or NAME/VERSION")
         if spec.version and not spec.version.isdigit():
             raise InvalidArgument(f"model version {spec.version!r} must be a number")
@@ -85,9 +89,10 @@ class WorkerPool:
 
     async def refresh(self) -> None:
         """Asks every worker for its status; a worker that does not answer is marked unhealthy."""
-        await asyncio.gather(*(self._refresh_one(w) for w in self.workers))
+        await asyncio.gather(*(self.refresh_one(w) for w in self.workers))
 
-    async def _refresh_one(self, worker: WorkerHandle) -> None:
+    async def refresh_one(self, worker: WorkerHandle) -> None:
+        """Asks one worker for its status; marks it unhealthy when it does not answer."""
         try:
             status = await worker.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=2.0)
         except grpc.aio.AioRpcError as error:

@@ -17,14 +17,13 @@ from gateway.auth import Authenticator
 from gateway.quotas import Quotas
 from gateway.routing import ModelSpec, WorkerHandle, WorkerPool
 from gateway.validation import check_request, worker_request
-from reflow.errors import DeadlineExceeded, InvalidArgument, ReflowError, Unavailable
+from reflow.errors import DeadlineExceeded, InvalidArgument, NotFound, ReflowError, Unavailable
 from reflow.serving import bind, new_server, set_serving, wait_for_signal, write_ready_file
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-ARM_CHAMPION = "champion"
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -47,8 +46,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         await context.send_initial_metadata((("x-request-id", request_id),))
         deadline = _deadline(context.time_remaining(), request.latency_budget_ms, received)
         with self.quotas.admit(tenant):
-            async for message in self._relay(request, spec, request_id, deadline, received):
-                yield message
+            # aclosing: cleanup (quota, outstanding counts, the worker call) runs at once on cancel
+            async with contextlib.aclosing(
+                self._relay(request, spec, request_id, deadline, received)
+            ) as relay:
+                async for message in relay:
+                    yield message
 
     async def _relay(
         self,
@@ -61,21 +64,34 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """Streams from a worker, moving to another one if the first fails before any token."""
         tried: set[str] = set()
         while True:
-            worker, loaded = self.pool.route(spec, exclude=frozenset(tried))
+            try:
+                worker, loaded = self.pool.route(spec, exclude=frozenset(tried))
+            except NotFound:
+                if not tried:
+                    raise
+                raise Unavailable(f"every worker serving {spec} failed; retry the request") from None
             tried.add(worker.address)
             call_request = worker_request(request, self.settings, request_id=request_id, loaded=loaded)
             header = inference_pb2.GenerateResponse(
-                request_id=request_id, model=loaded.model, model_version=loaded.version, arm=ARM_CHAMPION
+                request_id=request_id, model=loaded.model, model_version=loaded.version, arm=spec.alias
             )
             remaining_s = None if deadline is None else max(deadline - time.perf_counter(), 0.001)
-            stream = self._stream_from(worker, call_request, remaining_s, header, received)
             try:
-                async for message in stream:
-                    yield message
+                async with contextlib.aclosing(
+                    self._stream_from(worker, call_request, remaining_s, header, received)
+                ) as stream:
+                    async for message in stream:
+                        yield message
                 return
-            except _WorkerUnreachable:
-                self.pool.mark_unhealthy(worker)
-                logger.warning("request_id=%s worker %s unreachable; retrying", request_id, worker.address)
+            except _WorkerUnreachable as error:
+                if error.code == grpc.StatusCode.UNAVAILABLE:
+                    self.pool.mark_unhealthy(worker)
+                else:  # it no longer holds the version: its next status poll will say so
+                    await self.pool.refresh_one(worker)
+                logger.warning(
+                    "request_id=%s worker %s answered %s before the first token; trying another",
+                    request_id, worker.address, error.code.name,
+                )  # fmt: skip
 
     async def _stream_from(
         self,
@@ -151,6 +167,10 @@ def _deadline(time_remaining: float | None, latency_budget_ms: int, received: fl
 class _WorkerUnreachable(Exception):
     """The worker failed before sending a token; another worker may take the request."""
 
+    def __init__(self, code: grpc.StatusCode):
+        super().__init__(code.name)
+        self.code = code
+
 
 def _worker_error(worker: WorkerHandle, error: grpc.aio.AioRpcError, *, started: bool) -> Exception:
     code = error.code()
@@ -162,8 +182,10 @@ def _worker_error(worker: WorkerHandle, error: grpc.aio.AioRpcError, *, started:
     if code == grpc.StatusCode.INVALID_ARGUMENT:  # e.g. a prompt longer than the model's context
         return InvalidArgument(error.details() or code.name)
     if not started and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
-        return _WorkerUnreachable()
-    return Unavailable(f"worker {worker.address} failed mid-stream ({code.name}); retry the request")
+        return _WorkerUnreachable(code)
+    if started:
+        return Unavailable(f"worker {worker.address} failed mid-stream ({code.name}); retry the request")
+    return ReflowError(f"worker {worker.address} failed ({code.name}): {error.details()}")
 
 
 async def create_server(settings: Settings, pool: WorkerPool) -> tuple[grpc.aio.Server, int, object]:

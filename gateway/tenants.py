@@ -10,9 +10,9 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from feedback.store import Tenant, utcnow
+from reflow.settings import MIN_API_KEY_LENGTH
 
 KEY_PREFIX = "rf_"
-MIN_KEY_LENGTH = 16
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,11 @@ def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
+def display_prefix(api_key: str) -> str:
+    """What is stored to recognise a key: a few characters of generated keys, nothing of others."""
+    return api_key[:8] if api_key.startswith(KEY_PREFIX) and len(api_key) > 32 else ""
+
+
 def _info(tenant: Tenant) -> TenantInfo:
     return TenantInfo(tenant.id, tenant.name, tenant.max_concurrent_streams, tenant.requests_per_minute)
 
@@ -49,15 +54,15 @@ def create_tenant(
 ) -> tuple[TenantInfo, str]:
     """Creates a tenant with `api_key` (or a new one); returns it and the key, shown only now."""
     key = api_key or new_key()
-    if len(key) < MIN_KEY_LENGTH:
-        raise ValueError(f"an API key needs at least {MIN_KEY_LENGTH} characters")
+    if len(key) < MIN_API_KEY_LENGTH:
+        raise ValueError(f"an API key needs at least {MIN_API_KEY_LENGTH} characters")
     with Session(engine) as session, session.begin():
         if session.scalar(select(Tenant).where(Tenant.name == name)) is not None:
             raise ValueError(f"tenant {name!r} already exists")
         tenant = Tenant(
             name=name,
             key_hash=hash_key(key),
-            key_prefix=key[:8],
+            key_prefix=display_prefix(key),
             max_concurrent_streams=max_concurrent_streams,
             requests_per_minute=requests_per_minute,
         )
@@ -67,11 +72,28 @@ def create_tenant(
 
 
 def ensure_tenant(engine: Engine, name: str, api_key: str) -> TenantInfo:
-    """The tenant `name` holding `api_key`: created, or re-keyed and re-enabled, as needed."""
+    """The tenant `name` holding `api_key`: created, or re-keyed to a new key, as needed.
+
+    A revoked key is never brought back: re-keying with a different key re-enables the
+    tenant, the same key raises ValueError.
+    """
     with Session(engine) as session, session.begin():
         tenant = session.scalar(select(Tenant).where(Tenant.name == name))
         if tenant is not None:
-            tenant.key_hash, tenant.key_prefix, tenant.revoked_at = hash_key(api_key), api_key[:8], None
+            if tenant.key_hash == hash_key(api_key):
+                if tenant.revoked_at is not None:
+                    raise ValueError(
+                        f"the API key of tenant {name!r} was revoked; set a new REFLOW_API_KEY "
+                        "or delete the api_key file in the data dir to generate one"
+                    )
+                return _info(tenant)
+            if len(api_key) < MIN_API_KEY_LENGTH:
+                raise ValueError(f"an API key needs at least {MIN_API_KEY_LENGTH} characters")
+            tenant.key_hash, tenant.key_prefix, tenant.revoked_at = (
+                hash_key(api_key),
+                display_prefix(api_key),
+                None,
+            )
             return _info(tenant)
     return create_tenant(engine, name, api_key=api_key)[0]
 

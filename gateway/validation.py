@@ -8,6 +8,8 @@ from reflow.errors import InvalidArgument
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2, worker_pb2
 
+MIN_TEMPERATURE = 0.01  # below it logits / temperature overflows; use 0 for greedy
+MAX_TEMPERATURE = 100.0
 MAX_STOP_CHARS = 64
 MAX_LABELS = 32
 MAX_LABEL_CHARS = 256
@@ -23,8 +25,13 @@ def check_request(request: inference_pb2.GenerateRequest, settings: Settings) ->
             f"prompt is {len(request.prompt)} characters; the limit is {settings.max_prompt_chars}"
         )
     s = request.sampling
-    if not math.isfinite(s.temperature) or not 0.0 <= s.temperature <= 100.0:
-        raise InvalidArgument(f"sampling.temperature must be in [0, 100], got {s.temperature}")
+    if not math.isfinite(s.temperature) or not (
+        s.temperature == 0.0 or MIN_TEMPERATURE <= s.temperature <= MAX_TEMPERATURE
+    ):
+        raise InvalidArgument(
+            f"sampling.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+            f"got {s.temperature}"
+        )
     if not math.isfinite(s.top_p) or not 0.0 <= s.top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p must be in [0, 1] (0 = off), got {s.top_p}")
     if len(s.stop) > settings.max_stop_strings:

@@ -43,17 +43,20 @@ def load_settings(**overrides: Any) -> Settings:
 def up(
     data_dir: Annotated[Path | None, typer.Option(help="Data directory [default: ./.reflow].")] = None,
     port: Annotated[int | None, typer.Option(help="Gateway port [default: 50051].")] = None,
-    workers: Annotated[int | None, typer.Option(help="Workers [default: one per GPU, else 1].")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Workers [default: one per GPU, else 1].")
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(envvar="REFLOW_API_KEY", help="API key of the default tenant.", show_default=False),
     ] = None,
 ) -> None:
     """Run everything on this machine with embedded defaults until Ctrl-C or SIGTERM."""
-    from reflow.supervisor import default_worker_count, run_up
+    from reflow.supervisor import cuda_device_count, run_up
 
     settings = load_settings(data_dir=data_dir, gateway_port=port, api_key=api_key)
-    raise typer.Exit(run_up(settings, workers or default_worker_count(), console))
+    count = workers or (cuda_device_count() if settings.device == "auto" else 0) or 1
+    raise typer.Exit(run_up(settings, count, console))
 
 
 @app.command()
@@ -100,13 +103,13 @@ def _default_api_key(settings: Settings) -> str:
 def generate(
     prompt: Annotated[str, typer.Argument(help='The prompt, e.g. "47+38=".')],
     model: Annotated[str, typer.Option(help="NAME, NAME@ALIAS or NAME/VERSION.")] = "",
-    max_tokens: Annotated[int, typer.Option(help="0 = server default.")] = 0,
+    max_tokens: Annotated[int, typer.Option(min=0, help="0 = server default.")] = 0,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="0 = off.")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
-    seed: Annotated[int, typer.Option(help="0 = random.")] = 0,
+    top_k: Annotated[int, typer.Option(min=0, help="0 = off.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="0 = random.")] = 0,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
-    reasoning_budget: Annotated[int, typer.Option(help="Most thinking tokens; 0 = no own cap.")] = 0,
+    reasoning_budget: Annotated[int, typer.Option(min=0, help="Most thinking tokens; 0 = no own cap.")] = 0,
     target: Annotated[
         str | None, typer.Option(help="Gateway host:port [default: from endpoints.json].")
     ] = None,

@@ -47,13 +47,17 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     return bound
 
 
-def write_ready_file(path: Path | None, **fields: object) -> None:
-    """Atomically writes `fields` as JSON, so a supervisor knows where a child listens."""
-    if path is None:
-        return
+def write_json_atomically(path: Path, data: object) -> None:
+    """Writes `data` as JSON so that readers see the old file or the whole new one."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(fields))
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def write_ready_file(path: Path | None, **fields: object) -> None:
+    """Tells a supervisor where a child listens, once it serves."""
+    if path is not None:
+        write_json_atomically(path, fields)
 
 
 async def wait_for_signal() -> int:

@@ -15,6 +15,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+MIN_API_KEY_LENGTH = 16
+
 
 class Settings(BaseSettings):
     """Every knob of every reflow process; see the configuration table in README.md."""
@@ -29,30 +31,41 @@ class Settings(BaseSettings):
     mlflow_artifact_root: str = Field(
         "", description="Artifact root for new MLflow experiments; empty = the data dir."
     )
-    mlflow_ui_port: int = Field(0, description="Port of the MLflow UI under `reflow up`; 0 = free.")
+    mlflow_ui_port: int = Field(0, ge=0, le=65535, description="MLflow UI port under `reflow up`; 0 = free.")
     api_key: SecretStr | None = Field(None, description="API key `reflow up` gives its tenant.")
 
     model_name: str = Field("arith", description="Registered model served by default.")
     model_alias: str = Field("champion", description="Alias a worker loads at start.")
     model_preset: str = Field("arith-small", description="Preset of the base model bootstrap trains.")
-    bootstrap_steps: int = Field(0, description="Training steps of the base model; 0 = the recipe's.")
+    bootstrap_steps: int = Field(0, ge=0, description="Training steps of the base model; 0 = the recipe's.")
     device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, cuda:N.")
-    torch_threads: int = Field(0, description="Intra-op threads per worker; 0 = torch default.")
+    torch_threads: int = Field(0, ge=0, description="Intra-op threads per worker; 0 = torch default.")
 
     gateway_host: str = Field("127.0.0.1", description="Interface the gateway binds.")
-    gateway_port: int = Field(50051, description="Gateway port; 0 = free.")
+    gateway_port: int = Field(50051, ge=0, le=65535, description="Gateway port; 0 = free.")
     worker_host: str = Field("127.0.0.1", description="Interface a worker binds.")
-    worker_port: int = Field(0, description="Worker port; 0 = free.")
+    worker_port: int = Field(0, ge=0, le=65535, description="Worker port; 0 = free.")
     workers: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Worker addresses a standalone gateway routes to."
     )
-    worker_poll_s: float = Field(1.0, description="How often the gateway refreshes worker status.")
+    worker_poll_s: float = Field(1.0, gt=0, description="How often the gateway refreshes worker status.")
     shutdown_grace_s: float = Field(30.0, description="Seconds in-flight streams get to finish on shutdown.")
 
-    auth_cache_ttl_s: float = Field(10.0, description="How long an API-key lookup is cached.")
-    max_prompt_chars: int = Field(4096, description="Longest prompt the gateway accepts.")
-    default_max_tokens: int = Field(64, description="max_tokens when a request leaves it 0.")
-    max_stop_strings: int = Field(8, description="Most stop strings per request.")
+    auth_cache_ttl_s: float = Field(10.0, ge=0, description="How long an API-key lookup is cached.")
+    max_prompt_chars: int = Field(4096, ge=1, description="Longest prompt the gateway accepts.")
+    default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request leaves it 0.")
+    max_stop_strings: int = Field(8, ge=0, description="Most stop strings per request.")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _check_api_key(cls, value: object) -> object:
+        """An empty key means none; a short one is refused rather than stored weak."""
+        raw = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if raw in ("", None):
+            return None
+        if isinstance(raw, str) and len(raw) < MIN_API_KEY_LENGTH:
+            raise ValueError(f"REFLOW_API_KEY needs at least {MIN_API_KEY_LENGTH} characters")
+        return value
 
     @field_validator("workers", mode="before")
     @classmethod

@@ -20,18 +20,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 from rich.table import Table
 
+from reflow.serving import write_json_atomically
 from reflow.settings import Settings
 
 logger = logging.getLogger(__name__)
 API_KEY_FILE = "api_key"
 ENDPOINTS_FILE = "endpoints.json"
 START_TIMEOUT_S = 300.0  # a worker may download and load a model first
-STOP_TIMEOUT_S = 40.0
+STOP_MARGIN_S = 10.0  # beyond the children's own drain grace
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a killed supervisor leaves no orphans
+    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a killed supervisor leaves no orphans
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -41,18 +44,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def resolve_api_key(settings: Settings) -> str:
-    """The configured key, else the one saved in the data dir, else a new one saved there (0600)."""
+def resolve_api_key(settings: Settings, console: Console) -> str:
+    """The configured key, else the one saved in the data dir, else a new one; saved there 0600."""
+    from gateway.tenants import new_key
+
     path = settings.data_dir / API_KEY_FILE
     if settings.api_key is not None:
         key = settings.api_key.get_secret_value()
     elif path.is_file():
-        return path.read_text().strip()
+        key = path.read_text().strip()
     else:
-        from gateway.tenants import new_key
-
         key = new_key()
+        console.print(f"new API key for tenant [bold]default[/]: {key}", markup=True, highlight=False)
     path.touch(mode=0o600)
+    path.chmod(0o600)  # also when an older file was readable by others
     path.write_text(key + "\n")
     return key
 
@@ -131,14 +136,15 @@ class Supervisor:
 
     def stop(self) -> None:
         """SIGTERM to each child, newest first (gateway drains before workers go), then SIGKILL."""
+        timeout_s = self.settings.shutdown_grace_s + STOP_MARGIN_S
         for child in reversed(self.children):
             if child.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(child.process.pid, signal.SIGTERM)
             try:
-                child.process.wait(STOP_TIMEOUT_S)
+                child.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0fs; killing it", child.name, STOP_TIMEOUT_S)
+                logger.warning("%s did not stop in %.0fs; killing it", child.name, timeout_s)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.process.pid, signal.SIGKILL)  # and anything it left behind
             child.process.wait()
@@ -180,11 +186,11 @@ def _raise_stopped(signum: int, _frame: object) -> None:
     raise Stopped(signal.Signals(signum).name)
 
 
-def default_worker_count() -> int:
-    """One worker per CUDA device, else one on the CPU."""
+def cuda_device_count() -> int:
+    """CUDA devices torch can see (0 on a CPU-only machine)."""
     import torch
 
-    return max(torch.cuda.device_count(), 1)
+    return torch.cuda.device_count()
 
 
 def run_up(settings: Settings, n_workers: int, console: Console) -> int:
@@ -205,7 +211,7 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
     try:
         engine = open_engine(settings.resolved_database_url)
         migrate(engine)
-        ensure_tenant(engine, "default", resolve_api_key(settings))
+        ensure_tenant(engine, "default", resolve_api_key(settings, console))
         engine.dispose()
         registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
         ensure_base_model(settings, registry, console)
@@ -223,11 +229,10 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
                 ready=False,
             )  # fmt: skip
 
+        gpus = cuda_device_count() if settings.device == "auto" else 0
         workers = []
         for i in range(n_workers):
-            worker_env = dict(env)
-            if settings.device == "auto" and n_workers > 1:
-                worker_env["REFLOW_DEVICE"] = f"cuda:{i}"
+            worker_env = {**env, "REFLOW_DEVICE": f"cuda:{i % gpus}"} if gpus else env
             workers.append(supervisor.spawn(f"worker-{i}", ["worker"], worker_env))
         with console.status("loading the model in the workers"):
             addresses = [supervisor.wait_ready(child) for child in workers]
@@ -249,9 +254,7 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
             "workers": addresses,
             "logs": str(supervisor.log_dir.resolve()),
         }
-        tmp = endpoints_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(endpoints, indent=2) + "\n")
-        os.replace(tmp, endpoints_path)
+        write_json_atomically(endpoints_path, endpoints)
 
         table = Table(title="reflow is up", show_header=False)
         for key, value in endpoints.items():

@@ -40,10 +40,13 @@ def reference_greedy(model: Transformer, prompt: str, max_new_tokens: int) -> li
     """Greedy decoding by full causal passes, no cache: the ground truth for every cached path."""
     tokenizer = ByteTokenizer()
     ids = tokenizer.encode(prompt)
+    banned = tokenizer.never_generated(model.config.vocab_size)
     generated: list[int] = []
     with torch.inference_mode():
         for _ in range(max_new_tokens):
-            token = int(model(torch.tensor([ids + generated]))[0, -1].argmax())
+            logits = model(torch.tensor([ids + generated]))[0, -1]  # [V]
+            logits[banned] = float("-inf")
+            token = int(logits.argmax())
             generated.append(token)
             if token == tokenizer.eos_id:
                 break

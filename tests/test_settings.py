@@ -35,6 +35,16 @@ def test_unknown_settings_are_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings(gatway_port=1)  # type: ignore[call-arg]
 
 
+def test_api_key_rules_and_bounds() -> None:
+    assert Settings(api_key="").api_key is None  # empty means "generate one"
+    with pytest.raises(ValidationError, match="at least 16"):
+        Settings(api_key="short")
+    with pytest.raises(ValidationError):
+        Settings(worker_poll_s=0)
+    with pytest.raises(ValidationError):
+        Settings(default_max_tokens=0)
+
+
 def test_the_api_key_never_shows_in_reprs_or_dumps() -> None:
     settings = Settings(api_key="rf_secret_secret_secret")
     assert "rf_secret" not in repr(settings) and "rf_secret" not in settings.model_dump_json()

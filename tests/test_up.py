@@ -61,7 +61,8 @@ class Up:
         }
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "reflow", "up", "--data-dir", str(data_dir), "--port", "0"],
+                [sys.executable, "-m", "reflow", "up", "--data-dir", str(data_dir), "--port", "0",
+                 "--workers", "2"],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )  # fmt: skip
 
@@ -93,6 +94,7 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
     try:
         endpoints = up.endpoints()
         assert {"gateway", "mlflow", "database", "api_key_file", "workers"} <= set(endpoints)
+        assert len(endpoints["workers"]) == 2
         assert Path(endpoints["api_key_file"]).read_text().strip() == "rf_test_key_0123456789"
         assert oct(Path(endpoints["api_key_file"]).stat().st_mode & 0o777) == "0o600"
         with Client(endpoints["gateway"], "rf_test_key_0123456789") as client:
@@ -108,7 +110,7 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
         assert cli.returncode == 0, cli.stderr
         assert "3 completion tokens" in cli.stderr
         children = descendants(up.process.pid)
-        assert len(children) >= 3  # mlflow, worker, gateway
+        assert len(children) >= 4  # mlflow, two workers, gateway
     finally:
         code = up.stop()
     assert code == 0, up.output()

@@ -29,6 +29,7 @@ class Decoder:
         self.cache = self.model.new_cache(1)
         self.slots = torch.zeros(1, dtype=torch.long, device=loaded.device)  # [B=1]
         self.device = loaded.device
+        self.banned = loaded.banned_tokens  # [V] bool: ids the model must never emit
         self.logits: torch.Tensor | None = None  # [V] for the next token
 
     @torch.inference_mode()
@@ -47,7 +48,8 @@ class Decoder:
     def _forward(self, token_ids: list[int], start: int) -> torch.Tensor:
         tokens = torch.tensor([token_ids], device=self.device)  # [1, T]
         positions = torch.arange(start, start + len(token_ids), device=self.device)[None]  # [1, T]
-        return self.model(tokens, positions, self.cache, self.slots)[0, -1]  # [V]
+        logits = self.model(tokens, positions, self.cache, self.slots)[0, -1]  # [V]
+        return logits.masked_fill(self.banned, float("-inf"))
 
 
 class Engine:
@@ -71,13 +73,17 @@ class Engine:
         """Every servable version."""
         return list(self._models.values())
 
+    def find(self, name: str, version: str) -> LoadedModel | None:
+        """The loaded version, or None."""
+        return self._models.get((name, version))
+
     def get(self, name: str, version: str) -> LoadedModel:
         """The loaded version; NotFound names what is loaded instead."""
-        try:
-            return self._models[(name, version)]
-        except KeyError:
+        loaded = self.find(name, version)
+        if loaded is None:
             have = ", ".join(f"{n}/{v}" for n, v in self._models) or "nothing"
-            raise NotFound(f"{name}/{version} is not loaded on this worker (loaded: {have})") from None
+            raise NotFound(f"{name}/{version} is not loaded on this worker (loaded: {have})")
+        return loaded
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Runs torch work on the engine's thread."""

@@ -33,6 +33,14 @@ class LoadedModel:
     device: torch.device
     aliases: set[str] = field(default_factory=set)
 
+    banned_tokens: torch.Tensor = field(init=False)  # [V] bool
+
+    def __post_init__(self) -> None:
+        vocab_size = self.model.config.vocab_size
+        banned = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+        banned[self.tokenizer.never_generated(vocab_size)] = True
+        self.banned_tokens = banned
+
     @property
     def max_len(self) -> int:
         """Longest prompt plus completion, in tokens."""

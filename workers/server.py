@@ -127,8 +127,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             ref = await asyncio.to_thread(registry.resolve, name, version=version, alias=alias)
         except LookupError as error:
             raise NotFound(str(error)) from error
+        if (present := self.engine.find(name, ref.version)) is not None:
+            present.aliases |= {alias} if alias else set()
+            return present
+        # Fetch and build on a side thread: running sequences keep decoding meanwhile.
         cache = self.settings.model_cache_dir
-        loaded = await self.engine.run(lambda: load_version(registry, ref, cache, self.device, alias))
+        loaded = await asyncio.to_thread(load_version, registry, ref, cache, self.device, alias)
         self.engine.add(loaded)
         logger.info("loaded model=%s version=%s alias=%s device=%s", name, ref.version, alias, self.device)
         return loaded

@@ -41,6 +41,10 @@ class ByteTokenizer:
         """True for <pad>, <bos>, <eos>, <think> and </think>."""
         return token_id >= 256
 
+    def never_generated(self, model_vocab_size: int) -> list[int]:
+        """Ids a model must never emit: <pad>, <bos> and the padding past this vocabulary."""
+        return [self.pad_id, self.bos_id, *range(self.vocab_size, model_vocab_size)]
+
     def save(self, directory: Path) -> None:
         """Writes `tokenizer.json` so a version's artifacts describe their tokenizer."""
         specials = dict(zip(SPECIAL_TOKENS, range(256, 256 + len(SPECIAL_TOKENS)), strict=True))

@@ -12,9 +12,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from feedback.store import open_engine
 from gateway.tenants import revoke_tenant
+from gateway.validation import worker_request
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2, worker_pb2
-from tests.conftest import Stack, start_stack, stop_stack
+from tests.conftest import Stack, start_stack, start_worker, stop_stack
+from workers.server import loaded_to_pb, params_from_pb
 
 P = inference_pb2
 
@@ -57,11 +59,15 @@ async def test_gateway_output_equals_the_workers_own(stack: Stack) -> None:
 
 async def test_versions_by_number_and_alias(stack: Stack) -> None:
     messages = await generate(stack, request(model="arith/1"))
-    assert messages[0].model_version == "1"
+    assert (messages[0].model_version, messages[0].arm) == ("1", "")  # pinned: no arm
     assert await status_of(stack, request(model="arith/2")) == grpc.StatusCode.NOT_FOUND
     await stack.worker_stub().Load(worker_pb2.LoadRequest(model="arith", alias="other"))
     await stack.pool.refresh()
-    assert (await generate(stack, request(model="arith@other")))[0].model_version == "2"
+    other = (await generate(stack, request(model="arith@other")))[0]
+    assert (other.model_version, other.arm) == ("2", "other")
+    await stack.worker_stub().Load(worker_pb2.LoadRequest(model="arith", version="1"))  # already loaded
+    await stack.pool.refresh()
+    assert (await generate(stack, request()))[0].model_version == "1"  # still @champion
     assert (await generate(stack, request(model="arith/2")))[0].model_version == "2"
 
 
@@ -79,9 +85,11 @@ async def test_seeded_sampling_is_reproducible_through_the_gateway(stack: Stack)
         (request(prompt="1" * 5000), "limit is 4096"),
         (request(max_tokens=64), "max_tokens must be between 1 and 63"),
         (P.GenerateRequest(prompt="1+1=", sampling=P.SamplingParams(temperature=-1)), "temperature"),
+        (P.GenerateRequest(prompt="1+1=", sampling=P.SamplingParams(temperature=1e-30)), "0 (greedy)"),
         (P.GenerateRequest(prompt="1+1=", sampling=P.SamplingParams(top_p=1.5)), "top_p"),
         (P.GenerateRequest(prompt="1+1=", sampling=P.SamplingParams(stop=[""])), "stop strings"),
         (request(model="arith/x"), "must be a number"),
+        (request(model="arith/1@x"), "NAME, NAME@ALIAS or NAME/VERSION"),
         (request(prompt="9" * 80), "takes at most 63"),  # too long for the model's context
     ],
 )
@@ -210,14 +218,63 @@ async def test_two_workers_share_the_load(settings: Settings) -> None:
     assert served == [2, 2]
 
 
-async def test_a_dead_worker_is_routed_around(settings: Settings) -> None:
+async def test_a_dead_worker_is_retried_on_another(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings.worker_poll_s = 3600  # the pool still believes the dead worker is healthy
     stack = await start_stack(settings, n_workers=2)
     try:
         await stack.workers[0].server.stop(0)
-        for _ in range(4):
+        for _ in range(2):
             assert (await generate(stack, request()))[-1].finish_reason != P.FINISH_REASON_UNSPECIFIED
+        assert "before the first token; trying another" in caplog.text
     finally:
         await stop_stack(stack)
+
+
+async def test_when_no_other_worker_holds_the_version_the_retry_is_unavailable(settings: Settings) -> None:
+    settings.worker_poll_s = 3600
+    stack = await start_stack(settings)
+    try:
+        stack.workers.append(await start_worker(settings, alias="other"))  # serves only arith@other
+        stack.pool.workers.append(stack.pool._connect(stack.workers[1].address))
+        await stack.pool.refresh()
+        await stack.workers[0].server.stop(0)
+        assert await status_of(stack, request()) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await stop_stack(stack)
+
+
+async def test_a_worker_dying_mid_stream_is_unavailable(stack: Stack) -> None:
+    call = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
+    await call.read()
+    await stack.workers[0].server.stop(0)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await read_all(call)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "mid-stream" in info.value.details()
+
+
+async def test_stop_strings_and_reasoning_budget_reach_the_worker(stack: Stack) -> None:
+    plain = "".join(m.text for m in await generate(stack, request(max_tokens=30)))
+    assert len(plain) > 6
+    stop = plain[4:6]
+    cut = await generate(
+        stack, P.GenerateRequest(prompt="47+38=", sampling=P.SamplingParams(max_tokens=30, stop=[stop]))
+    )
+    assert "".join(m.text for m in cut) == plain[: plain.index(stop)]
+    assert cut[-1].finish_reason == P.FINISH_REASON_STOP
+    # The whole conversion chain, gateway request -> worker request -> decode parameters:
+    loaded = stack.workers[0].servicer.engine.get("arith", "1")
+    outgoing = worker_request(
+        P.GenerateRequest(prompt="1+1=", reasoning_budget=7, sampling=P.SamplingParams(stop=["x"], top_k=3)),
+        stack.settings,
+        request_id="r",
+        loaded=loaded_to_pb(loaded),
+    )
+    params = params_from_pb(outgoing)
+    assert (params.reasoning_budget, params.stop, params.sampling.top_k) == (7, ("x",), 3)
+    assert params.max_tokens == min(stack.settings.default_max_tokens, loaded.max_len - 1)
 
 
 async def test_shutdown_drains_in_flight_streams(stack: Stack) -> None:

@@ -45,21 +45,25 @@ def test_keys_are_stored_only_as_hashes(database_url: str) -> None:
     with engine.connect() as connection:
         dump = " ".join(str(row) for row in connection.execute(text("SELECT * FROM tenants")))
     assert key not in dump and hash_key(key) in dump
+    create_tenant(engine, "byok", api_key="my-own-key-0123456789")
+    assert [prefix for i, prefix, _ in list_tenants(engine) if i.name == "byok"] == [""]  # nothing of it
     assert find_by_key(engine, key) == info
     assert find_by_key(engine, key + "x") is None
     with pytest.raises(ValueError, match="already exists"):
         create_tenant(engine, "acme")
     assert revoke_tenant(engine, "acme") and find_by_key(engine, key) is None
     assert not revoke_tenant(engine, "acme")
-    assert [(i.name, revoked) for i, _, revoked in list_tenants(engine)] == [("acme", True)]
+    assert [(i.name, revoked) for i, _, revoked in list_tenants(engine)] == [("acme", True), ("byok", False)]
     engine.dispose()
 
 
-def test_ensure_tenant_rekeys_and_reenables(tmp_path) -> None:
+def test_ensure_tenant_rekeys_but_never_revives_a_revoked_key(tmp_path) -> None:
     engine = open_engine(f"sqlite:///{tmp_path / 's.db'}")
     migrate(engine)
     ensure_tenant(engine, "default", "first-key-0123456789")
     revoke_tenant(engine, "default")
+    with pytest.raises(ValueError, match="was revoked"):
+        ensure_tenant(engine, "default", "first-key-0123456789")
     ensure_tenant(engine, "default", "second-key-0123456789")
     assert find_by_key(engine, "first-key-0123456789") is None
     assert find_by_key(engine, "second-key-0123456789") is not None

@@ -61,6 +61,13 @@ async def test_concurrent_streams_interleave_and_stay_exact(engine: Engine) -> N
         assert out.token_ids == reference_greedy(tiny_model(0), prompt, 15)
 
 
+async def test_ids_the_tokenizer_cannot_produce_are_never_sampled(engine: Engine) -> None:
+    params = GenerationParams(max_tokens=60, sampling=SamplingParams(temperature=100.0, seed=3))
+    out = await collect(engine, "1+1=", params)
+    assert len(out.token_ids) == 60 or out.token_ids[-1] == TOK.eos_id
+    assert all(t < TOK.vocab_size and t not in (TOK.pad_id, TOK.bos_id) for t in out.token_ids)
+
+
 async def test_event_loop_stays_responsive_while_decoding(engine: Engine) -> None:
     ticks = 0
 
