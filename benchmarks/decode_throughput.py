@@ -96,11 +96,11 @@ def main() -> None:
         supervisor = Supervisor(settings)
         env = {"REFLOW_DATA_DIR": tmp, "REFLOW_DEVICE": "cpu"}
         try:
-            worker = supervisor.wait_ready(supervisor.spawn("worker", ["worker"], env))
+            worker = supervisor.wait_ready(supervisor.spawn("worker", ["worker"], env))["address"]
             gateway_child = supervisor.spawn(
                 "gateway", ["gateway", "--port", "0"], {**env, "REFLOW_WORKERS": worker}
             )
-            gateway = supervisor.wait_ready(gateway_child)
+            gateway = supervisor.wait_ready(gateway_child)["address"]
             wait_serving(gateway)
             end_to_end(gateway, api_key, 3, args.max_tokens)  # warm up both processes
             engine_runs, e2e_runs = [], []

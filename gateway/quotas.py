@@ -48,6 +48,7 @@ class Quotas:
             wait = (1.0 - tokens) * 60.0 / rate
             self._buckets[tenant.id] = (tokens, now)
             raise ResourceExhausted(
-                f"tenant {tenant.name!r} is over {rate} requests per minute; retry in {wait:.1f}s"
+                f"tenant {tenant.name!r} is over {rate} requests per minute; retry in {wait:.1f}s",
+                retry_after_ms=int(wait * 1000) + 1,
             )
         self._buckets[tenant.id] = (tokens - 1.0, now)

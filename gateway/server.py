@@ -14,12 +14,28 @@ import grpc
 
 from feedback.store import open_engine, require_current_schema
 from gateway.auth import Authenticator
+from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
 from gateway.routing import ModelSpec, WorkerHandle, WorkerPool
 from gateway.validation import check_request, worker_request
-from reflow.errors import DeadlineExceeded, InvalidArgument, NotFound, ReflowError, Unavailable
-from reflow.serving import bind, new_server, set_serving, wait_for_signal, write_ready_file
+from reflow.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    ReflowError,
+    ResourceExhausted,
+    Unavailable,
+)
+from reflow.serving import (
+    bind,
+    new_server,
+    set_serving,
+    start_metrics_server,
+    wait_for_signal,
+    write_ready_file,
+)
 from reflow.settings import Settings
+from reflow.streaming import Mailbox
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -29,11 +45,19 @@ SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """Serves Generate and ListModels; SubmitFeedback arrives with the feedback pipeline."""
 
-    def __init__(self, settings: Settings, auth: Authenticator, quotas: Quotas, pool: WorkerPool):
+    def __init__(
+        self,
+        settings: Settings,
+        auth: Authenticator,
+        quotas: Quotas,
+        pool: WorkerPool,
+        metrics: GatewayMetrics,
+    ):
         self.settings = settings
         self.auth = auth
         self.quotas = quotas
         self.pool = pool
+        self.metrics = metrics
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -63,10 +87,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Streams from a worker, moving to another one if the first fails before any token."""
         tried: set[str] = set()
+        full: set[str] = set()  # workers whose queue was full
         while True:
             try:
                 worker, loaded = self.pool.route(spec, exclude=frozenset(tried))
-            except NotFound:
+            except (NotFound, Unavailable):
+                if full:
+                    raise ResourceExhausted(
+                        f"every worker serving {spec} has a full queue; retry shortly", retry_after_ms=250
+                    ) from None
                 if not tried:
                     raise
                 raise Unavailable(f"every worker serving {spec} failed; retry the request") from None
@@ -86,8 +115,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             except _WorkerUnreachable as error:
                 if error.code == grpc.StatusCode.UNAVAILABLE:
                     self.pool.mark_unhealthy(worker)
-                else:  # it no longer holds the version: its next status poll will say so
+                elif error.code == grpc.StatusCode.NOT_FOUND:  # it no longer holds the version
                     await self.pool.refresh_one(worker)
+                else:
+                    full.add(worker.address)
                 logger.warning(
                     "request_id=%s worker %s answered %s before the first token; trying another",
                     request_id, worker.address, error.code.name,
@@ -101,25 +132,44 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         header: inference_pb2.GenerateResponse,
         received: float,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Relays one worker stream; when the client reads slower than the worker writes, the
+        deltas that piled up go out as one message (in order; the first is never held back)."""
         call = worker.stub.Generate(call_request, timeout=remaining_s)
+        mailbox: Mailbox[worker_pb2.WorkerGenerateResponse] = Mailbox(merge_worker_deltas)
+        reader = asyncio.create_task(_pump(call, mailbox), name=f"relay-{header.request_id}")
         worker.outstanding += 1
+        self.metrics.in_flight.inc()
         first_token_at: float | None = None
+        last_sent = received
         try:
-            async for delta in call:
+            while True:
+                try:
+                    delta = await mailbox.get()
+                except grpc.aio.AioRpcError as error:
+                    raise _worker_error(worker, error, started=first_token_at is not None) from None
                 message = inference_pb2.GenerateResponse(text=delta.text, reasoning_text=delta.reasoning_text)
+                now = time.perf_counter()
                 if first_token_at is None:
-                    first_token_at = time.perf_counter()
+                    first_token_at = now
                     message.MergeFrom(header)
+                    self.metrics.ttft.observe(now - received)
+                    self.metrics.arms.labels(header.model, header.arm).inc()
+                elif delta.token_ids:
+                    per_token = (now - last_sent) / len(delta.token_ids)
+                    for _ in delta.token_ids:
+                        self.metrics.inter_token.observe(per_token)
+                last_sent = now
+                self.metrics.tokens.inc(len(delta.token_ids))
+                self.metrics.messages.inc()
                 if delta.finish_reason:
                     message.finish_reason = delta.finish_reason
-                    done = time.perf_counter()
                     message.usage.CopyFrom(
                         inference_pb2.Usage(
                             prompt_tokens=delta.prompt_tokens,
                             completion_tokens=delta.completion_tokens,
                             reasoning_tokens=delta.reasoning_tokens,
                             time_to_first_token_ms=(first_token_at - received) * 1000,
-                            total_ms=(done - received) * 1000,
+                            total_ms=(now - received) * 1000,
                         )
                     )
                     logger.info(
@@ -128,11 +178,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         inference_pb2.FinishReason.Name(delta.finish_reason),
                         delta.completion_tokens, message.usage.total_ms,
                     )  # fmt: skip
+                    yield message
+                    return
                 yield message
-        except grpc.aio.AioRpcError as error:
-            raise _worker_error(worker, error, started=first_token_at is not None) from None
         finally:
             worker.outstanding -= 1
+            self.metrics.in_flight.dec()
+            reader.cancel()
             call.cancel()  # no-op when finished; stops the worker when the client went away
 
     async def SubmitFeedback(
@@ -164,6 +216,31 @@ def _deadline(time_remaining: float | None, latency_budget_ms: int, received: fl
     return min(limits, default=None)
 
 
+def merge_worker_deltas(
+    earlier: worker_pb2.WorkerGenerateResponse, later: worker_pb2.WorkerGenerateResponse
+) -> None:
+    """Folds a later worker delta into an earlier one that has not been relayed yet."""
+    earlier.token_ids.extend(later.token_ids)
+    earlier.text += later.text
+    earlier.reasoning_text += later.reasoning_text
+    if later.finish_reason:
+        earlier.finish_reason = later.finish_reason
+        earlier.prompt_tokens = later.prompt_tokens
+        earlier.completion_tokens = later.completion_tokens
+        earlier.reasoning_tokens = later.reasoning_tokens
+
+
+async def _pump(call: grpc.aio.UnaryStreamCall, mailbox: Mailbox[worker_pb2.WorkerGenerateResponse]) -> None:
+    """Reads a worker stream as fast as it comes into `mailbox`."""
+    try:
+        async for delta in call:
+            mailbox.put(delta)
+    except grpc.aio.AioRpcError as error:
+        mailbox.fail(error)
+    else:
+        mailbox.fail(Unavailable("the worker ended the stream without finishing it; retry the request"))
+
+
 class _WorkerUnreachable(Exception):
     """The worker failed before sending a token; another worker may take the request."""
 
@@ -181,19 +258,26 @@ def _worker_error(worker: WorkerHandle, error: grpc.aio.AioRpcError, *, started:
         )
     if code == grpc.StatusCode.INVALID_ARGUMENT:  # e.g. a prompt longer than the model's context
         return InvalidArgument(error.details() or code.name)
-    if not started and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
+    if not started and code in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ):
         return _WorkerUnreachable(code)
     if started:
         return Unavailable(f"worker {worker.address} failed mid-stream ({code.name}); retry the request")
     return ReflowError(f"worker {worker.address} failed ({code.name}): {error.details()}")
 
 
-async def create_server(settings: Settings, pool: WorkerPool) -> tuple[grpc.aio.Server, int, object]:
+async def create_server(
+    settings: Settings, pool: WorkerPool, metrics: GatewayMetrics
+) -> tuple[grpc.aio.Server, int, object]:
     """A started gateway on the configured host and port; returns (server, port, health servicer)."""
     engine = open_engine(settings.resolved_database_url)
     require_current_schema(engine)
-    servicer = InferenceServicer(settings, Authenticator(engine, settings.auth_cache_ttl_s), Quotas(), pool)
-    server, health_servicer = new_server([SERVICE])
+    auth = Authenticator(engine, settings.auth_cache_ttl_s)
+    servicer = InferenceServicer(settings, auth, Quotas(), pool, metrics)
+    server, health_servicer = new_server([SERVICE], on_done=metrics.count_request)
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     port = bind(server, settings.gateway_host, settings.gateway_port)
     await pool.start()
@@ -207,13 +291,18 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
     if not settings.workers:
         raise ReflowError("no workers configured; set REFLOW_WORKERS=host:port[,host:port]")
     pool = WorkerPool(settings.workers, settings.worker_poll_s)
-    server, port, health_servicer = await create_server(settings, pool)
+    metrics = GatewayMetrics()
+    server, port, health_servicer = await create_server(settings, pool, metrics)
+    metrics_server, metrics_url = start_metrics_server(
+        metrics.registry, settings.gateway_host, settings.gateway_metrics_port
+    )
     address = f"{settings.gateway_host}:{port}"
-    logger.info("gateway serving on %s, workers %s", address, settings.workers)
-    write_ready_file(ready_file, address=address)
+    logger.info("gateway serving on %s, workers %s, metrics %s", address, settings.workers, metrics_url)
+    write_ready_file(ready_file, address=address, metrics=metrics_url)
     await wait_for_signal()
     logger.info("gateway draining (grace %.0fs)", settings.shutdown_grace_s)
     await set_serving(health_servicer, [SERVICE], False)
     with contextlib.suppress(asyncio.CancelledError):
         await server.stop(settings.shutdown_grace_s)
     await pool.close()
+    metrics_server.shutdown()

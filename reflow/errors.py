@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -42,9 +43,13 @@ class NotFound(ReflowError):
 
 
 class ResourceExhausted(ReflowError):
-    """A quota or queue is full; retry later."""
+    """A quota or queue is full; retry later (`retry_after_ms` becomes a pushback hint)."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_ms: int = 0):
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class Unavailable(ReflowError):
@@ -62,8 +67,17 @@ class DeadlineExceeded(ReflowError):
 Behavior = Callable[..., Any]
 
 
+OnDone = Callable[[str, grpc.StatusCode], None]
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps ReflowError to its status and anything unexpected to INTERNAL, for reflow services."""
+    """Maps ReflowError to its status and anything unexpected to INTERNAL, for reflow services.
+
+    `on_done(method, code)`, when given, learns how every RPC of a reflow service ended.
+    """
+
+    def __init__(self, on_done: OnDone | None = None):
+        self.on_done = on_done or (lambda method, code: None)
 
     async def intercept_service(
         self,
@@ -76,52 +90,78 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _streaming(handler.unary_stream, method),
+                _streaming(handler.unary_stream, method, self.on_done),
                 handler.request_deserializer,
                 handler.response_serializer,
             )
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _unary(handler.unary_unary, method),
+                _unary(handler.unary_unary, method, self.on_done),
                 handler.request_deserializer,
                 handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _unary(handler.stream_unary, method),
+                _unary(handler.stream_unary, method, self.on_done),
                 handler.request_deserializer,
                 handler.response_serializer,
             )
         return handler
 
 
+# The gRPC retry-pushback header: a client with a retry policy waits this long before retrying.
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
 async def _abort(context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
+    if isinstance(error, ResourceExhausted) and error.retry_after_ms:
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(error.retry_after_ms)),))
     if isinstance(error, ReflowError):
         await context.abort(error.code, str(error))
     logger.exception("unexpected error in %s", method, exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server logs")
 
 
-def _unary(behavior: Behavior, method: str) -> Behavior:
+def _code_of(error: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    if isinstance(error, ReflowError):
+        return error.code
+    if isinstance(error, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    if isinstance(error, grpc.aio.AbortError):
+        return context.code() or grpc.StatusCode.UNKNOWN
+    return grpc.StatusCode.INTERNAL
+
+
+def _unary(behavior: Behavior, method: str, on_done: OnDone) -> Behavior:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        code = grpc.StatusCode.OK
         try:
             return await behavior(request, context)
-        except (grpc.aio.AbortError, grpc.aio.UsageError):
+        except (grpc.aio.AbortError, grpc.aio.UsageError, asyncio.CancelledError) as error:
+            code = _code_of(error, context)
             raise
         except Exception as error:
+            code = _code_of(error, context)
             await _abort(context, method, error)
+        finally:
+            on_done(method, code)
 
     return wrapped
 
 
-def _streaming(behavior: Behavior, method: str) -> Behavior:
+def _streaming(behavior: Behavior, method: str, on_done: OnDone) -> Behavior:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        code = grpc.StatusCode.OK
         try:
             async for response in behavior(request, context):
                 yield response
-        except (grpc.aio.AbortError, grpc.aio.UsageError):
+        except (grpc.aio.AbortError, grpc.aio.UsageError, asyncio.CancelledError) as error:
+            code = _code_of(error, context)
             raise
         except Exception as error:
+            code = _code_of(error, context)
             await _abort(context, method, error)
+        finally:
+            on_done(method, code)
 
     return wrapped

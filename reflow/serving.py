@@ -9,20 +9,24 @@ import os
 import signal
 from collections.abc import Iterable
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
 
-from reflow.errors import ErrorInterceptor
+from reflow.errors import ErrorInterceptor, OnDone
 
 logger = logging.getLogger(__name__)
 
 
-def new_server(service_names: Iterable[str]) -> tuple[grpc.aio.Server, health.HealthServicer]:
+def new_server(
+    service_names: Iterable[str], on_done: OnDone | None = None
+) -> tuple[grpc.aio.Server, health.HealthServicer]:
     """An aio server with the error interceptor, health checking and reflection for `service_names`."""
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()],
+        interceptors=[ErrorInterceptor(on_done)],
         options=[("grpc.so_reuseport", 0)],
     )
     health_servicer = health.aio.HealthServicer()
@@ -45,6 +49,12 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}: is another process using it?")
     return bound
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[WSGIServer, str]:
+    """Serves `registry` for Prometheus on host:port (0 = free); returns the server and its URL."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, f"http://{host}:{server.server_port}/metrics"
 
 
 def write_json_atomically(path: Path, data: object) -> None:

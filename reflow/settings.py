@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
@@ -40,6 +40,13 @@ class Settings(BaseSettings):
     bootstrap_steps: int = Field(0, ge=0, description="Training steps of the base model; 0 = the recipe's.")
     device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, cuda:N.")
     torch_threads: int = Field(0, ge=0, description="Intra-op threads per worker; 0 = torch default.")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile the decode step: on, off, or auto (on for CUDA only)."
+    )
+    max_batch_size: int = Field(64, ge=1, description="Sequences a worker decodes together (KV slots).")
+    max_waiting: int = Field(256, ge=0, description="Queued sequences before RESOURCE_EXHAUSTED.")
+    prefill_chunk: int = Field(64, ge=1, description="Most prompt tokens one sequence prefills per step.")
+    max_prefill_tokens: int = Field(256, ge=1, description="Most prompt tokens prefilled per step.")
 
     gateway_host: str = Field("127.0.0.1", description="Interface the gateway binds.")
     gateway_port: int = Field(50051, ge=0, le=65535, description="Gateway port; 0 = free.")
@@ -48,6 +55,8 @@ class Settings(BaseSettings):
     workers: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Worker addresses a standalone gateway routes to."
     )
+    worker_metrics_port: int = Field(0, ge=0, le=65535, description="Worker Prometheus port; 0 = free.")
+    gateway_metrics_port: int = Field(0, ge=0, le=65535, description="Gateway Prometheus port; 0 = free.")
     worker_poll_s: float = Field(1.0, gt=0, description="How often the gateway refreshes worker status.")
     shutdown_grace_s: float = Field(30.0, description="Seconds in-flight streams get to finish on shutdown.")
 

@@ -114,14 +114,14 @@ class Supervisor:
         self.children.append(child)
         return child
 
-    def wait_ready(self, child: Child, timeout_s: float = START_TIMEOUT_S) -> str:
-        """The address a child wrote to its ready file; RuntimeError if it died or timed out."""
+    def wait_ready(self, child: Child, timeout_s: float = START_TIMEOUT_S) -> dict[str, str]:
+        """What a child wrote to its ready file (address, metrics); RuntimeError if it died or timed out."""
         assert child.ready_file is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
             if child.ready_file.is_file():
-                return json.loads(child.ready_file.read_text())["address"]
+                return json.loads(child.ready_file.read_text())
             time.sleep(0.1)
         raise RuntimeError(f"{child.name} did not become ready in {timeout_s:.0f}s:\n{child.tail()}")
 
@@ -235,13 +235,15 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
             worker_env = {**env, "REFLOW_DEVICE": f"cuda:{i % gpus}"} if gpus else env
             workers.append(supervisor.spawn(f"worker-{i}", ["worker"], worker_env))
         with console.status("loading the model in the workers"):
-            addresses = [supervisor.wait_ready(child) for child in workers]
+            ready = {child.name: supervisor.wait_ready(child) for child in workers}
+        addresses = [r["address"] for r in ready.values()]
         gateway = supervisor.spawn(
             "gateway",
             ["gateway", "--port", str(settings.gateway_port)],
             {**env, "REFLOW_WORKERS": ",".join(addresses)},
         )
-        gateway_address = supervisor.wait_ready(gateway)
+        ready["gateway"] = supervisor.wait_ready(gateway)
+        gateway_address = ready["gateway"]["address"]
         wait_serving(gateway_address)
         if mlflow_url.startswith("http") and not wait_http(f"{mlflow_url}/health"):
             console.print(f"[yellow]the MLflow UI at {mlflow_url} is not answering yet[/]")
@@ -252,12 +254,15 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
             "database": engine.url.render_as_string(hide_password=True),
             "api_key_file": str((settings.data_dir / API_KEY_FILE).resolve()),
             "workers": addresses,
+            "metrics": {name: r["metrics"] for name, r in ready.items()},
             "logs": str(supervisor.log_dir.resolve()),
         }
         write_json_atomically(endpoints_path, endpoints)
 
         table = Table(title="reflow is up", show_header=False)
         for key, value in endpoints.items():
+            if isinstance(value, dict):
+                value = "\n".join(f"{k}: {v}" for k, v in value.items())
             table.add_row(key, ", ".join(value) if isinstance(value, list) else value)
         console.print(table)
         console.print(f'try: reflow generate "47+38="   (stop with Ctrl-C; endpoints in {endpoints_path})')

@@ -15,12 +15,14 @@ import torch
 
 from feedback.registry import Registry, VersionRef
 from feedback.store import migrate, open_engine
+from gateway.metrics import GatewayMetrics
 from gateway.routing import WorkerPool
 from gateway.server import create_server as create_gateway
 from gateway.tenants import create_tenant
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2_grpc, worker_pb2_grpc
-from workers.engine import Engine
+from workers.engine import Engine, EngineConfig
+from workers.metrics import WorkerMetrics
 from workers.model import ModelConfig, Transformer, init_weights
 from workers.server import WorkerServicer
 from workers.server import create_server as create_worker
@@ -122,6 +124,7 @@ class Stack:
     api_key: str
     channel: grpc.aio.Channel
     pool: WorkerPool
+    metrics: GatewayMetrics
     extra: list[grpc.aio.Channel] = field(default_factory=list)
 
     @property
@@ -138,27 +141,36 @@ class Stack:
         return worker_pb2_grpc.WorkerStub(channel)
 
 
-async def start_worker(settings: Settings, alias: str = "champion") -> WorkerUnderTest:
+async def start_worker(
+    settings: Settings, alias: str = "champion", config: EngineConfig | None = None
+) -> WorkerUnderTest:
     """A worker with `arith@alias` loaded, serving on a free port."""
     registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
-    servicer = WorkerServicer(Engine(), registry, settings, torch.device("cpu"))
+    servicer = WorkerServicer(Engine(config, WorkerMetrics()), registry, settings, torch.device("cpu"))
     await servicer.load(MODEL, alias=alias)
     server, port, _ = await create_worker(servicer, "127.0.0.1", 0)
     return WorkerUnderTest(server, servicer, f"127.0.0.1:{port}")
 
 
 async def start_stack(
-    settings: Settings, n_workers: int = 1, extra_addresses: tuple[str, ...] = (), **tenant: int
+    settings: Settings,
+    n_workers: int = 1,
+    extra_addresses: tuple[str, ...] = (),
+    engine_config: EngineConfig | None = None,
+    **tenant: int,
 ) -> Stack:
     """Workers, a migrated store with one tenant, and a gateway routing to them."""
-    workers = [await start_worker(settings) for _ in range(n_workers)]
+    workers = [await start_worker(settings, config=engine_config) for _ in range(n_workers)]
     engine = open_engine(settings.resolved_database_url)
     migrate(engine)
     _, api_key = create_tenant(engine, "acme", **tenant)
     pool = WorkerPool([w.address for w in workers] + list(extra_addresses), settings.worker_poll_s)
-    gateway, port, _ = await create_gateway(settings, pool)
+    metrics = GatewayMetrics()
+    gateway, port, _ = await create_gateway(settings, pool, metrics)
     address = f"127.0.0.1:{port}"
-    return Stack(settings, gateway, address, workers, api_key, grpc.aio.insecure_channel(address), pool)
+    return Stack(
+        settings, gateway, address, workers, api_key, grpc.aio.insecure_channel(address), pool, metrics
+    )
 
 
 async def stop_stack(stack: Stack) -> None:

@@ -95,6 +95,7 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
         endpoints = up.endpoints()
         assert {"gateway", "mlflow", "database", "api_key_file", "workers"} <= set(endpoints)
         assert len(endpoints["workers"]) == 2
+        assert sorted(endpoints["metrics"]) == ["gateway", "worker-0", "worker-1"]
         assert Path(endpoints["api_key_file"]).read_text().strip() == "rf_test_key_0123456789"
         assert oct(Path(endpoints["api_key_file"]).stat().st_mode & 0o777) == "0o600"
         with Client(endpoints["gateway"], "rf_test_key_0123456789") as client:
@@ -103,6 +104,8 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
         assert messages[0].model_version == "1" and messages[-1].usage.completion_tokens == 5
         with urllib.request.urlopen(f"{endpoints['mlflow']}/health", timeout=10) as reply:
             assert reply.status == 200
+        with urllib.request.urlopen(endpoints["metrics"]["gateway"], timeout=10) as reply:
+            assert b'reflow_gateway_requests_total{code="OK",method="Generate"} 1.0' in reply.read()
         cli = subprocess.run(
             [sys.executable, "-m", "reflow", "generate", "47+38=", "--max-tokens", "3"],
             env={**os.environ, "REFLOW_DATA_DIR": str(data_dir)}, capture_output=True, text=True, timeout=60,

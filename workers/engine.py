@@ -1,124 +1,305 @@
-"""Runs generations of the loaded versions: one decode step at a time on a dedicated torch thread."""
+"""Runs the steps the scheduler plans: chunked prefills, then one batched decode over every sequence.
+
+A dedicated thread does all torch work, step after step, while any sequence is active; new
+requests join at the next step and finished or cancelled ones leave at once. Deltas cross to
+the event loop once per step, into each request's coalescing mailbox.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from reflow.errors import InvalidArgument, NotFound
+from reflow.streaming import Mailbox
 from workers.loading import LoadedModel
+from workers.metrics import WorkerMetrics
 from workers.sampling import make_generator, sample
+from workers.scheduler import Request, Scheduler
 from workers.sequence import Delta, GenerationParams, Sequence
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
+
+# CPU GEMM kernels are chosen by the number of rows; from 8 rows on, every row's result is
+# bit-identical whatever the batch (measured for 1..64), so decode batches are padded to 8:
+# a sequence's greedy tokens are then the same alone or in any batch mix.
+MIN_DECODE_ROWS = 8
+
+Output = tuple[Request, Delta | BaseException]
 
 
-class Decoder:
-    """One sequence's decode loop on one model: prefill once, then one token per step."""
+@dataclass(frozen=True)
+class EngineConfig:
+    """Batching limits and compilation; see the worker settings in README.md."""
 
-    def __init__(self, loaded: LoadedModel, sequence: Sequence):
+    max_batch_size: int = 64
+    max_waiting: int = 256
+    prefill_chunk: int = 64
+    max_prefill_tokens: int = 256
+    compile: bool = False
+
+
+class ModelRunner:
+    """One loaded version: its KV slots, scheduler, and batched decode step (compiled or eager)."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+        self.loaded = loaded
         self.model = loaded.model
-        self.sequence = sequence
-        self.generator = make_generator(sequence.params.sampling)
-        self.cache = self.model.new_cache(1)
-        self.slots = torch.zeros(1, dtype=torch.long, device=loaded.device)  # [B=1]
-        self.device = loaded.device
-        self.banned = loaded.banned_tokens  # [V] bool: ids the model must never emit
-        self.logits: torch.Tensor | None = None  # [V] for the next token
+        self.cache = self.model.new_cache(config.max_batch_size + 1)
+        self.scratch_slot = config.max_batch_size  # padding rows write here; nothing reads it
+        self.scheduler = Scheduler(
+            config.max_batch_size, config.max_waiting, config.prefill_chunk, config.max_prefill_tokens
+        )
+        self.banned = loaded.banned_tokens  # [V] bool
+        # Never inductor `freezing`: it bakes weights in, and in-place weight loads go silently wrong.
+        self.decode_step: Callable[[Tensor, Tensor, Tensor], Tensor] = (
+            torch.compile(self._decode_step, dynamic=True) if config.compile else self._decode_step
+        )
+
+    def _decode_step(self, tokens: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+        return self.model(tokens, positions, self.cache, slots)[:, -1]  # [B, V]
 
     @torch.inference_mode()
-    def step(self) -> Delta:
-        """Prefills on the first call; then picks one token, records it and runs it through."""
-        seq = self.sequence
-        if self.logits is None:
-            self.logits = self._forward(seq.prompt_ids, 0)
-        forced = seq.forced_token()
-        token = forced if forced is not None else sample(self.logits, seq.params.sampling, self.generator)
-        delta = seq.append(token)
-        if seq.finish_reason is None:
-            self.logits = self._forward([token], seq.total_len - 1)
-        return delta
+    def warm_up(self, batch_sizes: tuple[int, ...]) -> None:
+        """Runs the decode step at each batch size on the scratch slot (compiles it when enabled)."""
+        device = self.loaded.device
+        for rows in batch_sizes:
+            tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+            slots = torch.full((rows,), self.scratch_slot, device=device)
+            self.decode_step(tokens, torch.zeros(rows, 1, dtype=torch.long, device=device), slots)
 
-    def _forward(self, token_ids: list[int], start: int) -> torch.Tensor:
-        tokens = torch.tensor([token_ids], device=self.device)  # [1, T]
-        positions = torch.arange(start, start + len(token_ids), device=self.device)[None]  # [1, T]
-        logits = self.model(tokens, positions, self.cache, self.slots)[0, -1]  # [V]
-        return logits.masked_fill(self.banned, float("-inf"))
+    @torch.inference_mode()
+    def step(self, metrics: WorkerMetrics | None) -> list[Output]:
+        """One engine step for this version; each request's failure stays its own."""
+        plan = self.scheduler.schedule()
+        if metrics is not None and plan.decode:
+            metrics.batch_size.observe(len(plan.decode))
+        outputs: list[Output] = []
+        ready: list[tuple[Request, Tensor]] = []  # requests with logits for their next token
+        for request, start, end in plan.prefill:
+            try:
+                logits = self._prefill(request, start, end)  # [V]
+            except Exception as error:
+                self._fail(request, error, outputs)
+                continue
+            request.prefilled = end
+            if end == request.prompt_len:
+                ready.append((request, logits))
+        if plan.decode:
+            try:
+                ready += zip(plan.decode, self._decode(plan.decode), strict=True)
+            except Exception as error:
+                for request in plan.decode:
+                    self._fail(request, error, outputs)
+        if not ready:
+            return outputs
+        logits = torch.stack([row for _, row in ready]).masked_fill(self.banned, float("-inf"))  # [N, V]
+        greedy = logits.argmax(dim=-1).tolist()  # [N]
+        for i, (request, _) in enumerate(ready):
+            try:
+                delta = request.sequence.append(self._pick(request, logits[i], greedy[i]))
+            except Exception as error:
+                self._fail(request, error, outputs)
+                continue
+            request.next_input = delta.token_ids[-1]
+            outputs.append((request, delta))
+            if delta.finish_reason is not None:
+                self.scheduler.finish(request)
+        return outputs
+
+    def _prefill(self, request: Request, start: int, end: int) -> Tensor:
+        """Runs prompt[start:end] alone (exact whatever else runs); logits of its last token: [V]."""
+        device = self.loaded.device
+        tokens = torch.tensor([request.sequence.prompt_ids[start:end]], device=device)  # [1, T]
+        positions = torch.arange(start, end, device=device)[None]  # [1, T]
+        slots = torch.tensor([request.slot], device=device)  # [1]
+        return self.model(tokens, positions, self.cache, slots)[0, -1]
+
+    def _decode(self, requests: list[Request]) -> Tensor:
+        """Feeds each request's last token at its own position in one batch: logits [B, V]."""
+        rows = max(len(requests), MIN_DECODE_ROWS)
+        pad = rows - len(requests)
+        tokens = [r.next_input for r in requests] + [0] * pad
+        positions = [r.sequence.total_len - 1 for r in requests] + [0] * pad
+        slots = [r.slot for r in requests] + [self.scratch_slot] * pad
+        device = self.loaded.device
+        logits = self.decode_step(
+            torch.tensor(tokens, device=device)[:, None],  # [B, 1]
+            torch.tensor(positions, device=device)[:, None],  # [B, 1]
+            torch.tensor(slots, device=device),  # [B]
+        )
+        return logits[: len(requests)]
+
+    @staticmethod
+    def _pick(request: Request, logits: Tensor, greedy: int) -> int:
+        forced = request.sequence.forced_token()
+        if forced is not None:
+            return forced
+        params = request.sequence.params.sampling
+        return greedy if params.temperature <= 0 else sample(logits, params, request.generator)
+
+    def _fail(self, request: Request, error: Exception, outputs: list[Output]) -> None:
+        logger.exception("sequence failed in model=%s version=%s", self.loaded.name, self.loaded.version)
+        self.scheduler.finish(request)
+        outputs.append((request, error))
 
 
 class Engine:
-    """Holds loaded versions and runs their generations; torch work never blocks the event loop."""
+    """Holds loaded versions and runs all their sequences on one torch thread."""
 
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
-        self._models: dict[tuple[str, str], LoadedModel] = {}
-        self.running = 0
-        self.waiting = 0
+    def __init__(self, config: EngineConfig | None = None, metrics: WorkerMetrics | None = None):
+        self.config = config or EngineConfig()
+        self.metrics = metrics
+        self._runners: dict[tuple[str, str], ModelRunner] = {}
+        self._draining: list[ModelRunner] = []  # unloaded, still finishing their sequences
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
 
     def add(self, loaded: LoadedModel) -> None:
         """Makes a version servable (replacing the same version if it was loaded)."""
-        self._models[(loaded.name, loaded.version)] = loaded
+        runner = ModelRunner(loaded, self.config)
+        if self.config.compile:
+            runner.warm_up((MIN_DECODE_ROWS, self.config.max_batch_size))
+        self._retire((loaded.name, loaded.version))
+        self._runners[(loaded.name, loaded.version)] = runner
+        if self.metrics is not None:
+            self.metrics.kv_slots.set(self.kv_slots)
 
     def remove(self, name: str, version: str) -> bool:
         """Stops serving a version; its running sequences finish on the weights they hold."""
-        return self._models.pop((name, version), None) is not None
+        return self._retire((name, version))
+
+    def _retire(self, key: tuple[str, str]) -> bool:
+        runner = self._runners.pop(key, None)
+        if runner is None:
+            return False
+        self._draining.append(runner)
+        self._wake.set()
+        if self.metrics is not None:
+            self.metrics.kv_slots.set(self.kv_slots)
+        return True
 
     def loaded(self) -> list[LoadedModel]:
         """Every servable version."""
-        return list(self._models.values())
+        return [r.loaded for r in self._runners.values()]
 
     def find(self, name: str, version: str) -> LoadedModel | None:
         """The loaded version, or None."""
-        return self._models.get((name, version))
+        runner = self._runners.get((name, version))
+        return None if runner is None else runner.loaded
 
     def get(self, name: str, version: str) -> LoadedModel:
         """The loaded version; NotFound names what is loaded instead."""
-        loaded = self.find(name, version)
-        if loaded is None:
-            have = ", ".join(f"{n}/{v}" for n, v in self._models) or "nothing"
-            raise NotFound(f"{name}/{version} is not loaded on this worker (loaded: {have})")
-        return loaded
+        return self._runner(name, version).loaded
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Runs torch work on the engine's thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+    def _runner(self, name: str, version: str) -> ModelRunner:
+        runner = self._runners.get((name, version))
+        if runner is None:
+            have = ", ".join(f"{n}/{v}" for n, v in self._runners) or "nothing"
+            raise NotFound(f"{name}/{version} is not loaded on this worker (loaded: {have})")
+        return runner
+
+    @property
+    def running(self) -> int:
+        """Sequences holding a KV slot."""
+        return sum(r.scheduler.running for r in self._all_runners())
+
+    @property
+    def waiting(self) -> int:
+        """Sequences queued for a slot."""
+        return sum(r.scheduler.waiting for r in self._all_runners())
+
+    @property
+    def kv_slots(self) -> int:
+        """KV slots across loaded versions."""
+        return self.config.max_batch_size * len(self._runners)
+
+    def _all_runners(self) -> list[ModelRunner]:
+        return [*self._runners.values(), *self._draining]
 
     async def generate(
         self, name: str, version: str, prompt_ids: list[int], params: GenerationParams
     ) -> AsyncIterator[Delta]:
-        """Streams the deltas of one completion; closing the iterator stops it at the next step."""
-        loaded = self.get(name, version)
+        """Streams the deltas of one completion; leaving early frees its slot at the next step."""
+        runner = self._runner(name, version)
+        max_len = runner.loaded.max_len
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")
-        if len(prompt_ids) >= loaded.max_len:
+        if len(prompt_ids) >= max_len:
             raise InvalidArgument(
-                f"the prompt is {len(prompt_ids)} tokens; model {name}/{version} takes at most "
-                f"{loaded.max_len - 1}"
+                f"the prompt is {len(prompt_ids)} tokens; model {name}/{version} takes at most {max_len - 1}"
             )
-        sequence = Sequence(prompt_ids, params, loaded.tokenizer, loaded.max_len)
-        decoder = Decoder(loaded, sequence)
-        self.waiting += 1
-        started = False
+        mailbox: Mailbox[Delta] = Mailbox(Delta.merge)
+        loop = asyncio.get_running_loop()
+        sequence = Sequence(prompt_ids, params, runner.loaded.tokenizer, max_len)
+        request = Request(sequence, make_generator(params.sampling), (loop, mailbox))
+        runner.scheduler.submit(request)
+        self._wake.set()
+        finished = False
         try:
-            while sequence.finish_reason is None:
-                delta = await self.run(decoder.step)
-                if not started:
-                    started = True
-                    self.waiting -= 1
-                    self.running += 1
+            while not finished:
+                delta = await mailbox.get()
+                finished = delta.finish_reason is not None
                 yield delta
         finally:
-            if started:
-                self.running -= 1
-            else:
-                self.waiting -= 1
+            if not finished:
+                request.cancelled = True
+                self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            self._draining = [r for r in self._draining if r.scheduler.has_work()]
+            busy = [r for r in self._all_runners() if r.scheduler.has_work()]
+            if not busy:
+                self._wake.wait()
+                continue
+            for runner in busy:
+                started = time.perf_counter()
+                try:
+                    outputs = runner.step(self.metrics)
+                except Exception:  # a bug outside any one sequence: log it, keep serving
+                    logger.exception(
+                        "engine step failed for %s/%s", runner.loaded.name, runner.loaded.version
+                    )
+                    continue
+                if self.metrics is not None:
+                    self.metrics.observe_outputs(outputs, time.perf_counter() - started)
+                    self.metrics.observe_occupancy(self.running, self.waiting)
+                _publish(outputs)
 
     def close(self) -> None:
-        """Stops the torch thread once queued work is done."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stops the engine thread after the current step."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+
+def _publish(outputs: list[Output]) -> None:
+    """Hands each output to its request's mailbox, with one wake-up per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Mailbox[Delta], Delta | BaseException]]]
+    by_loop = defaultdict(list)
+    for request, output in outputs:
+        loop, mailbox = request.deliver  # type: ignore[misc]
+        by_loop[loop].append((mailbox, output))
+    for loop, items in by_loop.items():
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[Mailbox[Delta], Delta | BaseException]]) -> None:
+    for mailbox, output in items:
+        if isinstance(output, BaseException):
+            mailbox.fail(output)
+        else:
+            mailbox.put(output)

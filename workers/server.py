@@ -12,11 +12,19 @@ import torch
 
 from feedback.registry import Registry
 from reflow.errors import InvalidArgument, NotFound
-from reflow.serving import bind, new_server, set_serving, wait_for_signal, write_ready_file
+from reflow.serving import (
+    bind,
+    new_server,
+    set_serving,
+    start_metrics_server,
+    wait_for_signal,
+    write_ready_file,
+)
 from reflow.settings import Settings
 from reflow.v1 import worker_pb2, worker_pb2_grpc
-from workers.engine import Engine
+from workers.engine import Engine, EngineConfig
 from workers.loading import LoadedModel, load_version, resolve_device
+from workers.metrics import WorkerMetrics
 from workers.sampling import SamplingParams
 from workers.sequence import Delta, GenerationParams
 
@@ -103,6 +111,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             waiting=self.engine.waiting,
             memory_bytes=resident_memory_bytes(),
             device_memory_bytes=device_bytes,
+            kv_slots=self.engine.kv_slots,
+            max_waiting=self.engine.config.max_waiting,
         )
 
     async def Load(
@@ -133,7 +143,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Fetch and build on a side thread: running sequences keep decoding meanwhile.
         cache = self.settings.model_cache_dir
         loaded = await asyncio.to_thread(load_version, registry, ref, cache, self.device, alias)
-        self.engine.add(loaded)
+        await asyncio.to_thread(self.engine.add, loaded)  # compiles and warms up first when enabled
         logger.info("loaded model=%s version=%s alias=%s device=%s", name, ref.version, alias, self.device)
         return loaded
 
@@ -150,22 +160,45 @@ async def create_server(
     return server, bound, health_servicer
 
 
+def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
+    """Batching limits from settings; `compile=auto` compiles on CUDA only (no gain on CPU)."""
+    compile_on = settings.compile == "on" or (settings.compile == "auto" and device.type == "cuda")
+    return EngineConfig(
+        max_batch_size=settings.max_batch_size,
+        max_waiting=settings.max_waiting,
+        prefill_chunk=settings.prefill_chunk,
+        max_prefill_tokens=settings.max_prefill_tokens,
+        compile=compile_on,
+    )
+
+
 async def serve(settings: Settings, *, version: str = "", ready_file: Path | None = None) -> None:
     """`reflow worker`: load the configured version, serve until SIGINT/SIGTERM, then drain."""
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     device = resolve_device(settings.device)
     registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
-    engine = Engine()
+    metrics = WorkerMetrics()
+    engine = Engine(engine_config(settings, device), metrics)
     servicer = WorkerServicer(engine, registry, settings, device)
     alias = "" if version else settings.model_alias
     await servicer.load(settings.model_name, version=version, alias=alias)
     server, port, health_servicer = await create_server(servicer, settings.worker_host, settings.worker_port)
+    metrics_server, metrics_url = start_metrics_server(
+        metrics.registry, settings.worker_host, settings.worker_metrics_port
+    )
     address = f"{settings.worker_host}:{port}"
-    logger.info("worker serving on %s device=%s", address, device)
-    write_ready_file(ready_file, address=address)
+    logger.info(
+        "worker serving on %s device=%s compile=%s metrics %s",
+        address,
+        device,
+        engine.config.compile,
+        metrics_url,
+    )
+    write_ready_file(ready_file, address=address, metrics=metrics_url)
     await wait_for_signal()
     logger.info("worker draining (grace %.0fs)", settings.shutdown_grace_s)
     await set_serving(health_servicer, [SERVICE], False)
     await server.stop(settings.shutdown_grace_s)
     engine.close()
+    metrics_server.shutdown()

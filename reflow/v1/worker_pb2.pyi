@@ -64,18 +64,22 @@ class LoadedVersion(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
-    __slots__ = ("loaded", "running", "waiting", "memory_bytes", "device_memory_bytes")
+    __slots__ = ("loaded", "running", "waiting", "memory_bytes", "device_memory_bytes", "kv_slots", "max_waiting")
     LOADED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
     loaded: _containers.RepeatedCompositeFieldContainer[LoadedVersion]
     running: int
     waiting: int
     memory_bytes: int
     device_memory_bytes: int
-    def __init__(self, loaded: _Optional[_Iterable[_Union[LoadedVersion, _Mapping]]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
+    kv_slots: int
+    max_waiting: int
+    def __init__(self, loaded: _Optional[_Iterable[_Union[LoadedVersion, _Mapping]]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_waiting: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("model", "version", "alias")

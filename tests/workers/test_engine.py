@@ -1,27 +1,37 @@
-"""The engine: exact greedy decoding, seeded reproducibility, cancellation, torch off the event loop."""
+"""The engine: continuous batching that is exact, joins and leaves at step boundaries, fails alone."""
 
 from __future__ import annotations
 
 import asyncio
+import random
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from reflow.errors import InvalidArgument, NotFound
+import workers.engine
+from reflow.errors import InvalidArgument, NotFound, ResourceExhausted
 from tests.conftest import reference_greedy, tiny_model
-from workers.engine import Engine
+from workers.engine import Engine, EngineConfig
 from workers.loading import LoadedModel
+from workers.metrics import WorkerMetrics
 from workers.sampling import SamplingParams
 from workers.sequence import Delta, GenerationParams
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
+PROMPTS = [f"{a}+{b}=" for a, b in ((47, 38), (1, 1), (99, 9), (5, 60), (12, 34), (0, 0), (73, 21), (8, 88))]
+
+
+def new_engine(**config: int | bool) -> Engine:
+    engine = Engine(EngineConfig(**config), WorkerMetrics())  # type: ignore[arg-type]
+    engine.add(LoadedModel("arith", "1", tiny_model(0), TOK, torch.device("cpu"), {"champion"}))
+    return engine
 
 
 @pytest.fixture
-def engine() -> Engine:
-    engine = Engine()
-    engine.add(LoadedModel("arith", "1", tiny_model(0), TOK, torch.device("cpu"), {"champion"}))
+def engine() -> Iterator[Engine]:
+    engine = new_engine()
     yield engine
     engine.close()
 
@@ -33,39 +43,110 @@ async def collect(engine: Engine, prompt: str, params: GenerationParams) -> Delt
     return out
 
 
+async def until(condition, timeout_s: float = 2.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
 async def test_greedy_tokens_match_a_cache_free_reference(engine: Engine) -> None:
     out = await collect(engine, "47+38=", GenerationParams(max_tokens=20))
     assert out.token_ids == reference_greedy(tiny_model(0), "47+38=", 20)
 
 
-async def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
-    params = GenerationParams(max_tokens=20, sampling=SamplingParams(temperature=1.0, seed=9))
-    first = await collect(engine, "1+2=", params)
-    assert (await collect(engine, "1+2=", params)).token_ids == first.token_ids
-    other = GenerationParams(max_tokens=20, sampling=SamplingParams(temperature=1.0, seed=10))
-    assert (await collect(engine, "1+2=", other)).token_ids != first.token_ids
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, seed=5)])
+async def test_output_is_the_same_alone_and_in_any_batch_mix(
+    engine: Engine, sampling: SamplingParams
+) -> None:
+    def params(i: int) -> GenerationParams:
+        return GenerationParams(max_tokens=8 + 5 * i, sampling=sampling)
+
+    alone = [(await collect(engine, p, params(i))).token_ids for i, p in enumerate(PROMPTS)]
+    together = await asyncio.gather(*(collect(engine, p, params(i)) for i, p in enumerate(PROMPTS)))
+    assert [d.token_ids for d in together] == alone
+    order = list(range(len(PROMPTS)))
+    random.Random(1).shuffle(order)
+    mixed = await asyncio.gather(*(collect(engine, PROMPTS[i], params(i)) for i in order[:5]))
+    assert [d.token_ids for d in mixed] == [alone[i] for i in order[:5]]
+    assert engine.metrics is not None and engine.metrics.batch_size.collect()[0].samples  # it batched
 
 
-async def test_closing_the_stream_stops_generation_and_frees_the_sequence(engine: Engine) -> None:
-    stream = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=50))
-    await anext(stream)
-    assert engine.running == 1
-    await stream.aclose()
-    assert (engine.running, engine.waiting) == (0, 0)
+async def test_a_request_arriving_mid_generation_joins_at_the_next_step(engine: Engine) -> None:
+    long = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
+    for _ in range(5):
+        await anext(long)
+    late = await collect(engine, "47+38=", GenerationParams(max_tokens=10))
+    assert engine.running == 1  # the long one is still going: they overlapped
+    assert late.token_ids == reference_greedy(tiny_model(0), "47+38=", 10)
+    await long.aclose()
 
 
-async def test_concurrent_streams_interleave_and_stay_exact(engine: Engine) -> None:
-    params = GenerationParams(max_tokens=15)
-    outs = await asyncio.gather(*(collect(engine, p, params) for p in ("1+1=", "22+7=", "9+40=")))
-    for prompt, out in zip(("1+1=", "22+7=", "9+40="), outs, strict=True):
-        assert out.token_ids == reference_greedy(tiny_model(0), prompt, 15)
+async def test_a_cancelled_sequence_frees_its_slot_for_the_next() -> None:
+    engine = new_engine(max_batch_size=1, max_waiting=4)
+    try:
+        first = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
+        await anext(first)
+        queued = asyncio.ensure_future(collect(engine, "2+2=", GenerationParams(max_tokens=5)))
+        await until(lambda: engine.waiting == 1)
+        await first.aclose()
+        assert len((await asyncio.wait_for(queued, 5)).token_ids) <= 5  # it got the freed slot
+        await until(lambda: (engine.running, engine.waiting) == (0, 0))
+    finally:
+        engine.close()
+
+
+async def test_a_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
+    engine = new_engine(max_batch_size=1, max_waiting=1)
+    try:
+        running = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
+        await anext(running)
+        waiting = asyncio.ensure_future(collect(engine, "2+2=", GenerationParams(max_tokens=3)))
+        await until(lambda: engine.waiting == 1)
+        with pytest.raises(ResourceExhausted) as info:
+            await collect(engine, "3+3=", GenerationParams(max_tokens=3))
+        assert info.value.retry_after_ms > 0 and "retry" in str(info.value)
+        await running.aclose()
+        await waiting
+    finally:
+        engine.close()
+
+
+async def test_a_failing_sequence_fails_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_sample = workers.engine.sample
+
+    def flaky(logits, params, generator):  # type: ignore[no-untyped-def]
+        if params.seed == 666:
+            raise RuntimeError("sampling blew up")
+        return real_sample(logits, params, generator)
+
+    monkeypatch.setattr(workers.engine, "sample", flaky)
+    good = GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=1))
+    bad = GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=666))
+    results = await asyncio.gather(
+        collect(engine, "1+1=", good), collect(engine, "2+2=", bad), collect(engine, "3+3=", good),
+        return_exceptions=True,
+    )  # fmt: skip
+    assert isinstance(results[1], RuntimeError)
+    assert all(isinstance(r, Delta) and r.finish_reason is not None for r in (results[0], results[2]))
+    assert (await collect(engine, "4+4=", good)).finish_reason is not None  # the engine lives on
 
 
 async def test_ids_the_tokenizer_cannot_produce_are_never_sampled(engine: Engine) -> None:
     params = GenerationParams(max_tokens=60, sampling=SamplingParams(temperature=100.0, seed=3))
     out = await collect(engine, "1+1=", params)
-    assert len(out.token_ids) == 60 or out.token_ids[-1] == TOK.eos_id
     assert all(t < TOK.vocab_size and t not in (TOK.pad_id, TOK.bos_id) for t in out.token_ids)
+
+
+async def test_long_prompts_prefill_in_chunks_exactly() -> None:
+    engine = new_engine(prefill_chunk=4, max_prefill_tokens=6)
+    try:
+        prompt = "12345678901234567890+1="
+        out = await collect(engine, prompt, GenerationParams(max_tokens=10))
+        assert out.token_ids == reference_greedy(tiny_model(0), prompt, 10)
+    finally:
+        engine.close()
 
 
 async def test_event_loop_stays_responsive_while_decoding(engine: Engine) -> None:
@@ -78,18 +159,25 @@ async def test_event_loop_stays_responsive_while_decoding(engine: Engine) -> Non
             ticks += 1
 
     task = asyncio.create_task(ticker())
-    await collect(engine, "3+4=", GenerationParams(max_tokens=40))
+    await asyncio.gather(*(collect(engine, p, GenerationParams(max_tokens=40)) for p in PROMPTS))
     task.cancel()
     assert ticks > 5
 
 
 async def test_bad_requests(engine: Engine) -> None:
     with pytest.raises(NotFound, match="arith/9 is not loaded"):
-        await collect_version(engine, "9")
+        async for _ in engine.generate("arith", "9", [1, 2], GenerationParams(max_tokens=1)):
+            pass
     with pytest.raises(InvalidArgument, match="takes at most 63"):
         await collect(engine, "9" * 100, GenerationParams(max_tokens=5))
 
 
-async def collect_version(engine: Engine, version: str) -> None:
-    async for _ in engine.generate("arith", version, [1, 2], GenerationParams(max_tokens=1)):
-        pass
+@pytest.mark.slow
+async def test_the_compiled_decode_step_gives_the_eager_tokens() -> None:
+    compiled = new_engine(compile=True, max_batch_size=16)
+    try:
+        params = GenerationParams(max_tokens=12)
+        outs = await asyncio.gather(*(collect(compiled, p, params) for p in PROMPTS[:4]))
+        assert [o.token_ids for o in outs] == [reference_greedy(tiny_model(0), p, 12) for p in PROMPTS[:4]]
+    finally:
+        compiled.close()

@@ -1,0 +1,47 @@
+"""Prometheus series of one gateway: latency as clients see it, tokens, requests by status and arm."""
+
+from __future__ import annotations
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from workers.metrics import LATENCY_BUCKETS
+
+
+class GatewayMetrics:
+    """The series a gateway exports, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "reflow_gateway_time_to_first_token_seconds", "Request received to first token sent.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.inter_token = Histogram(
+            "reflow_gateway_inter_token_seconds", "Between tokens relayed to a client (per token).",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "reflow_gateway_relayed_tokens", "Tokens relayed (rate() = tokens/s).", registry=r
+        )
+        self.messages = Counter(
+            "reflow_gateway_relayed_messages", "Stream messages sent to clients.", registry=r
+        )
+        self.requests = Counter(
+            "reflow_gateway_requests",
+            "Finished RPCs by method and gRPC status code.",
+            ["method", "code"],
+            registry=r,
+        )
+        self.arms = Counter(
+            "reflow_gateway_generations",
+            "Generations routed, by model and arm.",
+            ["model", "arm"],
+            registry=r,
+        )
+        self.in_flight = Gauge("reflow_gateway_streams_in_flight", "Generate streams open now.", registry=r)
+
+    def count_request(self, method: str, code: grpc.StatusCode) -> None:
+        """Called by the error interceptor when an RPC ends."""
+        self.requests.labels(method.rsplit("/", 1)[-1], code.name).inc()

@@ -1,0 +1,85 @@
+"""Prometheus series of one worker: latency histograms, throughput, batch and KV-slot occupancy."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from workers.engine import Output
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256)
+
+
+class WorkerMetrics:
+    """The series a worker exports, in a registry of its own (so tests can run many workers)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "reflow_worker_time_to_first_token_seconds",
+            "Enqueued to first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "reflow_worker_inter_token_seconds", "Between consecutive tokens of a sequence.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue_time = Histogram(
+            "reflow_worker_queue_seconds",
+            "Enqueued to admitted into a KV slot.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            "reflow_worker_step_seconds", "Duration of one engine step.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            "reflow_worker_decode_batch_size",
+            "Sequences decoded together in a step.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "reflow_worker_generated_tokens", "Tokens generated (rate() = tokens/s).", registry=r
+        )
+        self.finished = Counter(
+            "reflow_worker_sequences_finished",
+            "Finished sequences by finish reason.",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.running = Gauge("reflow_worker_running_sequences", "Sequences holding a KV slot.", registry=r)
+        self.waiting = Gauge("reflow_worker_waiting_sequences", "Sequences queued for a KV slot.", registry=r)
+        self.kv_slots_in_use = Gauge("reflow_worker_kv_slots_in_use", "KV cache slots in use.", registry=r)
+        self.kv_slots = Gauge("reflow_worker_kv_slots", "KV cache slots allocated.", registry=r)
+
+    def observe_occupancy(self, running: int, waiting: int) -> None:
+        """After each step: sequences holding KV slots and sequences queued."""
+        self.running.set(running)
+        self.kv_slots_in_use.set(running)
+        self.waiting.set(waiting)
+
+    def observe_outputs(self, outputs: Seq[Output], step_seconds: float) -> None:
+        """Per-token latencies and counts of one step's outputs."""
+        self.step_time.observe(step_seconds)
+        now = time.perf_counter()
+        for request, output in outputs:
+            if isinstance(output, BaseException):
+                self.finished.labels("ERROR").inc()
+                continue
+            self.tokens.inc(len(output.token_ids))
+            if request.last_token_at:
+                self.inter_token.observe(now - request.last_token_at)
+            else:
+                self.ttft.observe(now - request.enqueued_at)
+                self.queue_time.observe(request.admitted_at - request.enqueued_at)
+            request.last_token_at = now
+            if output.finish_reason is not None:
+                self.finished.labels(output.finish_reason.name).inc()
