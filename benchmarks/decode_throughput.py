@@ -1,14 +1,17 @@
-"""Single-stream decode throughput: the engine in-process beside the same requests end to end.
+"""Decode throughput and latency at 1, 8, 32 and 64 concurrent streams: engine vs end to end.
 
-    .venv/bin/python benchmarks/decode_throughput.py [--preset arith-small] [--requests 20] [--runs 3]
+    .venv/bin/python benchmarks/decode_throughput.py [--preset arith-small] [--requests 64] [--runs 3]
 
 Registers a randomly initialised model of the preset in a temporary MLflow store (throughput
-does not depend on the weights; sampling at temperature 1 with `<eos>` banned by max_tokens
-keeps every request the same length), then measures, side by side in one run:
-  * engine: tokens/s of sequential requests on an in-process Engine;
-  * end to end: tokens/s, time to first token and inter-token latency seen by one gRPC client
-    of a gateway process in front of a worker process (what `reflow up` runs).
-Medians over --runs; the ratio says what the gRPC hops cost.
+does not depend on the weights), then measures, side by side in one run, the same requests
+(mixed prompt lengths, max_tokens 16-64, seeded sampling so lengths repeat):
+  * engine: an in-process Engine with at most C streams in flight; C=1 is the requests run
+    one after another;
+  * end to end: C concurrent gRPC clients of a gateway process in front of a worker process
+    (what `reflow up` runs), all on this machine's cores.
+For each, aggregate tokens/s, time to first token, and inter-token latency per request as
+(total - TTFT) / (tokens - 1) (p50, p99 across requests, from the client's side). Medians
+over --runs, levels alternating so drift hits all alike.
 """
 
 from __future__ import annotations
@@ -18,15 +21,17 @@ import asyncio
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import grpc
 
 from feedback.registry import Registry
 from feedback.store import migrate, open_engine
 from gateway.tenants import create_tenant
-from reflow.client import Client
 from reflow.settings import Settings
 from reflow.supervisor import Supervisor, wait_serving
-from reflow.v1 import inference_pb2
+from reflow.v1 import inference_pb2, inference_pb2_grpc
 from workers.engine import Engine
 from workers.loading import load_directory, resolve_device
 from workers.model import ModelConfig, Transformer, init_weights
@@ -34,10 +39,103 @@ from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
 from workers.tokenizer import ByteTokenizer
 
-PROMPTS = [f"{a}+{b}=" for a, b in ((47, 38), (3, 5), (99, 99), (12, 40), (7, 81))]
+LEVELS = (1, 8, 32, 64)
 
 
-def register_random_model(settings: Settings, preset: str) -> None:
+def workload(n: int) -> list[tuple[str, int, int]]:
+    """(prompt, max_tokens, seed) for n requests: short arith prompts and longer texts."""
+    requests = []
+    for i in range(n):
+        prompt = f"{(i * 37) % 100}+{(i * 91) % 100}=" if i % 3 else f"question {i}: " + "x" * (i % 40)
+        requests.append((prompt, 16 + (i * 13) % 49, i + 1))
+    return requests
+
+
+@dataclass
+class Run:
+    """Tokens and per-request latencies of one measurement."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    def record(self, sent: float, first: float, done: float, tokens: int) -> None:
+        """One finished request: sent, first token and last token times, tokens generated."""
+        self.tokens += tokens
+        self.ttft.append(first - sent)
+        if tokens > 1:
+            self.itl.append((done - first) / (tokens - 1))
+
+
+async def bounded(concurrency: int, jobs: list) -> None:  # type: ignore[type-arg]
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def run(job) -> None:  # type: ignore[no-untyped-def]
+        async with semaphore:
+            await job()
+
+    await asyncio.gather(*(run(j) for j in jobs))
+
+
+async def engine_run(engine: Engine, requests: list[tuple[str, int, int]], concurrency: int) -> Run:
+    run, tokenizer = Run(), ByteTokenizer()
+
+    async def one(prompt: str, max_tokens: int, seed: int) -> None:
+        params = GenerationParams(max_tokens, SamplingParams(temperature=1.0, seed=seed))
+        sent, first, tokens = time.perf_counter(), 0.0, 0
+        async for delta in engine.generate("arith", "1", tokenizer.encode(prompt), params):
+            first = first or time.perf_counter()
+            tokens += len(delta.token_ids)
+        run.record(sent, first, time.perf_counter(), tokens)
+
+    started = time.perf_counter()
+    await bounded(concurrency, [lambda r=r: one(*r) for r in requests])
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+async def grpc_run(address: str, api_key: str, requests: list[tuple[str, int, int]], concurrency: int) -> Run:
+    run = Run()
+    metadata = (("authorization", f"Bearer {api_key}"),)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        async def one(prompt: str, max_tokens: int, seed: int) -> None:
+            sampling = inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed)
+            request = inference_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
+            sent, first, tokens = time.perf_counter(), 0.0, 0
+            async for message in stub.Generate(request, metadata=metadata):
+                first = first or time.perf_counter()
+                tokens = message.usage.completion_tokens or tokens
+            run.record(sent, first, time.perf_counter(), tokens)
+
+        started = time.perf_counter()
+        await bounded(concurrency, [lambda r=r: one(*r) for r in requests])
+        run.seconds = time.perf_counter() - started
+    return run
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] * 1000
+
+
+def summarize(runs: list[Run]) -> tuple[float, float, float, float, float]:
+    """Median over runs of tokens/s, TTFT p50/p99 and inter-token p50/p99 (ms)."""
+    med = statistics.median
+    return (
+        med(r.rate for r in runs),
+        med(pct(r.ttft, 0.5) for r in runs), med(pct(r.ttft, 0.99) for r in runs),
+        med(pct(r.itl, 0.5) for r in runs), med(pct(r.itl, 0.99) for r in runs),
+    )  # fmt: skip
+
+
+def register_random_model(settings: Settings, preset: str) -> Path:
     model = Transformer(ModelConfig.from_name(preset))
     init_weights(model, 0)
     directory = settings.data_dir / "random-model"
@@ -45,35 +143,7 @@ def register_random_model(settings: Settings, preset: str) -> None:
     ByteTokenizer().save(directory)
     registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
     registry.register(settings.model_name, directory, params={"preset": preset}, metrics={}, alias="champion")
-
-
-async def engine_rate(directory: Path, n: int, max_tokens: int) -> float:
-    engine = Engine()
-    engine.add(load_directory(directory, "arith", "1", resolve_device("cpu")))
-    tokens, started = 0, time.perf_counter()
-    for i in range(n):
-        params = GenerationParams(max_tokens, SamplingParams(temperature=1.0, seed=i + 1))
-        async for delta in engine.generate("arith", "1", ByteTokenizer().encode(PROMPTS[i % 5]), params):
-            tokens += len(delta.token_ids)
-    engine.close()
-    return tokens / (time.perf_counter() - started)
-
-
-def end_to_end(address: str, api_key: str, n: int, max_tokens: int) -> tuple[float, float, float]:
-    """tokens/s, median time to first token (ms), median inter-token latency (ms)."""
-    tokens, ttfts, gaps = 0, [], []
-    started = time.perf_counter()
-    with Client(address, api_key) as client:
-        for i in range(n):
-            sampling = inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i + 1)
-            sent = last = time.perf_counter()
-            for j, message in enumerate(client.generate(PROMPTS[i % 5], sampling=sampling)):
-                now = time.perf_counter()
-                (ttfts if j == 0 else gaps).append((now - (sent if j == 0 else last)) * 1000)
-                last = now
-                if message.finish_reason:
-                    tokens += message.usage.completion_tokens
-    return tokens / (time.perf_counter() - started), statistics.median(ttfts), statistics.median(gaps)
+    return directory
 
 
 def main() -> None:
@@ -83,16 +153,18 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", default="arith-small")
-    parser.add_argument("--requests", type=int, default=20)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
+    requests = workload(args.requests)
+    engine_runs: dict[int, list[Run]] = {c: [] for c in LEVELS}
+    e2e_runs: dict[int, list[Run]] = {c: [] for c in LEVELS}
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(data_dir=Path(tmp), device="cpu", gateway_port=0)
-        register_random_model(settings, args.preset)
-        engine = open_engine(settings.resolved_database_url)
-        migrate(engine)
-        _, api_key = create_tenant(engine, "bench", requests_per_minute=0)
+        directory = register_random_model(settings, args.preset)
+        store = open_engine(settings.resolved_database_url)
+        migrate(store)
+        _, api_key = create_tenant(store, "bench", requests_per_minute=0, max_concurrent_streams=1000)
         supervisor = Supervisor(settings)
         env = {"REFLOW_DATA_DIR": tmp, "REFLOW_DEVICE": "cpu"}
         try:
@@ -102,24 +174,39 @@ def main() -> None:
             )
             gateway = supervisor.wait_ready(gateway_child)["address"]
             wait_serving(gateway)
-            end_to_end(gateway, api_key, 3, args.max_tokens)  # warm up both processes
-            engine_runs, e2e_runs = [], []
-            for _ in range(args.runs):  # alternate, so drift hits both alike
-                engine_runs.append(
-                    asyncio.run(engine_rate(Path(tmp) / "random-model", args.requests, args.max_tokens))
-                )
-                e2e_runs.append(end_to_end(gateway, api_key, args.requests, args.max_tokens))
+
+            async def measure() -> None:
+                engine = Engine()
+                engine.add(load_directory(directory, "arith", "1", resolve_device("cpu")))
+                await engine_run(engine, requests[:8], 8)  # warm up both paths
+                await grpc_run(gateway, api_key, requests[:8], 8)
+                for _ in range(args.runs):
+                    for c in LEVELS:
+                        engine_runs[c].append(await engine_run(engine, requests, c))
+                        e2e_runs[c].append(await grpc_run(gateway, api_key, requests, c))
+                engine.close()
+
+            asyncio.run(measure())
         finally:
             supervisor.stop()
-    engine_tps = statistics.median(engine_runs)
-    e2e_tps = statistics.median(r[0] for r in e2e_runs)
-    print(f"preset {args.preset}, {args.requests} sequential requests x {args.max_tokens} tokens, "
+    print(f"preset {args.preset}: {args.requests} requests, prompts 5-53 tokens, max_tokens 16-64, "
           f"median of {args.runs} runs, torch threads {torch.get_num_threads()}")  # fmt: skip
-    print(f"engine, in-process          {engine_tps:8.0f} tokens/s")
-    print(f"end to end, one gRPC client {e2e_tps:8.0f} tokens/s   "
-          f"TTFT p50 {statistics.median(r[1] for r in e2e_runs):.2f} ms   "
-          f"inter-token p50 {statistics.median(r[2] for r in e2e_runs):.2f} ms")  # fmt: skip
-    print(f"end to end / engine         {e2e_tps / engine_tps:8.2f}")
+    header = (
+        f"{'':>14} {'C':>3} {'tokens/s':>9} {'x C=1':>6} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}"
+    )
+    print(header + "   (ms)")
+    base: dict[str, tuple[float, ...]] = {}
+    for name, runs in (("engine", engine_runs), ("end to end", e2e_runs)):
+        for c in LEVELS:
+            rate, t50, t99, i50, i99 = summarize(runs[c])
+            first = base.setdefault(name, (rate, i50))
+            latencies = f"{t50:>9.2f} {t99:>7.2f} {i50:>8.2f} {i99:>7.2f}"
+            print(f"{name:>14} {c:>3} {rate:>9.0f} {rate / first[0]:>6.2f} {latencies}")
+    for c in LEVELS:
+        ratio = summarize(e2e_runs[c])[0] / summarize(engine_runs[c])[0]
+        print(f"end to end / engine at C={c}: {ratio:.2f}")
+    for name, runs in (("engine", engine_runs), ("end to end", e2e_runs)):
+        print(f"{name}: ITL p50 at C=32 / C=1: {summarize(runs[32])[3] / summarize(runs[1])[3]:.2f}")
 
 
 if __name__ == "__main__":

@@ -74,19 +74,20 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_seq_len = config.max_seq_len
 
+    def mask(self, positions: Tensor) -> Tensor:
+        """Which cached keys each query may attend to (its own and earlier positions): [B, 1, T, S]."""
+        key_pos = torch.arange(self.max_seq_len, device=positions.device)
+        return (key_pos[None, None, :] <= positions[:, :, None])[:, None]
+
     def update(
         self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Writes k, v at `positions` of `slots`; returns the slots' keys, values and attention mask."""
+    ) -> tuple[Tensor, Tensor]:
+        """Writes k, v at `positions` of `slots`; returns the slots' keys and values: [B, H, S, D]."""
         # slots: [B]; positions: [B, T]; k, v: [B, H, T, D]
         rows = slots[:, None]
         self.k[layer][rows, :, positions] = k.transpose(1, 2)  # indexed view: [B, T, H, D]
         self.v[layer][rows, :, positions] = v.transpose(1, 2)
-        keys = self.k[layer][slots]  # [B, H, S, D]
-        values = self.v[layer][slots]
-        key_pos = torch.arange(self.max_seq_len, device=positions.device)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        return keys, values, mask[:, None]  # mask: [B, 1, T, S]
+        return self.k[layer][slots], self.v[layer][slots]
 
 
 class RMSNorm(nn.Module):
@@ -138,6 +139,7 @@ class Attention(nn.Module):
         positions: Tensor,
         cache: KVCache | None,
         slots: Tensor | None,
+        mask: Tensor | None,
     ) -> Tensor:
         b, t, _ = x.shape
         h, d = self.config.n_heads, self.config.head_dim
@@ -148,7 +150,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             assert slots is not None
-            keys, values, mask = cache.update(self.layer, slots, positions, k, v)
+            keys, values = cache.update(self.layer, slots, positions, k, v)
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.wo(y.transpose(1, 2).reshape(b, t, h * d))  # [B, T, dim]
 
@@ -183,8 +185,9 @@ class Block(nn.Module):
         positions: Tensor,
         cache: KVCache | None,
         slots: Tensor | None,
+        mask: Tensor | None,
     ) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, positions, cache, slots)
+        x = x + self.attention(self.attention_norm(x), rope, positions, cache, slots, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -217,8 +220,9 @@ class Transformer(nn.Module):
             positions = torch.arange(t, device=tokens.device).expand(b, t)
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         rope = self.rope[positions]  # [B, T, D/2, 2]
+        mask = None if cache is None else cache.mask(positions)  # [B, 1, T, S]
         for layer in self.layers:
-            x = layer(x, rope, positions, cache, slots)
+            x = layer(x, rope, positions, cache, slots, mask)
         return self.output(self.norm(x))  # [B, T, vocab]
 
     def new_cache(self, n_slots: int) -> KVCache:
