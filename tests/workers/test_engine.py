@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch
@@ -83,13 +83,19 @@ async def test_a_request_arriving_mid_generation_joins_at_the_next_step(engine: 
     await long.aclose()
 
 
+async def one_running_one_waiting(engine: Engine) -> tuple[AsyncIterator[Delta], asyncio.Future[Delta]]:
+    """On a one-slot engine: a long stream holding the slot, and a short request queued behind it."""
+    running = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
+    await anext(running)
+    waiting = asyncio.ensure_future(collect(engine, "2+2=", GenerationParams(max_tokens=5)))
+    await until(lambda: engine.waiting == 1)
+    return running, waiting
+
+
 async def test_a_cancelled_sequence_frees_its_slot_for_the_next() -> None:
     engine = new_engine(max_batch_size=1, max_waiting=4)
     try:
-        first = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
-        await anext(first)
-        queued = asyncio.ensure_future(collect(engine, "2+2=", GenerationParams(max_tokens=5)))
-        await until(lambda: engine.waiting == 1)
+        first, queued = await one_running_one_waiting(engine)
         await first.aclose()
         assert len((await asyncio.wait_for(queued, 5)).token_ids) <= 5  # it got the freed slot
         await until(lambda: (engine.running, engine.waiting) == (0, 0))
@@ -100,10 +106,7 @@ async def test_a_cancelled_sequence_frees_its_slot_for_the_next() -> None:
 async def test_a_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
     engine = new_engine(max_batch_size=1, max_waiting=1)
     try:
-        running = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
-        await anext(running)
-        waiting = asyncio.ensure_future(collect(engine, "2+2=", GenerationParams(max_tokens=3)))
-        await until(lambda: engine.waiting == 1)
+        running, waiting = await one_running_one_waiting(engine)
         with pytest.raises(ResourceExhausted) as info:
             await collect(engine, "3+3=", GenerationParams(max_tokens=3))
         assert info.value.retry_after_ms > 0 and "retry" in str(info.value)
