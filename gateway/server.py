@@ -149,15 +149,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     raise _worker_error(worker, error, started=first_token_at is not None) from None
                 message = inference_pb2.GenerateResponse(text=delta.text, reasoning_text=delta.reasoning_text)
                 now = time.perf_counter()
+                later_tokens = len(delta.token_ids)  # tokens after the first one of the stream
                 if first_token_at is None:
                     first_token_at = now
                     message.MergeFrom(header)
                     self.metrics.ttft.observe(now - received)
                     self.metrics.arms.labels(header.model, header.arm).inc()
-                elif delta.token_ids:
-                    per_token = (now - last_sent) / len(delta.token_ids)
-                    for _ in delta.token_ids:
-                        self.metrics.inter_token.observe(per_token)
+                    later_tokens -= 1
+                for _ in range(later_tokens):  # a coalesced message spreads its gap over its tokens
+                    self.metrics.inter_token.observe((now - last_sent) / max(later_tokens, 1))
                 last_sent = now
                 self.metrics.tokens.inc(len(delta.token_ids))
                 self.metrics.messages.inc()
@@ -231,14 +231,23 @@ def merge_worker_deltas(
 
 
 async def _pump(call: grpc.aio.UnaryStreamCall, mailbox: Mailbox[worker_pb2.WorkerGenerateResponse]) -> None:
-    """Reads a worker stream as fast as it comes into `mailbox`."""
+    """Reads a worker stream as fast as it comes into `mailbox`; always ends it with a failure
+    the reader sees after the last item (it stops reading at the final delta before that)."""
+    failure: BaseException = Unavailable(
+        "the worker ended the stream without finishing it; retry the request"
+    )
     try:
         async for delta in call:
             mailbox.put(delta)
     except grpc.aio.AioRpcError as error:
-        mailbox.fail(error)
-    else:
-        mailbox.fail(Unavailable("the worker ended the stream without finishing it; retry the request"))
+        failure = error
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:
+        logger.exception("relay from worker failed")
+        failure = Unavailable(f"relaying from the worker failed ({type(error).__name__}); retry the request")
+    finally:
+        mailbox.fail(failure)
 
 
 class _WorkerUnreachable(Exception):

@@ -155,6 +155,9 @@ def _streaming(behavior: Behavior, method: str, on_done: OnDone) -> Behavior:
         try:
             async for response in behavior(request, context):
                 yield response
+        except GeneratorExit:  # the client went away while we waited to write
+            code = grpc.StatusCode.CANCELLED
+            raise
         except (grpc.aio.AbortError, grpc.aio.UsageError, asyncio.CancelledError) as error:
             code = _code_of(error, context)
             raise

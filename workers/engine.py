@@ -8,6 +8,7 @@ the event loop once per step, into each request's coalescing mailbox.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from reflow.errors import InvalidArgument, NotFound
+from reflow.errors import InvalidArgument, NotFound, Unavailable
 from reflow.streaming import Mailbox
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
@@ -161,6 +162,7 @@ class Engine:
         self.metrics = metrics
         self._runners: dict[tuple[str, str], ModelRunner] = {}
         self._draining: list[ModelRunner] = []  # unloaded, still finishing their sequences
+        self._lock = threading.Lock()  # guards _runners and _draining across threads
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -171,23 +173,27 @@ class Engine:
         runner = ModelRunner(loaded, self.config)
         if self.config.compile:
             runner.warm_up((MIN_DECODE_ROWS, self.config.max_batch_size))
-        self._retire((loaded.name, loaded.version))
-        self._runners[(loaded.name, loaded.version)] = runner
+        with self._lock:
+            self._retire_locked((loaded.name, loaded.version))
+            self._runners[(loaded.name, loaded.version)] = runner
         if self.metrics is not None:
             self.metrics.kv_slots.set(self.kv_slots)
 
     def remove(self, name: str, version: str) -> bool:
         """Stops serving a version; its running sequences finish on the weights they hold."""
-        return self._retire((name, version))
+        with self._lock:
+            removed = self._retire_locked((name, version))
+        if removed and self.metrics is not None:
+            self.metrics.kv_slots.set(self.kv_slots)
+        return removed
 
-    def _retire(self, key: tuple[str, str]) -> bool:
+    def _retire_locked(self, key: tuple[str, str]) -> bool:
         runner = self._runners.pop(key, None)
         if runner is None:
             return False
+        runner.scheduler.close()
         self._draining.append(runner)
         self._wake.set()
-        if self.metrics is not None:
-            self.metrics.kv_slots.set(self.kv_slots)
         return True
 
     def loaded(self) -> list[LoadedModel]:
@@ -222,16 +228,19 @@ class Engine:
 
     @property
     def kv_slots(self) -> int:
-        """KV slots across loaded versions."""
-        return self.config.max_batch_size * len(self._runners)
+        """KV slots allocated, draining versions included."""
+        return self.config.max_batch_size * len(self._all_runners())
 
     def _all_runners(self) -> list[ModelRunner]:
-        return [*self._runners.values(), *self._draining]
+        with self._lock:
+            return [*self._runners.values(), *self._draining]
 
     async def generate(
         self, name: str, version: str, prompt_ids: list[int], params: GenerationParams
     ) -> AsyncIterator[Delta]:
         """Streams the deltas of one completion; leaving early frees its slot at the next step."""
+        if not self._thread.is_alive():
+            raise Unavailable("this worker's engine has stopped; restart the worker")
         runner = self._runner(name, version)
         max_len = runner.loaded.max_len
         if not prompt_ids:
@@ -294,7 +303,7 @@ def _publish(outputs: list[Output]) -> None:
         loop, mailbox = request.deliver  # type: ignore[misc]
         by_loop[loop].append((mailbox, output))
     for loop, items in by_loop.items():
-        if not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting there
             loop.call_soon_threadsafe(_deliver, items)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from reflow.errors import ResourceExhausted
+from reflow.errors import NotFound, ResourceExhausted
 from workers.sequence import Sequence
 
 
@@ -58,6 +58,7 @@ class Scheduler:
         self._free_slots = list(range(n_slots - 1, -1, -1))
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
+        self._closed = False  # the version was unloaded: running ones finish, nothing new joins
         self._lock = threading.Lock()
 
     @property
@@ -77,6 +78,10 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         """Queues a request; ResourceExhausted with a retry hint when the queue is full."""
         with self._lock:
+            if self._closed:
+                raise NotFound("the version was unloaded from this worker just now")
+            if len(self._waiting) >= self.max_waiting:
+                self._waiting = deque(r for r in self._waiting if not r.cancelled)
             if len(self._waiting) >= self.max_waiting:
                 raise ResourceExhausted(
                     f"this worker has {len(self._waiting)} requests waiting, its limit; retry shortly "
@@ -100,16 +105,32 @@ class Scheduler:
             budget = self.max_prefill_tokens
             for request in self._running:
                 if request.prefilled < request.prompt_len:
-                    if budget <= 0:
-                        continue
-                    end = min(
-                        request.prompt_len, request.prefilled + self.prefill_chunk, request.prefilled + budget
-                    )
+                    # Chunk boundaries depend on the request alone (never on the budget left),
+                    # so a prompt prefills the same way in any batch mix and stays bit-exact.
+                    end = min(request.prompt_len, request.prefilled + self.prefill_chunk)
+                    if end - request.prefilled > budget and plan.prefill:
+                        continue  # next step; the first chunk of a step always runs
                     plan.prefill.append((request, request.prefilled, end))
                     budget -= end - request.prefilled
                 elif request.next_input is not None:
                     plan.decode.append(request)
             return plan
+
+    def close(self) -> None:
+        """Refuses new requests; the ones already here run to their end."""
+        with self._lock:
+            self._closed = True
+
+    def take_all(self) -> list[Request]:
+        """Removes every request (running and waiting), for failing them after an engine error."""
+        with self._lock:
+            requests = [*self._running, *self._waiting]
+            for request in self._running:
+                self._free_slots.append(request.slot)
+                request.slot = -1
+            self._running.clear()
+            self._waiting.clear()
+            return requests
 
     def finish(self, request: Request) -> None:
         """Frees a finished request's slot."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -98,8 +99,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         loaded = self.engine.get(request.model, request.version)
         params = params_from_pb(request)
         prompt_ids = list(request.prompt_token_ids) or loaded.tokenizer.encode(request.prompt)
-        async for delta in self.engine.generate(request.model, request.version, prompt_ids, params):
-            yield delta_to_pb(delta)
+        stream = self.engine.generate(request.model, request.version, prompt_ids, params)
+        async with contextlib.aclosing(stream):  # a cancelled call frees its slot at once
+            async for delta in stream:
+                yield delta_to_pb(delta)
 
     async def Status(
         self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext

@@ -136,6 +136,44 @@ async def test_a_failing_sequence_fails_alone(engine: Engine, monkeypatch: pytes
     assert (await collect(engine, "4+4=", good)).finish_reason is not None  # the engine lives on
 
 
+async def test_a_step_level_failure_fails_that_versions_sequences_and_the_engine_goes_on(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = engine._runners[("arith", "1")]
+    real_decode = runner._decode
+    monkeypatch.setattr(runner, "_decode", lambda requests: 1 / 0)  # escapes the per-row guards
+    results = await asyncio.gather(
+        *(collect(engine, p, GenerationParams(max_tokens=10)) for p in PROMPTS[:3]), return_exceptions=True
+    )
+    assert all(isinstance(r, ZeroDivisionError) for r in results)
+    assert (engine.running, engine.waiting) == (0, 0)
+    monkeypatch.setattr(runner, "_decode", real_decode)
+    assert (await collect(engine, "1+1=", GenerationParams(max_tokens=5))).finish_reason is not None
+
+
+async def test_unloading_lets_running_sequences_finish_and_refuses_new_ones(engine: Engine) -> None:
+    stream = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=30))
+    first = await anext(stream)
+    assert engine.remove("arith", "1")
+    rest = Delta()
+    async for delta in stream:
+        rest.merge(delta)
+    assert first.token_ids + rest.token_ids == reference_greedy(tiny_model(0), "1+1=", 30)
+    with pytest.raises(NotFound):
+        await collect(engine, "1+1=", GenerationParams(max_tokens=5))
+
+
+async def test_prefill_chunks_do_not_depend_on_what_else_prefills() -> None:
+    engine = new_engine(prefill_chunk=64, max_prefill_tokens=10)  # a budget smaller than the step's prompts
+    try:
+        prompts = [*PROMPTS, "12345678901234567890+1="]
+        params = GenerationParams(max_tokens=8)
+        together = await asyncio.gather(*(collect(engine, p, params) for p in prompts))
+        assert [d.token_ids for d in together] == [reference_greedy(tiny_model(0), p, 8) for p in prompts]
+    finally:
+        engine.close()
+
+
 async def test_ids_the_tokenizer_cannot_produce_are_never_sampled(engine: Engine) -> None:
     params = GenerationParams(max_tokens=60, sampling=SamplingParams(temperature=100.0, seed=3))
     out = await collect(engine, "1+1=", params)
