@@ -113,7 +113,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         yield message
                 return
             except _WorkerUnreachable as error:
-                if error.code == grpc.StatusCode.UNAVAILABLE:
+                if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     self.pool.mark_unhealthy(worker)
                 elif error.code == grpc.StatusCode.NOT_FOUND:  # it no longer holds the version
                     await self.pool.refresh_one(worker)
@@ -250,6 +250,16 @@ async def _pump(call: grpc.aio.UnaryStreamCall, mailbox: Mailbox[worker_pb2.Work
         mailbox.fail(failure)
 
 
+# Worker answers that, before the first token, send the request to another worker: it is down
+# or shutting down (UNAVAILABLE, CANCELLED), no longer holds the version, or its queue is full.
+RETRY_ON_ANOTHER_WORKER = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
+
+
 class _WorkerUnreachable(Exception):
     """The worker failed before sending a token; another worker may take the request."""
 
@@ -267,11 +277,7 @@ def _worker_error(worker: WorkerHandle, error: grpc.aio.AioRpcError, *, started:
         )
     if code == grpc.StatusCode.INVALID_ARGUMENT:  # e.g. a prompt longer than the model's context
         return InvalidArgument(error.details() or code.name)
-    if not started and code in (
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ):
+    if not started and code in RETRY_ON_ANOTHER_WORKER:
         return _WorkerUnreachable(code)
     if started:
         return Unavailable(f"worker {worker.address} failed mid-stream ({code.name}); retry the request")

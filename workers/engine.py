@@ -267,26 +267,33 @@ class Engine:
                 self._wake.set()
 
     def _run(self) -> None:
-        while not self._stopping:
-            self._wake.clear()
-            self._draining = [r for r in self._draining if r.scheduler.has_work()]
-            busy = [r for r in self._all_runners() if r.scheduler.has_work()]
-            if not busy:
-                self._wake.wait()
-                continue
-            for runner in busy:
-                started = time.perf_counter()
-                try:
-                    outputs = runner.step(self.metrics)
-                except Exception:  # a bug outside any one sequence: log it, keep serving
-                    logger.exception(
-                        "engine step failed for %s/%s", runner.loaded.name, runner.loaded.version
-                    )
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                with self._lock:
+                    self._draining = [r for r in self._draining if r.scheduler.has_work()]
+                busy = [r for r in self._all_runners() if r.scheduler.has_work()]
+                if not busy:
+                    self._wake.wait()
                     continue
-                if self.metrics is not None:
-                    self.metrics.observe_outputs(outputs, time.perf_counter() - started)
-                    self.metrics.observe_occupancy(self.running, self.waiting)
-                _publish(outputs)
+                for runner in busy:
+                    self._step(runner)
+        finally:  # only a bug gets here while serving: nobody may wait for ever
+            stopped = Unavailable("this worker's engine has stopped; retry on another worker")
+            for runner in self._all_runners():
+                _publish([(r, stopped) for r in runner.scheduler.take_all()])
+
+    def _step(self, runner: ModelRunner) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = runner.step(self.metrics)
+        except Exception as error:  # outside any one sequence: fail this version's sequences, go on
+            logger.exception("engine step failed for %s/%s", runner.loaded.name, runner.loaded.version)
+            outputs = [(r, error) for r in runner.scheduler.take_all()]
+        if self.metrics is not None:
+            self.metrics.observe_outputs(outputs, time.perf_counter() - started)
+            self.metrics.observe_occupancy(self.running, self.waiting)
+        _publish(outputs)
 
     def close(self) -> None:
         """Stops the engine thread after the current step."""

@@ -140,14 +140,21 @@ async def test_a_step_level_failure_fails_that_versions_sequences_and_the_engine
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner = engine._runners[("arith", "1")]
-    real_decode = runner._decode
-    monkeypatch.setattr(runner, "_decode", lambda requests: 1 / 0)  # escapes the per-row guards
-    results = await asyncio.gather(
-        *(collect(engine, p, GenerationParams(max_tokens=10)) for p in PROMPTS[:3]), return_exceptions=True
-    )
+    real_step = runner.step
+    calls = 0
+
+    def step_failing_once_mid_stream(metrics):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # past the per-sequence guards, with sequences mid-prefill and mid-decode
+            raise ZeroDivisionError("engine bug")
+        return real_step(metrics)
+
+    monkeypatch.setattr(runner, "step", step_failing_once_mid_stream)
+    jobs = [collect(engine, p, GenerationParams(max_tokens=10)) for p in PROMPTS[:3]]
+    results = await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), timeout=10)
     assert all(isinstance(r, ZeroDivisionError) for r in results)
     assert (engine.running, engine.waiting) == (0, 0)
-    monkeypatch.setattr(runner, "_decode", real_decode)
     assert (await collect(engine, "1+1=", GenerationParams(max_tokens=5))).finish_reason is not None
 
 
