@@ -30,12 +30,6 @@ class Unauthenticated(ReflowError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
-class PermissionDenied(ReflowError):
-    """The key is valid but may not touch this resource."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
-
-
 class NotFound(ReflowError):
     """The model or version does not exist or is not served."""
 

@@ -101,7 +101,9 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
         with Client(endpoints["gateway"], "rf_test_key_0123456789") as client:
             sampling = inference_pb2.SamplingParams(max_tokens=5)
             messages = list(client.generate("47+38=", sampling=sampling))
+            served = [(m.name, [v.version for v in m.versions]) for m in client.list_models().models]
         assert messages[0].model_version == "1" and messages[-1].usage.completion_tokens == 5
+        assert served == [("arith", ["1"])]
         with urllib.request.urlopen(f"{endpoints['mlflow']}/health", timeout=10) as reply:
             assert reply.status == 200
         with urllib.request.urlopen(endpoints["metrics"]["gateway"], timeout=10) as reply:

@@ -84,7 +84,6 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self._decoder = IncrementalDecoder()
         self._held = ""  # answer text that may be the start of a stop string
-        self._answer_len = 0
 
     @property
     def total_len(self) -> int:
