@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,7 @@ class Registry:
         tags: dict[str, str] | None = None,
     ) -> VersionRef:
         """Logs a run holding `model_dir`, registers it as a new version and points `alias` at it."""
+        from mlflow.entities import Metric, Param
         from mlflow.exceptions import MlflowException
 
         missing = [f for f in MODEL_FILES if not (model_dir / f).is_file()]
@@ -111,10 +113,11 @@ class Registry:
             raise FileNotFoundError(f"{model_dir} lacks {missing}")
         run = self.client.create_run(self.experiment_id(), run_name=f"{name}-register")
         run_id = run.info.run_id
-        for key, value in params.items():
-            self.client.log_param(run_id, key, value)
-        for key, value in metrics.items():
-            self.client.log_metric(run_id, key, value)
+        self.client.log_batch(  # one round trip, not one per value
+            run_id,
+            metrics=[Metric(key, value, int(time.time() * 1000), 0) for key, value in metrics.items()],
+            params=[Param(key, str(value)) for key, value in params.items()],
+        )
         for filename in MODEL_FILES:
             self.client.log_artifact(run_id, str(model_dir / filename), MODEL_ARTIFACT_PATH)
         self.client.set_terminated(run_id)

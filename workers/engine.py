@@ -219,12 +219,17 @@ class Engine:
     @property
     def running(self) -> int:
         """Sequences holding a KV slot."""
-        return sum(r.scheduler.running for r in self._all_runners())
+        return self.occupancy()[0]
 
     @property
     def waiting(self) -> int:
         """Sequences queued for a slot."""
-        return sum(r.scheduler.waiting for r in self._all_runners())
+        return self.occupancy()[1]
+
+    def occupancy(self) -> tuple[int, int]:
+        """(running, waiting) over every runner, from one snapshot."""
+        runners = self._all_runners()
+        return sum(r.scheduler.running for r in runners), sum(r.scheduler.waiting for r in runners)
 
     @property
     def kv_slots(self) -> int:
@@ -292,7 +297,7 @@ class Engine:
             outputs = [(r, error) for r in runner.scheduler.take_all()]
         if self.metrics is not None:
             self.metrics.observe_outputs(outputs, time.perf_counter() - started)
-            self.metrics.observe_occupancy(self.running, self.waiting)
+            self.metrics.observe_occupancy(*self.occupancy())
         _publish(outputs)
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ TOKENIZER_FILE = "tokenizer.json"
 
 # Special tokens, in id order after the 256 byte tokens.
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<think>", "</think>")
+SPECIAL_IDS = {token: 256 + i for i, token in enumerate(SPECIAL_TOKENS)}  # as tokenizer.json records them
 
 
 @dataclass(frozen=True)
@@ -47,19 +48,16 @@ class ByteTokenizer:
 
     def save(self, directory: Path) -> None:
         """Writes `tokenizer.json` so a version's artifacts describe their tokenizer."""
-        specials = dict(zip(SPECIAL_TOKENS, range(256, 256 + len(SPECIAL_TOKENS)), strict=True))
-        spec = {"type": "byte", "special_tokens": specials}
+        spec = {"type": "byte", "special_tokens": SPECIAL_IDS}
         (directory / TOKENIZER_FILE).write_text(json.dumps(spec, indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: Path) -> ByteTokenizer:
         """Reads `tokenizer.json`; refuses tokenizers this runtime does not implement."""
         spec = json.loads((directory / TOKENIZER_FILE).read_text())
-        expected = cls()
-        specials = dict(zip(SPECIAL_TOKENS, range(256, 256 + len(SPECIAL_TOKENS)), strict=True))
-        if spec.get("type") != "byte" or spec.get("special_tokens") != specials:
+        if spec.get("type") != "byte" or spec.get("special_tokens") != SPECIAL_IDS:
             raise ValueError(f"unsupported tokenizer in {directory}: {spec}")
-        return expected
+        return cls()
 
 
 class IncrementalDecoder:
