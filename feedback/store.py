@@ -9,7 +9,18 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import DateTime, Engine, Integer, String, create_engine, event
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Engine,
+    Float,
+    Integer,
+    SmallInteger,
+    String,
+    Text,
+    create_engine,
+    event,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -37,6 +48,61 @@ class Tenant(Base):
     requests_per_minute: Mapped[int] = mapped_column(Integer, default=600)  # 0 = unlimited
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
+class Inference(Base):
+    """One finished generation, as the gateway published it; the completion feedback rates."""
+
+    __tablename__ = "inferences"
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    user_id: Mapped[str] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(128))
+    version: Mapped[str] = mapped_column(String(32))
+    arm: Mapped[str] = mapped_column(String(32))  # the alias it was routed through; "" when pinned
+    prompt: Mapped[str] = mapped_column(Text)
+    reasoning: Mapped[str] = mapped_column(Text)
+    completion: Mapped[str] = mapped_column(Text)
+    finish_reason: Mapped[str] = mapped_column(String(16))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    reasoning_tokens: Mapped[int] = mapped_column(Integer)
+    first_token_ms: Mapped[float] = mapped_column(Float)
+    total_ms: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # when it finished
+    stored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class FeedbackItem(Base):
+    """One rating of a completion; joined with `inferences` on (request_id, tenant) when read.
+
+    No foreign key: feedback may be stored before the inference event it rates arrives.
+    `id` grows with arrival, so a reader can ask for "feedback since id N".
+    """
+
+    __tablename__ = "feedback"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    feedback_id: Mapped[str] = mapped_column(String(128), unique=True)  # the idempotency key
+    request_id: Mapped[str] = mapped_column(String(64), index=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    rating: Mapped[int] = mapped_column(SmallInteger)  # -1, 0 or +1
+    correction: Mapped[str] = mapped_column(Text)
+    user_id: Mapped[str] = mapped_column(String(128))
+    labels: Mapped[dict[str, str]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # when it was submitted
+    stored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Secret(Base):
+    """A named server-side secret shared by every gateway replica (e.g. the request-id signing key)."""
+
+    __tablename__ = "secrets"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 def open_engine(url: str) -> Engine:

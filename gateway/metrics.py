@@ -40,6 +40,17 @@ class GatewayMetrics:
             ["model", "arm"],
             registry=r,
         )
+        self.feedback = Counter(
+            "reflow_gateway_feedback_items",
+            "SubmitFeedback items by outcome (accepted, rejected).",
+            ["outcome"],
+            registry=r,
+        )
+        self.outbox = Gauge(
+            "reflow_gateway_outbox_records",
+            "Events and feedback waiting in the outbox for Kafka.",
+            registry=r,
+        )
         self.in_flight = Gauge("reflow_gateway_streams_in_flight", "Generate streams open now.", registry=r)
 
     def count_request(self, method: str, code: grpc.StatusCode) -> None:

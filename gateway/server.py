@@ -6,22 +6,35 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+from kafka.errors import KafkaError
 
-from feedback.store import open_engine, require_current_schema
+from feedback.events import (
+    InferenceEvent,
+    InvalidFeedback,
+    Latency,
+    Record,
+    TokenUsage,
+    feedback_event,
+)
+from feedback.kafka import ensure_topics, resolve_bootstrap
+from feedback.publisher import Publisher
+from feedback.store import open_engine, require_current_schema, utcnow
 from gateway.auth import Authenticator
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
+from gateway.request_ids import RequestIds
 from gateway.routing import ModelSpec, WorkerHandle, WorkerPool
+from gateway.tenants import TenantInfo
 from gateway.validation import check_request, worker_request
 from reflow.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ReflowError,
     ResourceExhausted,
     Unavailable,
@@ -39,11 +52,14 @@ from reflow.streaming import Mailbox
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
+FEEDBACK_CHUNK = 500  # SubmitFeedback items handed over to Kafka together
+CHUNKS_IN_FLIGHT = 4  # chunks of one stream being handed over while more are read
+MAX_LISTED_ERRORS = 1000  # rejected items listed one by one in a FeedbackAck; the rest are counted
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    """Serves Generate and ListModels; SubmitFeedback arrives with the feedback pipeline."""
+    """Streams completions (publishing an event for each), takes feedback on them, lists models."""
 
     def __init__(
         self,
@@ -52,12 +68,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         quotas: Quotas,
         pool: WorkerPool,
         metrics: GatewayMetrics,
+        request_ids: RequestIds,
+        publisher: Publisher,
     ):
         self.settings = settings
         self.auth = auth
         self.quotas = quotas
         self.pool = pool
         self.metrics = metrics
+        self.request_ids = request_ids
+        self.publisher = publisher
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -66,13 +86,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tenant = await self.auth.authenticate(context)
         check_request(request, self.settings)
         spec = ModelSpec.parse(request.model, self.settings.model_name, self.settings.model_alias)
-        request_id = uuid.uuid4().hex
+        request_id = self.request_ids.new(tenant.name)
         await context.send_initial_metadata((("x-request-id", request_id),))
         deadline = _deadline(context.time_remaining(), request.latency_budget_ms, received)
         with self.quotas.admit(tenant):
             # aclosing: cleanup (quota, outstanding counts, the worker call) runs at once on cancel
             async with contextlib.aclosing(
-                self._relay(request, spec, request_id, deadline, received)
+                self._relay(request, tenant, spec, request_id, deadline, received)
             ) as relay:
                 async for message in relay:
                     yield message
@@ -80,6 +100,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def _relay(
         self,
         request: inference_pb2.GenerateRequest,
+        tenant: TenantInfo,
         spec: ModelSpec,
         request_id: str,
         deadline: float | None,
@@ -109,8 +130,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 async with contextlib.aclosing(
                     self._stream_from(worker, call_request, remaining_s, header, received)
                 ) as stream:
+                    answer: list[str] = []
+                    reasoning: list[str] = []
                     async for message in stream:
+                        answer.append(message.text)
+                        reasoning.append(message.reasoning_text)
                         yield message
+                        if message.finish_reason:
+                            self._publish_inference(
+                                request, tenant, header, message, "".join(answer), "".join(reasoning)
+                            )
                 return
             except _WorkerUnreachable as error:
                 if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
@@ -187,14 +216,83 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             reader.cancel()
             call.cancel()  # no-op when finished; stops the worker when the client went away
 
+    def _publish_inference(
+        self,
+        request: inference_pb2.GenerateRequest,
+        tenant: TenantInfo,
+        header: inference_pb2.GenerateResponse,
+        last: inference_pb2.GenerateResponse,
+        answer: str,
+        reasoning: str,
+    ) -> None:
+        """Hands the event of a finished generation to the publisher, off the request path."""
+        usage = last.usage
+        event = InferenceEvent(
+            request_id=header.request_id, tenant=tenant.name, user_id=request.user_id,
+            model=header.model, version=header.model_version, arm=header.arm, prompt=request.prompt,
+            reasoning=reasoning, completion=answer,
+            finish_reason=inference_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_"),
+            usage=TokenUsage(
+                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                reasoning_tokens=usage.reasoning_tokens,
+            ),
+            latency=Latency(first_token_ms=usage.time_to_first_token_ms, total_ms=usage.total_ms),
+            time=utcnow(),
+        )  # fmt: skip
+        self.publisher.enqueue(event.to_record())
+
     async def SubmitFeedback(
         self, request_iterator: AsyncIterator[inference_pb2.Feedback], context: grpc.aio.ServicerContext
     ) -> inference_pb2.FeedbackAck:
-        await self.auth.authenticate(context)
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "SubmitFeedback is not available in this release; it arrives with the feedback pipeline",
-        )
+        """Validates each item, hands the valid ones over durably in chunks, then acknowledges.
+
+        Chunks are handed over while the next ones are read (at most CHUNKS_IN_FLIGHT at once),
+        so reading the stream does not stop for Kafka's acks.
+        """
+        tenant = await self.auth.authenticate(context)
+        ack = inference_pb2.FeedbackAck()
+        first_error: InvalidFeedback | None = None
+        chunk: list[Record] = []
+        handovers: set[asyncio.Task[int]] = set()
+        index = -1
+        async for item in request_iterator:
+            index += 1
+            fields = {
+                "feedback_id": item.feedback_id, "request_id": item.request_id, "rating": item.rating,
+                "correction": item.correction, "user_id": item.user_id, "labels": dict(item.labels),
+            }  # fmt: skip
+            try:
+                event = self.request_ids.require_served_to(feedback_event(tenant.name, fields, utcnow()))
+            except InvalidFeedback as error:
+                first_error = first_error or error
+                ack.rejected += 1
+                if len(ack.errors) < MAX_LISTED_ERRORS:
+                    ack.errors.add(
+                        index=index, feedback_id=item.feedback_id, reason=str(error), code=error.code
+                    )
+                continue
+            chunk.append(event.to_record())
+            if len(chunk) >= FEEDBACK_CHUNK:
+                handovers.add(asyncio.create_task(self._hand_over(chunk)))
+                chunk = []
+                if len(handovers) >= CHUNKS_IN_FLIGHT:
+                    done, handovers = await asyncio.wait(handovers, return_when=asyncio.FIRST_COMPLETED)
+                    ack.accepted += sum(task.result() for task in done)
+        if chunk:
+            handovers.add(asyncio.create_task(self._hand_over(chunk)))
+        ack.accepted += sum(await asyncio.gather(*handovers))
+        self.metrics.feedback.labels("accepted").inc(ack.accepted)
+        self.metrics.feedback.labels("rejected").inc(ack.rejected)
+        if first_error is not None and ack.accepted == 0:  # nothing taken: fail like a unary call would
+            error_type = PermissionDenied if first_error.code == "PERMISSION_DENIED" else InvalidArgument
+            more = f" ({ack.rejected - 1} more item(s) rejected too)" if ack.rejected > 1 else ""
+            raise error_type(f"item {ack.errors[0].index}: {first_error}{more}")
+        return ack
+
+    async def _hand_over(self, chunk: list[Record]) -> int:
+        """Publishes `chunk` durably (Kafka or the outbox); returns how many records that was."""
+        await asyncio.to_thread(self.publisher.publish, chunk)
+        return len(chunk)
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -285,13 +383,15 @@ def _worker_error(worker: WorkerHandle, error: grpc.aio.AioRpcError, *, started:
 
 
 async def create_server(
-    settings: Settings, pool: WorkerPool, metrics: GatewayMetrics
+    settings: Settings, pool: WorkerPool, metrics: GatewayMetrics, publisher: Publisher
 ) -> tuple[grpc.aio.Server, int, object]:
     """A started gateway on the configured host and port; returns (server, port, health servicer)."""
     engine = open_engine(settings.resolved_database_url)
     require_current_schema(engine)
     auth = Authenticator(engine, settings.auth_cache_ttl_s)
-    servicer = InferenceServicer(settings, auth, Quotas(), pool, metrics)
+    request_ids = RequestIds.from_store(engine)
+    servicer = InferenceServicer(settings, auth, Quotas(), pool, metrics, request_ids, publisher)
+    metrics.outbox.set_function(lambda: publisher.pending)
     server, health_servicer = new_server([SERVICE], on_done=metrics.count_request)
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     port = bind(server, settings.gateway_host, settings.gateway_port)
@@ -305,9 +405,15 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
     """`reflow gateway`: serve until SIGINT/SIGTERM, then drain in-flight streams."""
     if not settings.workers:
         raise ReflowError("no workers configured; set REFLOW_WORKERS=host:port[,host:port]")
+    bootstrap = resolve_bootstrap(settings)
+    try:
+        await asyncio.to_thread(ensure_topics, bootstrap, settings.kafka_partitions)
+    except KafkaError as error:  # serve anyway: events wait in the outbox until Kafka answers
+        logger.warning("could not reach Kafka at %s (%s); events go to the outbox for now", bootstrap, error)
+    publisher = Publisher(bootstrap, settings.outbox_path, settings.kafka_handover_timeout_s)
     pool = WorkerPool(settings.workers, settings.worker_poll_s)
     metrics = GatewayMetrics()
-    server, port, health_servicer = await create_server(settings, pool, metrics)
+    server, port, health_servicer = await create_server(settings, pool, metrics, publisher)
     metrics_server, metrics_url = start_metrics_server(
         metrics.registry, settings.gateway_host, settings.gateway_metrics_port
     )
@@ -320,4 +426,5 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await server.stop(settings.shutdown_grace_s)
     await pool.close()
+    await asyncio.to_thread(publisher.close, settings.shutdown_grace_s)
     metrics_server.shutdown()

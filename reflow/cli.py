@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,8 +20,12 @@ app = typer.Typer(
 )
 tenants_app = typer.Typer(help="Manage tenants and their API keys.", no_args_is_help=True)
 db_app = typer.Typer(help="Manage the store's schema.", no_args_is_help=True)
+feedback_app = typer.Typer(
+    help="The feedback pipeline: consume it into the store, ingest files, inspect it.", no_args_is_help=True
+)
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(db_app, name="db")
+app.add_typer(feedback_app, name="feedback")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -36,6 +41,7 @@ def load_settings(**overrides: Any) -> Settings:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    logging.getLogger("kafka").setLevel(logging.WARNING)  # it logs every connection at INFO
     return settings
 
 
@@ -59,6 +65,17 @@ def up(
     raise typer.Exit(run_up(settings, count, console))
 
 
+def _serve(server: Coroutine[Any, Any, None]) -> None:
+    """Runs a server until it stops; a configuration problem is one line on stderr, exit status 2."""
+    from reflow.errors import ReflowError
+
+    try:
+        asyncio.run(server)
+    except ReflowError as error:
+        err_console.print(f"[red]error:[/] {error}", highlight=False)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def gateway(
     port: Annotated[int | None, typer.Option(help="Port [default: REFLOW_GATEWAY_PORT or 50051].")] = None,
@@ -67,7 +84,7 @@ def gateway(
     """Serve the public Inference API, routing to REFLOW_WORKERS."""
     from gateway.server import serve
 
-    asyncio.run(serve(load_settings(gateway_port=port), ready_file=ready_file))
+    _serve(serve(load_settings(gateway_port=port), ready_file=ready_file))
 
 
 @app.command()
@@ -79,7 +96,7 @@ def worker(
     """Serve the internal Worker API for REFLOW_MODEL_NAME on REFLOW_DEVICE."""
     from workers.server import serve
 
-    asyncio.run(serve(load_settings(worker_port=port), version=version, ready_file=ready_file))
+    _serve(serve(load_settings(worker_port=port), version=version, ready_file=ready_file))
 
 
 def _default_target(settings: Settings) -> str:
@@ -220,3 +237,110 @@ def db_downgrade(revision: str) -> None:
     from feedback.store import downgrade
 
     downgrade(_engine(), revision)
+
+
+def _current_engine(settings: Settings) -> Any:
+    """The store, refusing one whose schema is out of date."""
+    from feedback.store import open_engine, require_current_schema
+
+    engine = open_engine(settings.resolved_database_url)
+    try:
+        require_current_schema(engine)
+    except RuntimeError as error:
+        err_console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(2) from None
+    return engine
+
+
+def _bootstrap(settings: Settings) -> str:
+    from feedback.kafka import resolve_bootstrap
+    from reflow.errors import Unavailable
+
+    try:
+        return resolve_bootstrap(settings)
+    except Unavailable as error:
+        err_console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(2) from None
+
+
+@feedback_app.command("consume")
+def feedback_consume(ready_file: ReadyFile = None) -> None:
+    """Write inference events and feedback from Kafka to the store, until Ctrl-C or SIGTERM."""
+    import signal
+    import threading
+
+    from feedback.consumer import consume
+    from feedback.kafka import ensure_topics
+    from reflow.serving import write_ready_file
+
+    settings = load_settings()
+    engine = _current_engine(settings)
+    bootstrap = _bootstrap(settings)
+    ensure_topics(bootstrap, settings.kafka_partitions)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    write_ready_file(ready_file, kafka=bootstrap)
+    consume(bootstrap, engine, settings.consumer_batch_size, stop, drain_s=settings.shutdown_grace_s)
+
+
+@feedback_app.command("ingest")
+def feedback_ingest(
+    file: Annotated[str, typer.Argument(help="JSONL file of Feedback objects, or - for stdin.")],
+    tenant: Annotated[str, typer.Option(help="The tenant whose completions are rated.")] = "default",
+) -> None:
+    """Publish feedback from a JSONL file; a bad line is reported with its number and skipped."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from feedback.ingest import ingest
+    from feedback.publisher import Publisher
+    from gateway.request_ids import RequestIds
+    from gateway.tenants import list_tenants
+
+    settings = load_settings()
+    engine = _current_engine(settings)
+    if not any(info.name == tenant and not revoked for info, _, revoked in list_tenants(engine)):
+        err_console.print(f"[red]error:[/] no active tenant named {tenant!r} (see `reflow tenants list`)")
+        raise typer.Exit(2)
+    source = sys.stdin if file == "-" else Path(file).open(encoding="utf-8")  # noqa: SIM115
+    total = None if file == "-" else Path(file).stat().st_size
+    publisher = Publisher(_bootstrap(settings), settings.outbox_path, settings.kafka_handover_timeout_s)
+    columns = (TextColumn("ingesting"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    try:
+        with source, Progress(*columns, console=err_console) as progress:
+            task = progress.add_task("ingest", total=total)
+            report = ingest(
+                source, tenant, RequestIds.from_store(engine), publisher, lambda n: progress.advance(task, n)
+            )
+    finally:
+        waiting = publisher.close()
+    for number, reason in report.rejected:
+        err_console.print(f"line {number}: {reason}", highlight=False, markup=False, soft_wrap=True)
+    note = f" ({waiting} wait in the outbox for Kafka; the gateway sends them)" if waiting else ""
+    err_console.print(f"accepted {report.accepted}{note}, rejected {len(report.rejected)}")
+    if report.rejected:
+        raise typer.Exit(1)
+
+
+@feedback_app.command("stats")
+def feedback_stats(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Counts of stored inferences and feedback, joined feedback, DLQ records and consumer lag."""
+    from kafka.errors import KafkaError
+
+    from feedback.stats import kafka_stats, store_counts
+
+    settings = load_settings()
+    stats: dict[str, Any] = store_counts(_current_engine(settings))
+    try:
+        stats.update(kafka_stats(_bootstrap(settings)))
+    except KafkaError as error:
+        stats.update(dlq_messages=None, consumer_lag=None, kafka_error=str(error))
+    if as_json:
+        print(json.dumps(stats))
+        return
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}: {v}" for k, v in value.items()) or "-"
+        print(f"{key}\t{value}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 
@@ -36,6 +36,12 @@ class Client:
             user_id=user_id,
         )
         yield from self.stub.Generate(request, metadata=self.metadata, timeout=timeout)
+
+    def submit_feedback(
+        self, items: Iterable[inference_pb2.Feedback], timeout: float | None = None
+    ) -> inference_pb2.FeedbackAck:
+        """Streams feedback items (any number) and returns the gateway's acknowledgement."""
+        return self.stub.SubmitFeedback(iter(items), metadata=self.metadata, timeout=timeout)
 
     def list_models(self) -> inference_pb2.ListModelsResponse:
         """The models and versions the gateway can route to."""

@@ -24,6 +24,12 @@ class InvalidArgument(ReflowError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class PermissionDenied(ReflowError):
+    """The caller is known but may not touch this resource (e.g. another tenant's completion)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unauthenticated(ReflowError):
     """No valid API key."""
 

@@ -60,6 +60,17 @@ class Settings(BaseSettings):
     worker_poll_s: float = Field(1.0, gt=0, description="How often the gateway refreshes worker status.")
     shutdown_grace_s: float = Field(30.0, description="Seconds in-flight streams get to finish on shutdown.")
 
+    kafka_bootstrap: str = Field(
+        "", description="Kafka bootstrap servers host:port[,...]; empty = the embedded broker of `reflow up`."
+    )
+    kafka_partitions: int = Field(3, ge=1, description="Partitions of each topic reflow creates.")
+    kafka_handover_timeout_s: float = Field(
+        5.0, gt=0, description="How long to wait for Kafka's ack before using the outbox instead."
+    )
+    consumer_batch_size: int = Field(
+        1000, ge=1, description="Most records the consumer writes to the store in one transaction."
+    )
+
     auth_cache_ttl_s: float = Field(10.0, ge=0, description="How long an API-key lookup is cached.")
     max_prompt_chars: int = Field(4096, ge=1, description="Longest prompt the gateway accepts.")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request leaves it 0.")
@@ -118,6 +129,11 @@ class Settings(BaseSettings):
         if self.mlflow_tracking_uri:
             return None
         return (self.data_dir.resolve() / "mlartifacts").as_uri()
+
+    @property
+    def outbox_path(self) -> Path:
+        """The durable outbox: records waiting for Kafka while it is unreachable."""
+        return self.data_dir.resolve() / "outbox.db"
 
     @property
     def model_cache_dir(self) -> Path:

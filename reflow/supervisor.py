@@ -91,7 +91,7 @@ class Supervisor:
         return self.settings.data_dir / "logs"
 
     def spawn(self, name: str, args: list[str], env: dict[str, str], ready: bool = True) -> Child:
-        """Starts `python -m reflow ARGS` (or ARGS when they start with an executable) as a child."""
+        """Starts `python -m reflow ARGS` (or ARGS when they start with an executable's path) as a child."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         ready_file = self.settings.data_dir / "run" / f"{name}.json" if ready else None
@@ -99,7 +99,7 @@ class Supervisor:
             ready_file.parent.mkdir(parents=True, exist_ok=True)
             ready_file.unlink(missing_ok=True)
             args = [*args, "--ready-file", str(ready_file)]
-        command = args if args[0] == sys.executable else [sys.executable, "-m", "reflow", *args]
+        command = args if os.path.isabs(args[0]) else [sys.executable, "-m", "reflow", *args]
         with log.open("ab") as out:
             process = subprocess.Popen(
                 command,
@@ -196,6 +196,8 @@ def cuda_device_count() -> int:
 def run_up(settings: Settings, n_workers: int, console: Console) -> int:
     """Runs everything on one machine until a signal; returns the exit status."""
     from feedback.bootstrap import ensure_base_model
+    from feedback.broker import tansu_command, wait_listening
+    from feedback.kafka import ensure_topics
     from feedback.registry import Registry
     from feedback.store import migrate, open_engine
     from gateway.tenants import ensure_tenant
@@ -215,6 +217,17 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
         engine.dispose()
         registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
         ensure_base_model(settings, registry, console)
+
+        bootstrap = settings.kafka_bootstrap
+        if not bootstrap:  # the embedded broker
+            port = free_port()
+            supervisor.spawn("kafka", tansu_command(port), env, ready=False)
+            wait_listening("127.0.0.1", port)
+            bootstrap = f"127.0.0.1:{port}"
+        ensure_topics(bootstrap, settings.kafka_partitions)
+        env["REFLOW_KAFKA_BOOTSTRAP"] = bootstrap
+        # Stopped after the gateway (children stop newest first), so it stores the last events.
+        consumer = supervisor.spawn("consumer", ["feedback", "consume"], env)
 
         mlflow_url = settings.mlflow_tracking_uri
         if not mlflow_url:  # serve the UI over the embedded store
@@ -236,6 +249,7 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
             workers.append(supervisor.spawn(f"worker-{i}", ["worker"], worker_env))
         with console.status("loading the model in the workers"):
             ready = {child.name: supervisor.wait_ready(child) for child in workers}
+        supervisor.wait_ready(consumer)
         addresses = [r["address"] for r in ready.values()]
         gateway = supervisor.spawn(
             "gateway",
@@ -251,6 +265,7 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
         endpoints = {
             "gateway": gateway_address,
             "mlflow": mlflow_url,
+            "kafka": bootstrap,
             "database": engine.url.render_as_string(hide_password=True),
             "api_key_file": str((settings.data_dir / API_KEY_FILE).resolve()),
             "workers": addresses,

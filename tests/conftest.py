@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -12,7 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from kafka.consumer.fetcher import ConsumerRecord
 
+from feedback.broker import tansu_command, wait_listening
+from feedback.kafka import ensure_topics, new_consumer
+from feedback.publisher import Publisher
 from feedback.registry import Registry, VersionRef
 from feedback.store import migrate, open_engine
 from gateway.metrics import GatewayMetrics
@@ -20,6 +26,7 @@ from gateway.routing import WorkerPool
 from gateway.server import create_server as create_gateway
 from gateway.tenants import create_tenant
 from reflow.settings import Settings
+from reflow.supervisor import free_port
 from reflow.v1 import inference_pb2_grpc, worker_pb2_grpc
 from workers.engine import Engine, EngineConfig
 from workers.metrics import WorkerMetrics
@@ -86,10 +93,58 @@ def mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> RegistryFixture:
     return RegistryFixture(registry.tracking_uri, registry.artifact_root or "", *versions)
 
 
+class Broker:
+    """An embedded (Tansu) Kafka broker on a free loopback port that a test can stop and restart."""
+
+    def __init__(self, partitions: int = 3):
+        self.port = free_port()
+        self.partitions = partitions
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            tansu_command(self.port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_listening("127.0.0.1", self.port)
+        ensure_topics(self.bootstrap, self.partitions)
+
+    def read(self, topic: str, count: int, timeout_s: float = 30.0) -> list[ConsumerRecord]:
+        """The first `count` records of `topic` (all partitions); fewer if they do not come in time."""
+        consumer = new_consumer(self.bootstrap, topic, group_id=None)
+        records: list[ConsumerRecord] = []
+        deadline = time.monotonic() + timeout_s
+        while len(records) < count and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=100).values():
+                records.extend(batch)
+        consumer.close()
+        return records
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+
 @pytest.fixture
-def settings(tmp_path: Path, mlflow_store: RegistryFixture) -> Settings:
+def kafka() -> Iterator[Broker]:
+    """A fresh broker per test (it starts in well under a second), so no test sees another's records."""
+    broker = Broker()
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def settings(tmp_path: Path, mlflow_store: RegistryFixture, kafka: Broker) -> Settings:
     return Settings(
         data_dir=tmp_path,
+        kafka_bootstrap=kafka.bootstrap,
+        kafka_handover_timeout_s=1.0,
         mlflow_tracking_uri=mlflow_store.tracking_uri,
         mlflow_artifact_root=mlflow_store.artifact_root,
         device="cpu",
@@ -125,6 +180,7 @@ class Stack:
     channel: grpc.aio.Channel
     pool: WorkerPool
     metrics: GatewayMetrics
+    publisher: Publisher
     extra: list[grpc.aio.Channel] = field(default_factory=list)
 
     @property
@@ -166,11 +222,11 @@ async def start_stack(
     _, api_key = create_tenant(engine, "acme", **tenant)
     pool = WorkerPool([w.address for w in workers] + list(extra_addresses), settings.worker_poll_s)
     metrics = GatewayMetrics()
-    gateway, port, _ = await create_gateway(settings, pool, metrics)
+    publisher = Publisher(settings.kafka_bootstrap, settings.outbox_path, settings.kafka_handover_timeout_s)
+    gateway, port, _ = await create_gateway(settings, pool, metrics, publisher)
     address = f"127.0.0.1:{port}"
-    return Stack(
-        settings, gateway, address, workers, api_key, grpc.aio.insecure_channel(address), pool, metrics
-    )
+    channel = grpc.aio.insecure_channel(address)
+    return Stack(settings, gateway, address, workers, api_key, channel, pool, metrics, publisher)
 
 
 async def stop_stack(stack: Stack) -> None:
@@ -178,6 +234,7 @@ async def stop_stack(stack: Stack) -> None:
         await channel.close()
     await stack.gateway.stop(0)
     await stack.pool.close()
+    stack.publisher.close(timeout_s=2.0)
     for worker in stack.workers:
         with contextlib.suppress(Exception):
             await worker.server.stop(0)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -84,6 +84,22 @@ class Up:
         return self.process.wait(90)
 
 
+def wait_for_stats(data_dir: Path, ready: Callable[[dict], bool], timeout_s: float = 60) -> dict:
+    """`reflow feedback stats --json` once `ready` holds for it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "reflow", "feedback", "stats", "--json"],
+                env={**os.environ, "REFLOW_DATA_DIR": str(data_dir)}, capture_output=True, check=True,
+                timeout=60,
+            ).stdout
+        )  # fmt: skip
+        if ready(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.5)
+
+
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "data"
@@ -102,8 +118,14 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
             sampling = inference_pb2.SamplingParams(max_tokens=5)
             messages = list(client.generate("47+38=", sampling=sampling))
             served = [(m.name, [v.version for v in m.versions]) for m in client.list_models().models]
+            ack = client.submit_feedback(
+                [inference_pb2.Feedback(request_id=messages[0].request_id, rating=1)]
+            )
         assert messages[0].model_version == "1" and messages[-1].usage.completion_tokens == 5
         assert served == [("arith", ["1"])]
+        assert (ack.accepted, ack.rejected) == (1, 0)
+        stats = wait_for_stats(data_dir, lambda s: s["joined_feedback"] == 1)
+        assert stats["inferences"] == 1 and stats["dlq_messages"] == 0
         with urllib.request.urlopen(f"{endpoints['mlflow']}/health", timeout=10) as reply:
             assert reply.status == 200
         with urllib.request.urlopen(endpoints["metrics"]["gateway"], timeout=10) as reply:
@@ -115,7 +137,7 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
         assert cli.returncode == 0, cli.stderr
         assert "3 completion tokens" in cli.stderr
         children = descendants(up.process.pid)
-        assert len(children) >= 4  # mlflow, two workers, gateway
+        assert len(children) >= 6  # kafka, consumer, mlflow, two workers, gateway
     finally:
         code = up.stop()
     assert code == 0, up.output()
@@ -127,6 +149,8 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
     again = Up(data_dir)
     try:
         again.endpoints()
+        # the completion `reflow generate` streamed just before the stop was stored, not lost
+        assert wait_for_stats(data_dir, lambda s: s["inferences"] == 2)["joined_feedback"] == 1
     finally:
         assert again.stop() == 0
     assert "training base model" not in again.output()  # the registered champion is reused

@@ -119,14 +119,16 @@ class Feedback(_message.Message):
     def __init__(self, feedback_id: _Optional[str] = ..., request_id: _Optional[str] = ..., rating: _Optional[int] = ..., correction: _Optional[str] = ..., user_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class FeedbackError(_message.Message):
-    __slots__ = ("index", "feedback_id", "reason")
+    __slots__ = ("index", "feedback_id", "reason", "code")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     index: int
     feedback_id: str
     reason: str
-    def __init__(self, index: _Optional[int] = ..., feedback_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    code: str
+    def __init__(self, index: _Optional[int] = ..., feedback_id: _Optional[str] = ..., reason: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
 
 class FeedbackAck(_message.Message):
     __slots__ = ("accepted", "rejected", "errors")

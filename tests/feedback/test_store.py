@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
-from feedback.store import downgrade, migrate, open_engine, require_current_schema, schema_is_current
+from feedback.store import Base, downgrade, migrate, open_engine, require_current_schema, schema_is_current
 
 
 def test_migrations_upgrade_and_downgrade(database_url: str) -> None:
@@ -19,6 +21,20 @@ def test_migrations_upgrade_and_downgrade(database_url: str) -> None:
     assert {"name", "key_hash", "key_prefix", "revoked_at"} <= columns
     assert "api_key" not in columns  # only the hash is stored
     migrate(engine)  # idempotent
+    downgrade(engine, "0001")
+    assert {"inferences", "feedback", "secrets"}.isdisjoint(inspect(engine).get_table_names())
+    assert "tenants" in inspect(engine).get_table_names()
+    migrate(engine)
     downgrade(engine, "base")
     assert "tenants" not in inspect(engine).get_table_names()
     engine.dispose()
+
+
+def test_migrations_match_the_models(database_url: str) -> None:
+    """The migrated schema is exactly what the SQLAlchemy models declare."""
+    engine = open_engine(database_url)
+    migrate(engine)
+    with engine.connect() as connection:
+        differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
+    engine.dispose()
+    assert differences == []

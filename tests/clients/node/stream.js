@@ -1,6 +1,7 @@
-// Streams one completion from a reflow gateway, given only protos/.
+// Streams one completion from a reflow gateway, given only protos/, then rates it.
 // Usage: node stream.js HOST:PORT API_KEY PROMPT
-// Prints one JSON object per received message, then {"status": "OK"} or the error.
+// Prints one JSON object per received message, then {"ack": ...} of the rating and
+// {"status": "OK"}, or the error.
 "use strict";
 
 const path = require("path");
@@ -21,10 +22,25 @@ const client = new reflow.Inference(target, grpc.credentials.createInsecure());
 
 const metadata = new grpc.Metadata();
 metadata.add("authorization", `Bearer ${apiKey}`);
-const call = client.Generate({ prompt, sampling: { max_tokens: 12 } }, metadata);
-call.on("data", (message) => console.log(JSON.stringify(message)));
-call.on("error", (error) => {
+function fail(error) {
   console.log(JSON.stringify({ status: grpc.status[error.code], details: error.details }));
   process.exit(1);
+}
+
+let requestId = "";
+const call = client.Generate({ prompt, sampling: { max_tokens: 12 } }, metadata);
+call.on("data", (message) => {
+  requestId = requestId || message.request_id;
+  console.log(JSON.stringify(message));
 });
-call.on("end", () => console.log(JSON.stringify({ status: "OK" })));
+call.on("error", fail);
+call.on("end", () => {
+  // SubmitFeedback is a client stream: write any number of items, then end it.
+  const feedback = client.SubmitFeedback(metadata, (error, ack) => {
+    if (error) fail(error);
+    console.log(JSON.stringify({ ack }));
+    console.log(JSON.stringify({ status: "OK" }));
+  });
+  feedback.write({ request_id: requestId, rating: -1, correction: "85" });
+  feedback.end();
+});

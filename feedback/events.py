@@ -1,0 +1,175 @@
+"""The records on reflow's topics: inference events and feedback, as validated JSON.
+
+JSON keeps the topics open to pipelines in any language that write feedback straight to Kafka;
+the pydantic models below are the one place where a record's shape and limits are defined, for
+the gateway, `reflow feedback ingest` and the consumer alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from typing import Annotated, Literal, NamedTuple
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
+
+from feedback.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC
+
+MAX_ID_CHARS = 128
+MAX_TEXT_CHARS = 4096
+MAX_LABELS = 16
+MAX_LABEL_CHARS = 256
+
+Id = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
+OptionalId = Annotated[str, StringConstraints(max_length=MAX_ID_CHARS)]
+LabelText = Annotated[str, StringConstraints(max_length=MAX_LABEL_CHARS)]
+
+
+class Record(NamedTuple):
+    """One Kafka record: its topic, key (orders records of one request) and JSON value."""
+
+    topic: str
+    key: bytes
+    value: bytes
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def record(self, topic: str, key: str) -> Record:
+        return Record(topic, key.encode(), self.model_dump_json().encode())
+
+
+class TokenUsage(BaseModel):
+    """Tokens of one generation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    reasoning_tokens: int = Field(ge=0)
+
+
+class Latency(BaseModel):
+    """Milliseconds from receiving the request to its first token and to its end."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    first_token_ms: float = Field(ge=0)
+    total_ms: float = Field(ge=0)
+
+
+class InferenceEvent(_Event):
+    """A finished generation, published by the gateway to `reflow.inferences`, keyed by request_id."""
+
+    request_id: Id
+    tenant: Id
+    user_id: OptionalId = ""
+    model: Id
+    version: Id
+    arm: OptionalId = ""
+    prompt: str
+    reasoning: str = ""
+    completion: str = ""
+    finish_reason: Literal["STOP", "LENGTH", "CANCELLED", "ERROR"]
+    usage: TokenUsage
+    latency: Latency
+    time: AwareDatetime
+
+    def to_record(self) -> Record:
+        return self.record(INFERENCES_TOPIC, self.request_id)
+
+
+class FeedbackEvent(_Event):
+    """A rating of one completion, on `reflow.feedback`, keyed by the request_id it rates."""
+
+    feedback_id: Id
+    request_id: Id
+    tenant: Id
+    rating: Literal[-1, 0, 1]
+    correction: Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)] = ""
+    user_id: OptionalId = ""
+    labels: Annotated[dict[LabelText, LabelText], Field(max_length=MAX_LABELS)] = {}
+    time: AwareDatetime
+
+    @field_validator("rating", mode="before")
+    @classmethod
+    def _integer_rating(cls, value: object) -> object:
+        """true/false or 1.0 are not ratings (pydantic would take them as 1 and 0)."""
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"rating must be the integer -1, 0 or 1, not {value!r}")
+        return value
+
+    def to_record(self) -> Record:
+        return self.record(FEEDBACK_TOPIC, self.request_id)
+
+
+EVENT_TYPES: dict[str, type[InferenceEvent] | type[FeedbackEvent]] = {
+    INFERENCES_TOPIC: InferenceEvent,
+    FEEDBACK_TOPIC: FeedbackEvent,
+}
+
+
+class InvalidFeedback(ValueError):
+    """A feedback item that cannot be accepted; the message says why, for the person who sent it."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotYourRequest(InvalidFeedback):
+    """Feedback on a completion that was not served to the submitting tenant."""
+
+    code = "PERMISSION_DENIED"
+
+
+FEEDBACK_FIELDS = ("feedback_id", "request_id", "rating", "correction", "user_id", "labels")
+
+
+def derive_feedback_id(event: FeedbackEvent) -> str:
+    """A stable id for feedback sent without one: the same item sent twice gets the same id, so a
+    retried stream or a re-ingested file is stored once."""
+    content = [event.tenant, event.request_id, event.rating, event.correction, event.user_id, event.labels]
+    digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+    return "fb_" + digest[:32]
+
+
+def feedback_event(tenant: str, fields: dict[str, object], time: datetime) -> FeedbackEvent:
+    """Validates one item submitted by `tenant`; InvalidFeedback names what is wrong."""
+    unknown = sorted(set(fields) - set(FEEDBACK_FIELDS))
+    if unknown:
+        raise InvalidFeedback(f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(FEEDBACK_FIELDS)}")
+    given_id = fields.get("feedback_id")
+    try:
+        event = FeedbackEvent.model_validate(
+            {**fields, "feedback_id": given_id or "-", "tenant": tenant, "time": time}
+        )
+    except ValidationError as error:
+        raise InvalidFeedback(describe(error)) from None
+    return event if given_id else event.model_copy(update={"feedback_id": derive_feedback_id(event)})
+
+
+def decode(topic: str, value: bytes | None) -> InferenceEvent | FeedbackEvent:
+    """The event in a record of `topic`; ValueError saying why when it is malformed."""
+    if value is None:
+        raise ValueError("empty record (no value)")
+    try:
+        return EVENT_TYPES[topic].model_validate_json(value)
+    except ValidationError as error:
+        raise ValueError(describe(error)) from None
+
+
+def describe(error: ValidationError) -> str:
+    """A pydantic error as one line a person can act on, e.g. `rating: Input should be -1, 0 or 1`."""
+    problems = []
+    for item in error.errors(include_url=False):
+        where = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {message}" if where else message)
+    return "; ".join(problems)

@@ -1,0 +1,160 @@
+"""The store consumer against a real broker and real databases (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+
+import pytest
+from sqlalchemy import Engine, func, select
+from sqlalchemy.orm import Session
+
+from feedback.consumer import StoreConsumer
+from feedback.events import FeedbackEvent, InferenceEvent, Latency, Record, TokenUsage
+from feedback.kafka import DLQ_TOPIC, FEEDBACK_TOPIC, new_producer
+from feedback.stats import kafka_stats, store_counts
+from feedback.store import FeedbackItem, Inference, migrate, open_engine
+from tests.conftest import Broker
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+def inference(request_id: str, tenant: str = "acme") -> InferenceEvent:
+    return InferenceEvent(
+        request_id=request_id, tenant=tenant, model="arith", version="1", arm="champion",
+        prompt="12+30=", reasoning="2+0=2, 1+3=4", completion="42", finish_reason="STOP",
+        usage=TokenUsage(prompt_tokens=7, completion_tokens=20, reasoning_tokens=14),
+        latency=Latency(first_token_ms=3.5, total_ms=40.0), time=NOW,
+    )  # fmt: skip
+
+
+def feedback(feedback_id: str, request_id: str, rating: int = 1, tenant: str = "acme") -> FeedbackEvent:
+    return FeedbackEvent(
+        feedback_id=feedback_id, request_id=request_id, tenant=tenant, rating=rating, time=NOW
+    )
+
+
+def produce(bootstrap: str, records: list[Record]) -> None:
+    producer = new_producer(bootstrap)
+    for record in records:
+        producer.send(record.topic, key=record.key, value=record.value)
+    producer.flush()
+    producer.close()
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def count(engine: Engine, table: type[FeedbackItem] | type[Inference]) -> int:
+    with Session(engine) as session:
+        return session.scalar(select(func.count()).select_from(table)) or 0
+
+
+@pytest.fixture
+def store(database_url: str) -> Iterator[Engine]:
+    engine = open_engine(database_url)
+    migrate(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def running_consumer(kafka: Broker, store: Engine) -> Iterator[StoreConsumer]:
+    consumer = StoreConsumer(kafka.bootstrap, store, batch_size=100)
+    stop = threading.Event()
+    thread = threading.Thread(target=consumer.run, args=(stop,))
+    thread.start()
+    yield consumer
+    stop.set()
+    thread.join(30)
+
+
+def test_stores_each_event_once_and_joins_feedback_that_came_first(
+    kafka: Broker, store: Engine, running_consumer: StoreConsumer
+) -> None:
+    early = feedback("f-early", "r1", rating=-1)
+    records = [
+        early.to_record(),  # before the completion it rates
+        inference("r1").to_record(),
+        inference("r1").to_record(),  # redelivered
+        early.to_record(),  # the same feedback_id again
+        feedback("f-late", "r1", rating=1).to_record(),
+        inference("r2").to_record(),
+        feedback("f-other", "r2", tenant="mallory").to_record(),  # another tenant: stored, never joined
+    ]
+    produce(kafka.bootstrap, records)
+    wait_for(lambda: count(store, FeedbackItem) == 3 and count(store, Inference) == 2, what="all rows")
+    assert store_counts(store) == {"inferences": 2, "feedback": 3, "joined_feedback": 2}
+    with Session(store) as session:
+        row = session.get(Inference, "r1")
+        assert row is not None
+        assert (row.prompt, row.completion, row.reasoning_tokens, row.total_ms) == ("12+30=", "42", 14, 40.0)
+        ratings = dict(session.execute(select(FeedbackItem.feedback_id, FeedbackItem.rating)).all())
+    assert ratings == {"f-early": -1, "f-late": 1, "f-other": 1}
+    wait_for(lambda: sum(kafka_stats(kafka.bootstrap)["consumer_lag"].values()) == 0, what="lag 0")
+
+
+def test_malformed_records_go_to_the_dlq_and_the_partition_moves_on(
+    kafka: Broker, store: Engine, running_consumer: StoreConsumer
+) -> None:
+    bad_rating = feedback("f-bad", "r1").to_record().value.replace(b'"rating":1', b'"rating":7')
+    produce(
+        kafka.bootstrap,
+        [
+            Record(FEEDBACK_TOPIC, b"r1", b"not json at all"),
+            Record(FEEDBACK_TOPIC, b"r1", bad_rating),
+            feedback("f-good", "r1").to_record(),  # same key, so same partition: behind the bad ones
+        ],
+    )
+    wait_for(lambda: count(store, FeedbackItem) == 1, what="the good record")
+    dead = kafka.read(DLQ_TOPIC, 2)
+    assert sorted(r.value for r in dead) == sorted([b"not json at all", bad_rating])
+    reasons = {r.value: dict(r.headers)["reason"].decode() for r in dead}
+    assert "JSON" in reasons[b"not json at all"]
+    assert "rating" in reasons[bad_rating]
+    assert all(dict(r.headers)["source"].startswith(f"{FEEDBACK_TOPIC}/".encode()) for r in dead)
+    assert kafka_stats(kafka.bootstrap)["dlq_messages"] == 2
+
+
+def test_kill_9_in_the_middle_of_a_large_batch_loses_and_duplicates_nothing(
+    kafka: Broker, database_url: str, store: Engine
+) -> None:
+    total = 20_000
+    produce(kafka.bootstrap, [feedback(f"f{i}", f"r{i % 500}").to_record() for i in range(total)])
+    env = {
+        **os.environ,
+        "REFLOW_DATABASE_URL": database_url,
+        "REFLOW_KAFKA_BOOTSTRAP": kafka.bootstrap,
+        "REFLOW_CONSUMER_BATCH_SIZE": "500",
+    }
+    command = [sys.executable, "-m", "reflow", "feedback", "consume"]
+    first = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: count(store, FeedbackItem) > 0, what="the first batches")
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        stored_when_killed = count(store, FeedbackItem)
+        assert stored_when_killed < total, "the consumer finished before it could be killed"
+    finally:
+        first.kill()
+    second = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: count(store, FeedbackItem) >= total, what="every record")
+        time.sleep(1.0)  # anything redelivered has been written (or skipped) by now
+        with Session(store) as session:
+            ids = session.scalars(select(FeedbackItem.feedback_id)).all()
+        assert len(ids) == total and set(ids) == {f"f{i}" for i in range(total)}
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0

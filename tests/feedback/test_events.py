@@ -1,0 +1,72 @@
+"""Feedback validation, derived feedback ids, and request ids signed for their tenant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from feedback.events import InvalidFeedback, NotYourRequest, decode, feedback_event
+from feedback.kafka import INFERENCES_TOPIC
+from feedback.store import migrate, open_engine, utcnow
+from gateway.request_ids import RequestIds
+
+
+def event(**fields: object):  # type: ignore[no-untyped-def]
+    return feedback_event("acme", {"request_id": "r1", "rating": 1, **fields}, utcnow())
+
+
+@pytest.mark.parametrize(
+    ("fields", "complaint"),
+    [
+        ({"rating": 2}, "rating"),
+        ({"rating": True}, "rating must be the integer"),
+        ({"rating": "1"}, "rating must be the integer"),
+        ({"request_id": ""}, "request_id"),
+        ({"correction": "x" * 4097}, "correction"),
+        ({"user_id": "u" * 129}, "user_id"),
+        ({"labels": {f"k{i}": "v" for i in range(17)}}, "labels"),
+        ({"labels": {"k": "v" * 257}}, "labels"),
+        ({"score": 3}, "unknown field(s) score"),
+    ],
+)
+def test_invalid_feedback_says_what_is_wrong(fields: dict, complaint: str) -> None:
+    with pytest.raises(InvalidFeedback, match=complaint.replace("(", r"\(").replace(")", r"\)")):
+        event(**fields)
+
+
+def test_feedback_without_an_id_gets_one_derived_from_its_content() -> None:
+    first, again = event(correction="42"), event(correction="42", feedback_id="")
+    assert first.feedback_id == again.feedback_id and first.feedback_id.startswith("fb_")
+    assert event(correction="43").feedback_id != first.feedback_id
+    assert event(rating=-1, correction="42").feedback_id != first.feedback_id
+    assert feedback_event(
+        "other", {"request_id": "r1", "rating": 1, "correction": "42"}, utcnow()
+    ).feedback_id != (first.feedback_id)
+    assert event(feedback_id="mine").feedback_id == "mine"
+
+
+def test_a_malformed_record_is_described() -> None:
+    with pytest.raises(ValueError, match="JSON"):
+        decode(INFERENCES_TOPIC, b"{")
+    with pytest.raises(ValueError, match="empty record"):
+        decode(INFERENCES_TOPIC, None)
+    with pytest.raises(ValueError, match="prompt: Field required"):
+        decode(INFERENCES_TOPIC, b'{"request_id": "r"}')
+
+
+def test_request_ids_are_signed_for_their_tenant(tmp_path: Path) -> None:
+    engine = open_engine(f"sqlite:///{tmp_path / 'store.db'}")
+    migrate(engine)
+    ids, replica = RequestIds.from_store(engine), RequestIds.from_store(engine)  # one key, shared
+    request_id = ids.new("acme")
+    assert len(request_id) == 48 and request_id != ids.new("acme")
+    assert replica.served_to(request_id, "acme")
+    assert not ids.served_to(request_id, "globex")
+    forged = request_id[:-1] + ("0" if request_id[-1] != "0" else "1")
+    assert not ids.served_to(forged, "acme")
+    assert not ids.served_to("short", "acme")
+    assert ids.require_served_to(event(request_id=request_id)).request_id == request_id
+    with pytest.raises(NotYourRequest, match="not served to this tenant"):
+        ids.require_served_to(event(request_id=ids.new("globex")))
+    assert not RequestIds(b"another key").served_to(request_id, "acme")
