@@ -41,7 +41,9 @@ def load_settings(**overrides: Any) -> Settings:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    logging.getLogger("kafka").setLevel(logging.WARNING)  # it logs every connection at INFO
+    # kafka-python logs every failed connection attempt, each second of an outage; reflow logs
+    # what they mean instead (records going to the outbox, a batch the store refused).
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
     return settings
 
 
@@ -269,6 +271,8 @@ def feedback_consume(ready_file: ReadyFile = None) -> None:
     import signal
     import threading
 
+    from kafka.errors import KafkaError
+
     from feedback.consumer import consume
     from feedback.kafka import ensure_topics
     from reflow.serving import write_ready_file
@@ -276,7 +280,11 @@ def feedback_consume(ready_file: ReadyFile = None) -> None:
     settings = load_settings()
     engine = _current_engine(settings)
     bootstrap = _bootstrap(settings)
-    ensure_topics(bootstrap, settings.kafka_partitions)
+    try:
+        ensure_topics(bootstrap, settings.kafka_partitions)
+    except KafkaError as error:
+        err_console.print(f"[red]error:[/] cannot reach Kafka at {bootstrap}: {error}", highlight=False)
+        raise typer.Exit(2) from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -329,13 +337,15 @@ def feedback_stats(
     """Counts of stored inferences and feedback, joined feedback, DLQ records and consumer lag."""
     from kafka.errors import KafkaError
 
+    from feedback.kafka import resolve_bootstrap
     from feedback.stats import kafka_stats, store_counts
+    from reflow.errors import Unavailable
 
     settings = load_settings()
     stats: dict[str, Any] = store_counts(_current_engine(settings))
     try:
-        stats.update(kafka_stats(_bootstrap(settings)))
-    except KafkaError as error:
+        stats.update(kafka_stats(resolve_bootstrap(settings)))
+    except (KafkaError, Unavailable) as error:  # the store's counts are still worth showing
         stats.update(dlq_messages=None, consumer_lag=None, kafka_error=str(error))
     if as_json:
         print(json.dumps(stats))

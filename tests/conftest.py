@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -15,8 +16,10 @@ import grpc
 import pytest
 import torch
 from kafka.consumer.fetcher import ConsumerRecord
+from sqlalchemy import Engine as SqlEngine
 
 from feedback.broker import tansu_command, wait_listening
+from feedback.consumer import StoreConsumer
 from feedback.kafka import ensure_topics, new_consumer
 from feedback.publisher import Publisher
 from feedback.registry import Registry, VersionRef
@@ -128,6 +131,20 @@ class Broker:
             self.process.kill()
             self.process.wait()
             self.process = None
+
+
+@contextlib.contextmanager
+def consuming(bootstrap: str, engine: SqlEngine) -> Iterator[StoreConsumer]:
+    """A store consumer polling in a thread until the block ends (then it leaves its group)."""
+    consumer = StoreConsumer(bootstrap, engine, batch_size=100)
+    stop = threading.Event()
+    thread = threading.Thread(target=consumer.run, args=(stop,))
+    thread.start()
+    try:
+        yield consumer
+    finally:
+        stop.set()
+        thread.join(30)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -20,7 +19,7 @@ from feedback.events import FeedbackEvent, InferenceEvent, Latency, Record, Toke
 from feedback.kafka import DLQ_TOPIC, FEEDBACK_TOPIC, new_producer
 from feedback.stats import kafka_stats, store_counts
 from feedback.store import FeedbackItem, Inference, migrate, open_engine
-from tests.conftest import Broker
+from tests.conftest import Broker, consuming
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -71,13 +70,8 @@ def store(database_url: str) -> Iterator[Engine]:
 
 @pytest.fixture
 def running_consumer(kafka: Broker, store: Engine) -> Iterator[StoreConsumer]:
-    consumer = StoreConsumer(kafka.bootstrap, store, batch_size=100)
-    stop = threading.Event()
-    thread = threading.Thread(target=consumer.run, args=(stop,))
-    thread.start()
-    yield consumer
-    stop.set()
-    thread.join(30)
+    with consuming(kafka.bootstrap, store) as consumer:
+        yield consumer
 
 
 def test_stores_each_event_once_and_joins_feedback_that_came_first(

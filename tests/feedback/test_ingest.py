@@ -6,20 +6,18 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine
 
-from feedback.consumer import StoreConsumer
 from feedback.stats import kafka_stats, store_counts
 from feedback.store import migrate, open_engine
 from gateway.request_ids import RequestIds
 from gateway.tenants import create_tenant
 from reflow.settings import Settings
-from tests.conftest import Broker
+from tests.conftest import Broker, consuming
 from tests.feedback.test_consumer import wait_for
 
 
@@ -30,13 +28,8 @@ def store(settings: Settings, kafka: Broker) -> Iterator[Engine]:
     migrate(engine)
     create_tenant(engine, "acme")
     create_tenant(engine, "globex")
-    consumer = StoreConsumer(kafka.bootstrap, engine, batch_size=100)
-    stop = threading.Event()
-    thread = threading.Thread(target=consumer.run, args=(stop,))
-    thread.start()
-    yield engine
-    stop.set()
-    thread.join(30)
+    with consuming(kafka.bootstrap, engine):
+        yield engine
 
 
 def ingest(settings: Settings, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

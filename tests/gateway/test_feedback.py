@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 import grpc
 import pytest
 from sqlalchemy import Engine
 
-from feedback.consumer import StoreConsumer
 from feedback.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC
 from feedback.stats import store_counts
 from feedback.store import open_engine
 from gateway.tenants import create_tenant
 from reflow.v1 import inference_pb2
-from tests.conftest import Broker, Stack
+from tests.conftest import Broker, Stack, consuming
 from tests.feedback.test_consumer import wait_for
 from tests.gateway.test_generate import generate, request
 
@@ -136,13 +134,8 @@ async def test_each_finished_generation_publishes_one_event(stack: Stack, kafka:
 @pytest.fixture
 def store_consumer(stack: Stack, kafka: Broker) -> Iterator[Engine]:
     engine = open_engine(stack.settings.resolved_database_url)
-    consumer = StoreConsumer(kafka.bootstrap, engine, batch_size=100)
-    stop = threading.Event()
-    thread = threading.Thread(target=consumer.run, args=(stop,))
-    thread.start()
-    yield engine
-    stop.set()
-    thread.join(30)
+    with consuming(kafka.bootstrap, engine):
+        yield engine
 
 
 async def rate_new_completions(stack: Stack, n: int) -> None:
