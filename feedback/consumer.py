@@ -71,6 +71,20 @@ def insert_new(connection: Connection, table: Table, rows: Iterable[dict[str, An
         connection.execute(dialect.insert(table).on_conflict_do_nothing(), rows)
 
 
+def store_events(connection: Connection, events: Iterable[InferenceEvent | FeedbackEvent]) -> None:
+    """Writes events as rows in one go, skipping those already stored (and repeats among them)."""
+    now = utcnow()  # one stored_at per batch: the column default would call the clock per row
+    inferences: dict[str, dict[str, Any]] = {}
+    feedback: dict[str, dict[str, Any]] = {}
+    for event in events:
+        if isinstance(event, InferenceEvent):
+            inferences[event.request_id] = inference_row(event, now)
+        else:
+            feedback[event.feedback_id] = feedback_row(event, now)
+    insert_new(connection, Inference.__table__, inferences.values())  # type: ignore[arg-type]
+    insert_new(connection, FeedbackItem.__table__, feedback.values())  # type: ignore[arg-type]
+
+
 class StoreConsumer:
     """Moves records from reflow.inferences and reflow.feedback into the store, exactly once."""
 
@@ -103,26 +117,18 @@ class StoreConsumer:
 
     def process(self, batch: Batch) -> bool:
         """Stores one polled batch and commits its offsets; False (and rewound) when it must be retried."""
-        inferences: dict[str, dict[str, Any]] = {}
-        feedback: dict[str, dict[str, Any]] = {}
+        events: list[InferenceEvent | FeedbackEvent] = []
         dead: list[tuple[ConsumerRecord, str]] = []
-        now = utcnow()  # one stored_at per batch: the column default would call the clock per row
         for records in batch.values():
             for record in records:
                 try:
-                    event = decode(record.topic, record.value)
+                    events.append(decode(record.topic, record.value))
                 except ValueError as error:
                     dead.append((record, str(error)))
-                    continue
-                if isinstance(event, InferenceEvent):
-                    inferences[event.request_id] = inference_row(event, now)
-                else:
-                    feedback[event.feedback_id] = feedback_row(event, now)
         try:
             self._dead_letter(dead)
             with self.engine.begin() as connection:
-                insert_new(connection, Inference.__table__, inferences.values())  # type: ignore[arg-type]
-                insert_new(connection, FeedbackItem.__table__, feedback.values())  # type: ignore[arg-type]
+                store_events(connection, events)
         except (SQLAlchemyError, KafkaError) as error:
             logger.error("could not store a batch (%s); retrying it in %.0fs", error, RETRY_S)
             for partition, records in batch.items():

@@ -6,6 +6,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +66,7 @@ def train_base_model(
     rng = random.Random(config.seed)
     for step in range(1, config.steps + 1):
         for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(config, step)
+            group["lr"] = learning_rate(config, step)
         tokens, mask = _batch(tokenizer, config, rng)
         tokens, mask = tokens.to(device), mask.to(device)
         logits = model(tokens[:, :-1])  # [B, T-1, V]
@@ -81,7 +82,16 @@ def train_base_model(
     return model.eval()
 
 
-def _learning_rate(config: PretrainConfig, step: int) -> float:
+class Schedule(Protocol):
+    """What the learning-rate schedule reads from a training recipe."""
+
+    lr: float
+    warmup_steps: int
+    steps: int
+    min_lr_ratio: float
+
+
+def learning_rate(config: Schedule, step: int) -> float:
     """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
     if step <= config.warmup_steps:
         return config.lr * step / config.warmup_steps
@@ -104,8 +114,13 @@ def _batch(
         if truncated:
             mask[ids.index(tokenizer.end_think_id)] = 0
         rows.append((ids, mask))
-    width = max(len(ids) for ids, _ in rows)
-    tokens = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
+    return pad_rows(rows, tokenizer.pad_id)
+
+
+def pad_rows(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and loss masks of `rows`, right-padded into two [B, T] tensors."""
+    width = max((len(ids) for ids, _ in rows), default=1)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, (ids, row_mask) in enumerate(rows):
         tokens[i, : len(ids)] = torch.tensor(ids)

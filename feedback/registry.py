@@ -94,6 +94,57 @@ class Registry:
             return experiment.experiment_id
         return self.client.create_experiment(EXPERIMENT_NAME, artifact_location=self.artifact_root)
 
+    def log_run(
+        self,
+        run_name: str,
+        *,
+        params: dict[str, object],
+        metrics: dict[str, float],
+        model_dir: Path | None = None,
+        history: dict[str, list[float]] | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> tuple[str, str]:
+        """Logs a finished run: params, metrics, per-step `history` curves and the model's files
+        (when given) under `model/`; returns (run_id, the model's artifact URI)."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        if model_dir is not None:
+            missing = [f for f in MODEL_FILES if not (model_dir / f).is_file()]
+            if missing:
+                raise FileNotFoundError(f"{model_dir} lacks {missing}")
+        run = self.client.create_run(self.experiment_id(), run_name=run_name)
+        run_id = run.info.run_id
+        now = int(time.time() * 1000)
+        logged = [Metric(key, value, now, 0) for key, value in metrics.items()]
+        for key, values in (history or {}).items():
+            logged += [Metric(key, value, now, step) for step, value in enumerate(values, start=1)]
+        batch = 1000  # MLflow takes at most 1000 metrics per call
+        for start in range(0, max(len(logged), 1), batch):
+            self.client.log_batch(
+                run_id,
+                metrics=logged[start : start + batch],
+                params=[Param(key, str(value)) for key, value in params.items()] if start == 0 else [],
+                tags=[RunTag(key, value) for key, value in (tags or {}).items()] if start == 0 else [],
+            )
+        if model_dir is not None:
+            for filename in MODEL_FILES:
+                self.client.log_artifact(run_id, str(model_dir / filename), MODEL_ARTIFACT_PATH)
+        self.client.set_terminated(run_id)
+        return run_id, f"{run.info.artifact_uri}/{MODEL_ARTIFACT_PATH}"
+
+    def register_version(
+        self, name: str, run_id: str, source: str, *, alias: str, tags: dict[str, str] | None = None
+    ) -> VersionRef:
+        """Registers the model a run logged as a new version of `name` and points `alias` at it."""
+        from mlflow.exceptions import MlflowException
+
+        with contextlib.suppress(MlflowException):  # already registered
+            self.client.create_registered_model(name)
+        mv = self.client.create_model_version(name, source, run_id=run_id, tags=tags or {})
+        self.client.set_registered_model_alias(name, alias, mv.version)
+        logger.info("registered model=%s version=%s alias=%s", name, mv.version, alias)
+        return VersionRef(name, str(mv.version), (alias,))
+
     def register(
         self,
         name: str,
@@ -105,26 +156,5 @@ class Registry:
         tags: dict[str, str] | None = None,
     ) -> VersionRef:
         """Logs a run holding `model_dir`, registers it as a new version and points `alias` at it."""
-        from mlflow.entities import Metric, Param
-        from mlflow.exceptions import MlflowException
-
-        missing = [f for f in MODEL_FILES if not (model_dir / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{model_dir} lacks {missing}")
-        run = self.client.create_run(self.experiment_id(), run_name=f"{name}-register")
-        run_id = run.info.run_id
-        self.client.log_batch(  # one round trip, not one per value
-            run_id,
-            metrics=[Metric(key, value, int(time.time() * 1000), 0) for key, value in metrics.items()],
-            params=[Param(key, str(value)) for key, value in params.items()],
-        )
-        for filename in MODEL_FILES:
-            self.client.log_artifact(run_id, str(model_dir / filename), MODEL_ARTIFACT_PATH)
-        self.client.set_terminated(run_id)
-        with contextlib.suppress(MlflowException):  # already registered
-            self.client.create_registered_model(name)
-        source = f"{run.info.artifact_uri}/{MODEL_ARTIFACT_PATH}"
-        mv = self.client.create_model_version(name, source, run_id=run_id, tags=tags or {})
-        self.client.set_registered_model_alias(name, alias, mv.version)
-        logger.info("registered model=%s version=%s alias=%s", name, mv.version, alias)
-        return VersionRef(name, str(mv.version), (alias,))
+        run_id, source = self.log_run(f"{name}-register", params=params, metrics=metrics, model_dir=model_dir)
+        return self.register_version(name, run_id, source, alias=alias, tags=tags)

@@ -95,6 +95,27 @@ class FeedbackItem(Base):
     stored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class FinetuneRun(Base):
+    """One fine-tune job: the feedback it used, what it produced, and why it was (not) registered."""
+
+    __tablename__ = "finetune_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(128))
+    parent_version: Mapped[str] = mapped_column(String(32))  # the champion it started from
+    status: Mapped[str] = mapped_column(String(16), index=True)  # running, registered, rejected, failed
+    first_feedback_id: Mapped[int] = mapped_column(Integer)  # feedback.id range it considered
+    last_feedback_id: Mapped[int] = mapped_column(Integer)  # the next run starts after this one
+    samples: Mapped[int] = mapped_column(Integer)  # labelled feedback items it used
+    dataset_hash: Mapped[str] = mapped_column(String(64))
+    mlflow_run_id: Mapped[str] = mapped_column(String(64), default="")
+    version: Mapped[str] = mapped_column(String(32), default="")  # registered version, if any
+    message: Mapped[str] = mapped_column(Text, default="")  # the gate's verdict or the error
+    metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
 class Secret(Base):
     """A named server-side secret shared by every gateway replica (e.g. the request-id signing key)."""
 

@@ -26,6 +26,8 @@ feedback_app = typer.Typer(
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(db_app, name="db")
 app.add_typer(feedback_app, name="feedback")
+finetune_app = typer.Typer(help="Fine-tune the champion on new feedback.", no_args_is_help=True)
+app.add_typer(finetune_app, name="finetune")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -354,3 +356,96 @@ def feedback_stats(
         if isinstance(value, dict):
             value = ", ".join(f"{k}: {v}" for k, v in value.items()) or "-"
         print(f"{key}\t{value}")
+
+
+@app.command()
+def scheduler() -> None:
+    """Run the scheduled jobs (fine-tune) until Ctrl-C or SIGTERM; their schedule is kept in the store."""
+    import signal
+    import threading
+
+    from feedback.scheduler import run_scheduler
+
+    settings = load_settings()
+    engine = _current_engine(settings)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    run_scheduler(settings, engine, stop)
+
+
+@finetune_app.command("run")
+def finetune_run(
+    model: Annotated[str | None, typer.Option(help="Registered model [default: REFLOW_MODEL_NAME].")] = None,
+) -> None:
+    """Fine-tune now, in the foreground, on the labelled feedback that arrived since the last run."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from feedback.jobs import run_finetune
+    from feedback.registry import Registry
+
+    settings = load_settings()
+    engine = _current_engine(settings)
+    registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+    columns = (
+        TextColumn("[bold]fine-tuning"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn(),
+    )  # fmt: skip
+    with Progress(*columns, console=err_console) as progress:
+        task = progress.add_task("finetune", total=settings.finetune_steps, loss=float("nan"))
+        outcome = run_finetune(
+            settings, engine, registry, model=model, min_samples=1,
+            progress=lambda step, _total, loss: progress.update(task, completed=step, loss=loss),
+        )  # fmt: skip
+    err_console.print(f"{outcome.status}: {outcome.message}", highlight=False, soft_wrap=True)
+    if outcome.version:
+        print(f"registered version {outcome.version} as @challenger")
+    if outcome.metrics:
+        for key in ("held_out_accuracy", "regression_accuracy", "wide_range_accuracy"):
+            print(f"{key}\tchampion {outcome.metrics[f'champion_{key}']:.1%}"
+                  f"\tcandidate {outcome.metrics[f'candidate_{key}']:.1%}")  # fmt: skip
+    if outcome.status in ("failed", "skipped"):
+        raise typer.Exit(1)
+
+
+@app.command()
+def simulate(
+    rate: Annotated[float, typer.Option(min=0.01, help="Requests per second.")] = 5.0,
+    duration: Annotated[float, typer.Option(min=0.0, help="Seconds to run.")] = 60.0,
+    lo: Annotated[int, typer.Option(min=0, help="Smallest operand.")] = 0,
+    hi: Annotated[int, typer.Option(min=0, help="Largest operand.")] = 99,
+    users: Annotated[int, typer.Option(min=1, help="Distinct simulated users.")] = 50,
+    seed: Annotated[int, typer.Option(help="Seed of the operands and users.")] = 0,
+    target: Annotated[
+        str | None, typer.Option(help="Gateway host:port [default: from endpoints.json].")
+    ] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="REFLOW_API_KEY", show_default=False)] = None,
+) -> None:
+    """Simulated users: `arith` prompts through the gateway, each answer rated by the oracle."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from feedback.simulate import simulate as run_simulation
+
+    if lo > hi:
+        err_console.print(f"[red]error:[/] --lo {lo} is above --hi {hi}")
+        raise typer.Exit(2)
+    settings = Settings(**({"api_key": api_key} if api_key else {}))
+    columns = (
+        TextColumn("[bold]simulating"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
+        TextColumn("accuracy {task.fields[accuracy]:.1%}"), TimeElapsedColumn(),
+    )  # fmt: skip
+    with Progress(*columns, console=err_console) as progress:
+        task = progress.add_task("simulate", total=int(rate * duration), accuracy=0.0)
+        report = asyncio.run(
+            run_simulation(
+                target or _default_target(settings), _default_api_key(settings), rate=rate,
+                duration_s=duration, lo=lo, hi=hi, users=users, seed=seed,
+                on_request=lambda r: progress.update(task, completed=r.finished, accuracy=r.accuracy),
+            )
+        )  # fmt: skip
+    print(f"requests {report.requests}, accuracy {report.accuracy:.1%}, rated {report.rated}")
+    for version, (right, answered) in sorted(report.by_version.items()):
+        print(f"version {version}: {right}/{answered} right ({right / answered:.1%})")
+    if report.errors:
+        print("errors: " + ", ".join(f"{code} {n}" for code, n in sorted(report.errors.items())))
+        raise typer.Exit(1)

@@ -71,6 +71,25 @@ class Settings(BaseSettings):
         1000, ge=1, description="Most records the consumer writes to the store in one transaction."
     )
 
+    finetune_interval_s: float = Field(
+        300.0, gt=0, description="How often the scheduler considers a fine-tune run."
+    )
+    finetune_min_samples: int = Field(
+        200, ge=1, description="New labelled feedback items a scheduled run waits for."
+    )
+    finetune_max_samples: int = Field(
+        1000, ge=1, description="Most feedback items one run samples from what is new."
+    )
+    finetune_steps: int = Field(200, ge=1, description="Optimizer steps of a fine-tune run.")
+    finetune_batch_size: int = Field(32, ge=2, description="Supervised rows per step, replay included.")
+    finetune_lr: float = Field(3e-4, gt=0, description="Peak learning rate of a fine-tune run.")
+    finetune_holdout_fraction: float = Field(
+        0.2, gt=0, lt=1, description="Share of feedback held out to judge the candidate."
+    )
+    finetune_regression_tolerance: float = Field(
+        0.02, ge=0, le=1, description="Largest regression-set accuracy drop a registered candidate may have."
+    )
+
     auth_cache_ttl_s: float = Field(10.0, ge=0, description="How long an API-key lookup is cached.")
     max_prompt_chars: int = Field(4096, ge=1, description="Longest prompt the gateway accepts.")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request leaves it 0.")

@@ -228,6 +228,7 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
         env["REFLOW_KAFKA_BOOTSTRAP"] = bootstrap
         # Stopped after the gateway (children stop newest first), so it stores the last events.
         consumer = supervisor.spawn("consumer", ["feedback", "consume"], env)
+        supervisor.spawn("scheduler", ["scheduler"], env, ready=False)  # fine-tunes from new feedback
 
         mlflow_url = settings.mlflow_tracking_uri
         if not mlflow_url:  # serve the UI over the embedded store

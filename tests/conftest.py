@@ -21,6 +21,7 @@ from sqlalchemy import Engine as SqlEngine
 from feedback.broker import tansu_command, wait_listening
 from feedback.consumer import StoreConsumer
 from feedback.kafka import ensure_topics, new_consumer
+from feedback.pretrain import PretrainConfig, train_base_model
 from feedback.publisher import Publisher
 from feedback.registry import Registry, VersionRef
 from feedback.store import migrate, open_engine
@@ -70,6 +71,12 @@ def save_model(model: Transformer, directory: Path) -> Path:
     model.save(directory)
     ByteTokenizer().save(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def base_model() -> Transformer:
+    """The demo base model, trained once per session with the default recipe (about a minute)."""
+    return train_base_model(PretrainConfig())
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,14 @@ class Up:
         return self.process.wait(90)
 
 
+def reflow(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A `reflow` command against the `reflow up` running in `data_dir`."""
+    env = {**os.environ, "REFLOW_DATA_DIR": str(data_dir), "REFLOW_FINETUNE_STEPS": "10"}
+    return subprocess.run(
+        [sys.executable, "-m", "reflow", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
 def wait_for_stats(data_dir: Path, ready: Callable[[dict], bool], timeout_s: float = 60) -> dict:
     """`reflow feedback stats --json` once `ready` holds for it."""
     deadline = time.monotonic() + timeout_s
@@ -136,8 +144,14 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
         )  # fmt: skip
         assert cli.returncode == 0, cli.stderr
         assert "3 completion tokens" in cli.stderr
+        simulated = reflow(data_dir, "simulate", "--rate", "20", "--duration", "1", "--seed", "3")
+        assert simulated.returncode == 0, simulated.stderr
+        assert "requests 20," in simulated.stdout and "rated 20" in simulated.stdout
+        finetuned = reflow(data_dir, "finetune", "run")  # 21 ratings: enough for `run`, which doesn't wait
+        assert finetuned.returncode == 0, finetuned.stderr
+        assert "held_out_accuracy" in finetuned.stdout
         children = descendants(up.process.pid)
-        assert len(children) >= 6  # kafka, consumer, mlflow, two workers, gateway
+        assert len(children) >= 7  # kafka, consumer, scheduler, mlflow, two workers, gateway
     finally:
         code = up.stop()
     assert code == 0, up.output()
@@ -149,8 +163,9 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
     again = Up(data_dir)
     try:
         again.endpoints()
-        # the completion `reflow generate` streamed just before the stop was stored, not lost
-        assert wait_for_stats(data_dir, lambda s: s["inferences"] == 2)["joined_feedback"] == 1
+        # what was served and rated before the stop was stored, not lost: 1 + 1 (`reflow
+        # generate`) + 20 (`reflow simulate`) completions, 1 + 20 ratings
+        assert wait_for_stats(data_dir, lambda s: s["inferences"] == 22)["joined_feedback"] == 21
     finally:
         assert again.stop() == 0
     assert "training base model" not in again.output()  # the registered champion is reused

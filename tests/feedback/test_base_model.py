@@ -10,7 +10,7 @@ import torch
 
 from feedback import arith
 from feedback.bootstrap import evaluate
-from feedback.pretrain import PretrainConfig, train_base_model
+from feedback.pretrain import PretrainConfig
 from workers.engine import Engine
 from workers.loading import LoadedModel
 from workers.model import Transformer
@@ -19,11 +19,6 @@ from workers.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.slow
 TOK = ByteTokenizer()
-
-
-@pytest.fixture(scope="module")
-def base_model() -> Transformer:
-    return train_base_model(PretrainConfig())
 
 
 @pytest.fixture

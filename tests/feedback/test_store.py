@@ -22,7 +22,9 @@ def test_migrations_upgrade_and_downgrade(database_url: str) -> None:
     assert "api_key" not in columns  # only the hash is stored
     migrate(engine)  # idempotent
     downgrade(engine, "0001")
-    assert {"inferences", "feedback", "secrets"}.isdisjoint(inspect(engine).get_table_names())
+    assert {"inferences", "feedback", "secrets", "finetune_runs"}.isdisjoint(
+        inspect(engine).get_table_names()
+    )
     assert "tenants" in inspect(engine).get_table_names()
     migrate(engine)
     downgrade(engine, "base")

@@ -1,0 +1,94 @@
+"""What one fine-tune run buys: champion vs challenger accuracy in range and over the wide range.
+
+    .venv/bin/python benchmarks/finetune_gain.py [--items 400] [--runs 3]
+
+Trains the demo base model with the default recipe (about a minute), then per run (seeds 0..runs-1)
+in a fresh store and MLflow registry: --items wide-range (0-99) prompts answered greedily by the
+champion and rated by oracle users (+1, or -1 with the right answer as correction), one fine-tune
+job with the default settings, and greedy accuracy of champion and candidate on 500 in-range
+(0-49) and 500 wide-range (0-99) problems. Prints each run and the medians, with the job's wall
+time (training alone, and the whole job: training, gate, MLflow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from feedback import arith
+from feedback.bootstrap import evaluate
+from feedback.consumer import store_events
+from feedback.jobs import CHALLENGER, run_finetune
+from feedback.pretrain import PretrainConfig, train_base_model
+from feedback.registry import Registry
+from feedback.simulate import rated_offline
+from feedback.store import migrate, open_engine
+from reflow.settings import Settings
+from workers.model import Transformer
+from workers.tokenizer import ByteTokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--items", type=int, default=400)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    base = train_base_model(PretrainConfig())
+    print(f"base model trained in {time.perf_counter() - started:.0f}s", flush=True)
+    before = evaluate(base, PretrainConfig())
+    rows = []
+    for seed in range(args.runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = Path(tmp)
+            registry = Registry(f"sqlite:///{directory / 'mlflow.db'}", (directory / "mlartifacts").as_uri())
+            base.save(directory / "base")
+            ByteTokenizer().save(directory / "base")
+            registry.register("arith", directory / "base", params={}, metrics={}, alias="champion")
+            settings = Settings(data_dir=directory, mlflow_tracking_uri=registry.tracking_uri,
+                                mlflow_artifact_root=registry.artifact_root or "", device="cpu")  # fmt: skip
+            engine = open_engine(settings.resolved_database_url)
+            migrate(engine)
+            operands = arith.sample_operands(args.items, 0, 99, random.Random(100 + seed))
+            with engine.begin() as connection:
+                store_events(connection, rated_offline(base, operands, tenant="bench"))
+            job_started = time.perf_counter()
+            outcome = run_finetune(settings, engine, registry, min_samples=1)
+            job_s = time.perf_counter() - job_started
+            if outcome.status != "registered":
+                print(f"run {seed + 1}: {outcome.status}: {outcome.message}")
+                continue
+            candidate = Transformer.load(
+                registry.download(registry.resolve("arith", alias=CHALLENGER), settings.model_cache_dir)
+            )
+            after = evaluate(candidate, PretrainConfig())
+            engine.dispose()
+        train_s = (outcome.metrics or {})["train_seconds"]
+        rows.append((after["accuracy_in_range"], after["accuracy_wide_range"], train_s, job_s))
+        print(
+            f"run {seed + 1}: in range {before['accuracy_in_range']:.1%} -> "
+            f"{after['accuracy_in_range']:.1%}, "
+            f"wide {before['accuracy_wide_range']:.1%} -> {after['accuracy_wide_range']:.1%}; "
+            f"training {train_s:.0f}s, whole job {job_s:.0f}s",
+            flush=True,
+        )
+    if not rows:
+        return
+    narrow, wide, train, job = (statistics.median(column) for column in zip(*rows, strict=True))
+    print(f"\nmedians of {len(rows)} registered runs, {args.items} rated items each:")
+    print(f"  in range (0-49):  champion {before['accuracy_in_range']:.1%}  challenger {narrow:.1%}  "
+          f"({100 * (narrow - before['accuracy_in_range']):+.1f} points)")  # fmt: skip
+    print(f"  wide (0-99):      champion {before['accuracy_wide_range']:.1%}  challenger {wide:.1%}  "
+          f"({100 * (wide - before['accuracy_wide_range']):+.1f} points)")  # fmt: skip
+    print(f"  fine-tune wall time: training {train:.0f}s, whole job {job:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

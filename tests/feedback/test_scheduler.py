@@ -1,0 +1,84 @@
+"""The scheduler: its jobs kept in the store across restarts, a job never overlapping itself, and a
+fine-tune run never overlapping another one started elsewhere."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from apscheduler.triggers.interval import IntervalTrigger
+from sqlalchemy import update
+
+from feedback.jobs import STALE_AFTER, claim_run
+from feedback.scheduler import FINETUNE_JOB, ensure_finetune_job, finetune_job, new_scheduler
+from feedback.store import FinetuneRun, migrate, open_engine, utcnow
+
+
+def store(tmp_path: Path):  # type: ignore[no-untyped-def]
+    engine = open_engine(f"sqlite:///{tmp_path / 'store.db'}")
+    migrate(engine)
+    return engine
+
+
+def test_the_finetune_job_and_its_next_run_survive_a_restart(tmp_path: Path) -> None:
+    engine = store(tmp_path)
+    first = new_scheduler(engine, misfire_grace_s=60)
+    first.start(paused=True)
+    ensure_finetune_job(first, interval_s=3600)
+    planned = first.get_job(FINETUNE_JOB).next_run_time
+    first.shutdown()
+
+    second = new_scheduler(engine, misfire_grace_s=60)
+    second.start(paused=True)
+    try:
+        kept = second.get_job(FINETUNE_JOB)
+        assert kept is not None and kept.func is finetune_job and kept.next_run_time == planned
+        ensure_finetune_job(second, interval_s=3600)  # same interval: the schedule stands
+        assert second.get_job(FINETUNE_JOB).next_run_time == planned
+        ensure_finetune_job(second, interval_s=60)  # a new interval takes effect
+        assert second.get_job(FINETUNE_JOB).trigger.interval == timedelta(seconds=60)
+        assert len(second.get_jobs()) == 1
+        job = second.get_job(FINETUNE_JOB)
+        assert (job.coalesce, job.max_instances, job.misfire_grace_time) == (True, 1, 60)
+    finally:
+        second.shutdown()
+
+
+RUNS = {"active": 0, "most_active": 0, "finished": 0}
+LOCK = threading.Lock()
+
+
+def slow_job() -> None:
+    """A job that takes longer than its interval (referenced by the job store, so module-level)."""
+    with LOCK:
+        RUNS["active"] += 1
+        RUNS["most_active"] = max(RUNS["most_active"], RUNS["active"])
+    time.sleep(0.5)
+    with LOCK:
+        RUNS["active"] -= 1
+        RUNS["finished"] += 1
+
+
+def test_a_job_never_overlaps_itself(tmp_path: Path) -> None:
+    scheduler = new_scheduler(store(tmp_path), misfire_grace_s=1)
+    scheduler.start()
+    scheduler.add_job(slow_job, IntervalTrigger(seconds=0.1), id="slow")
+    time.sleep(2.0)
+    scheduler.shutdown(wait=True)
+    assert RUNS["finished"] >= 2
+    assert RUNS["most_active"] == 1
+
+
+def test_a_second_finetune_run_waits_while_one_is_running(tmp_path: Path) -> None:
+    engine = store(tmp_path)
+    first = claim_run(engine, "arith", "1", 1, 10)
+    assert first is not None
+    assert claim_run(engine, "arith", "1", 1, 10) is None  # e.g. `reflow finetune run` meanwhile
+    assert claim_run(engine, "other-model", "1", 1, 10) is not None  # other models are independent
+    with engine.begin() as connection:  # the first one's process was killed long ago
+        connection.execute(
+            update(FinetuneRun).where(FinetuneRun.id == first).values(started_at=utcnow() - 2 * STALE_AFTER)
+        )
+    assert claim_run(engine, "arith", "1", 1, 10) is not None
