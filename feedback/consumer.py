@@ -21,7 +21,7 @@ from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import TopicPartition
 from sqlalchemy import Connection, Engine, Table
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
 
 from feedback.events import FeedbackEvent, InferenceEvent, decode
 from feedback.kafka import (
@@ -75,12 +75,12 @@ def store_events(connection: Connection, events: Iterable[InferenceEvent | Feedb
     """Writes events as rows in one go, skipping those already stored (and repeats among them)."""
     now = utcnow()  # one stored_at per batch: the column default would call the clock per row
     inferences: dict[str, dict[str, Any]] = {}
-    feedback: dict[str, dict[str, Any]] = {}
+    feedback: dict[tuple[str, str], dict[str, Any]] = {}
     for event in events:
         if isinstance(event, InferenceEvent):
             inferences[event.request_id] = inference_row(event, now)
         else:
-            feedback[event.feedback_id] = feedback_row(event, now)
+            feedback[(event.tenant, event.feedback_id)] = feedback_row(event, now)
     insert_new(connection, Inference.__table__, inferences.values())  # type: ignore[arg-type]
     insert_new(connection, FeedbackItem.__table__, feedback.values())  # type: ignore[arg-type]
 
@@ -117,20 +117,23 @@ class StoreConsumer:
 
     def process(self, batch: Batch) -> bool:
         """Stores one polled batch and commits its offsets; False (and rewound) when it must be retried."""
-        events: list[InferenceEvent | FeedbackEvent] = []
+        decoded: list[tuple[ConsumerRecord, InferenceEvent | FeedbackEvent]] = []
         dead: list[tuple[ConsumerRecord, str]] = []
         for records in batch.values():
             for record in records:
                 try:
-                    events.append(decode(record.topic, record.value))
+                    decoded.append((record, decode(record.topic, record.value)))
                 except ValueError as error:
                     dead.append((record, str(error)))
         try:
+            try:
+                with self.engine.begin() as connection:
+                    store_events(connection, [event for _, event in decoded])
+            except (DataError, IntegrityError):  # one record the database refuses: find it
+                dead += self._store_one_by_one(decoded)
             self._dead_letter(dead)
-            with self.engine.begin() as connection:
-                store_events(connection, events)
-        except (SQLAlchemyError, KafkaError) as error:
-            logger.error("could not store a batch (%s); retrying it in %.0fs", error, RETRY_S)
+        except (SQLAlchemyError, KafkaError) as error:  # the store or Kafka is down: retry it all
+            logger.error("could not store a batch (%s); retrying it in %.0fs", type(error).__name__, RETRY_S)
             for partition, records in batch.items():
                 self.consumer.seek(partition, records[0].offset)
             return False
@@ -143,6 +146,19 @@ class StoreConsumer:
             logger.warning("offset commit failed (%s); the batch will be redelivered and skipped", error)
         logger.debug("stored %d records, %d of them to the DLQ", count, len(dead))
         return True
+
+    def _store_one_by_one(
+        self, decoded: list[tuple[ConsumerRecord, InferenceEvent | FeedbackEvent]]
+    ) -> list[tuple[ConsumerRecord, str]]:
+        """Stores each event in its own transaction; returns the ones the database refused."""
+        refused = []
+        for record, event in decoded:
+            try:
+                with self.engine.begin() as connection:
+                    store_events(connection, [event])
+            except (DataError, IntegrityError) as error:
+                refused.append((record, f"the store refused it: {type(error.orig).__name__}: {error.orig}"))
+        return refused
 
     def _dead_letter(self, dead: list[tuple[ConsumerRecord, str]]) -> None:
         """Sends malformed records to the DLQ with why and where from; returns once acked."""

@@ -2,7 +2,9 @@
 
 A correction, or a completion rated +1, becomes a supervised example; every rated completion is
 also a KTO example (+1 desirable, -1 undesirable). Items are split into train and held-out by a
-hash of their feedback_id, so the same item always lands on the same side.
+hash of their feedback_id, so the same item always lands on the same side. Each item is used by
+one fine-tune run at most: the run marks the items it takes (`feedback.finetune_run_id`), so
+feedback that is joined late (its inference event came after it) is still used by a later run.
 """
 
 from __future__ import annotations
@@ -14,9 +16,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine, and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from feedback.store import FeedbackItem, FinetuneRun, Inference
-
-CONSUMED = ("registered", "rejected")  # finished runs whose feedback the next run skips
+from feedback.store import FeedbackItem, Inference
 
 
 @dataclass(frozen=True)
@@ -57,40 +57,30 @@ class Dataset:
         return len(self.desirable) + len(self.undesirable)
 
 
-def _labelled(model: str, after_id: int):  # type: ignore[no-untyped-def]
-    """Feedback after `after_id` on completions of `model` that says something (a rating or a fix)."""
+def _unused_labelled(model: str):  # type: ignore[no-untyped-def]
+    """Feedback on completions of `model` that says something (a rating or a correction) and that
+    no fine-tune run has used yet."""
     joined = select(FeedbackItem, Inference).join(
         Inference,
         and_(Inference.request_id == FeedbackItem.request_id, Inference.tenant == FeedbackItem.tenant),
     )
     return joined.where(
-        FeedbackItem.id > after_id,
+        FeedbackItem.finetune_run_id.is_(None),
         Inference.model == model,
         or_(FeedbackItem.rating != 0, FeedbackItem.correction != ""),
     )
 
 
-def last_consumed_feedback_id(engine: Engine, model: str) -> int:
-    """The newest feedback id a finished fine-tune run of `model` considered (0 when none ran)."""
+def count_new(engine: Engine, model: str) -> int:
+    """Labelled feedback items on `model`, joined with their completions, that no run has used."""
     with Session(engine) as session:
-        newest = session.scalar(
-            select(func.max(FinetuneRun.last_feedback_id)).where(
-                FinetuneRun.model == model, FinetuneRun.status.in_(CONSUMED)
-            )
-        )
-    return newest or 0
+        return session.scalar(select(func.count()).select_from(_unused_labelled(model).subquery())) or 0
 
 
-def count_new(engine: Engine, model: str, after_id: int) -> int:
-    """Labelled feedback items on `model` newer than `after_id`, joined with their completions."""
+def load_new(engine: Engine, model: str, limit: int) -> list[RatedCompletion]:
+    """The oldest `limit` of them (the rest waits for the next run)."""
     with Session(engine) as session:
-        return session.scalar(select(func.count()).select_from(_labelled(model, after_id).subquery())) or 0
-
-
-def load_new(engine: Engine, model: str, after_id: int) -> list[RatedCompletion]:
-    """Every labelled feedback item on `model` newer than `after_id`, oldest first."""
-    with Session(engine) as session:
-        rows = session.execute(_labelled(model, after_id).order_by(FeedbackItem.id)).all()
+        rows = session.execute(_unused_labelled(model).order_by(FeedbackItem.id).limit(limit)).all()
     return [
         RatedCompletion(
             fb.id, fb.feedback_id, inf.prompt, inf.reasoning, inf.completion, fb.rating, fb.correction

@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Annotated, Literal, NamedTuple
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     ConfigDict,
@@ -25,13 +26,33 @@ from pydantic import (
 from feedback.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC
 
 MAX_ID_CHARS = 128
+MAX_REQUEST_ID_CHARS = 64
+MAX_USER_ID_CHARS = 256
+MAX_VERSION_CHARS = 32  # versions and arms (alias names)
 MAX_TEXT_CHARS = 4096
 MAX_LABELS = 16
 MAX_LABEL_CHARS = 256
+MAX_COUNT = 2**31 - 1  # token counts fit the store's INTEGER columns
 
-Id = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
-OptionalId = Annotated[str, StringConstraints(max_length=MAX_ID_CHARS)]
-LabelText = Annotated[str, StringConstraints(max_length=MAX_LABEL_CHARS)]
+
+def _no_nul(value: str) -> str:
+    """PostgreSQL text cannot hold NUL: a record with one could never be stored."""
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (\\x00) characters")
+    return value
+
+
+# Every string is bounded like the column that stores it, and free of NUL characters.
+NoNul = AfterValidator(_no_nul)
+Id = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS), NoNul]
+RequestId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_REQUEST_ID_CHARS), NoNul]
+UserId = Annotated[str, StringConstraints(max_length=MAX_USER_ID_CHARS), NoNul]
+VersionId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_VERSION_CHARS), NoNul]
+Arm = Annotated[str, StringConstraints(max_length=MAX_VERSION_CHARS), NoNul]
+Text = Annotated[str, NoNul]
+Correction = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS), NoNul]
+LabelText = Annotated[str, StringConstraints(max_length=MAX_LABEL_CHARS), NoNul]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 
 class Record(NamedTuple):
@@ -53,9 +74,9 @@ class TokenUsage(BaseModel):
     """Tokens of one generation."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    prompt_tokens: int = Field(ge=0)
-    completion_tokens: int = Field(ge=0)
-    reasoning_tokens: int = Field(ge=0)
+    prompt_tokens: Count
+    completion_tokens: Count
+    reasoning_tokens: Count
 
 
 class Latency(BaseModel):
@@ -69,15 +90,15 @@ class Latency(BaseModel):
 class InferenceEvent(_Event):
     """A finished generation, published by the gateway to `reflow.inferences`, keyed by request_id."""
 
-    request_id: Id
+    request_id: RequestId
     tenant: Id
-    user_id: OptionalId = ""
+    user_id: UserId = ""
     model: Id
-    version: Id
-    arm: OptionalId = ""
-    prompt: str
-    reasoning: str = ""
-    completion: str = ""
+    version: VersionId
+    arm: Arm = ""
+    prompt: Text
+    reasoning: Text = ""
+    completion: Text = ""
     finish_reason: Literal["STOP", "LENGTH", "CANCELLED", "ERROR"]
     usage: TokenUsage
     latency: Latency
@@ -91,11 +112,11 @@ class FeedbackEvent(_Event):
     """A rating of one completion, on `reflow.feedback`, keyed by the request_id it rates."""
 
     feedback_id: Id
-    request_id: Id
+    request_id: RequestId
     tenant: Id
     rating: Literal[-1, 0, 1]
-    correction: Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)] = ""
-    user_id: OptionalId = ""
+    correction: Correction = ""
+    user_id: UserId = ""
     labels: Annotated[dict[LabelText, LabelText], Field(max_length=MAX_LABELS)] = {}
     time: AwareDatetime
 

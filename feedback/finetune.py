@@ -6,8 +6,9 @@ Each step's loss is
     SFT(batch) + kto_weight * KTO(rated batch) + kl_weight * KL(policy || champion on replay rows)
 
 where the SFT batch mixes feedback examples with `replay_fraction` of problems from the base
-model's own distribution, so learning the new range does not unlearn the old one. The champion
-itself is never modified: the candidate is a copy.
+model's own distribution, so learning the new range does not unlearn the old one. The champion's
+weights are never changed: the candidate is a copy, and the champion, switched to eval mode and
+frozen, is the reference.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The fine-tune job: new labelled feedback → a candidate trained from the champion → the gate →
 an MLflow run, and a new version with alias `challenger` when the candidate passed.
 
-Every run that starts is recorded in `finetune_runs`; a finished run (registered or rejected)
-marks the feedback it considered as used, so the next run waits for new feedback.
+Every run that starts is recorded in `finetune_runs` and marks the feedback items it takes; a
+registered or rejected run keeps them, a failed one gives them back to the next run.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
 from feedback import arith, gate
@@ -25,13 +25,12 @@ from feedback.dataset import (
     RatedCompletion,
     build_dataset,
     count_new,
-    last_consumed_feedback_id,
     load_new,
 )
 from feedback.finetune import FinetuneConfig, train_candidate
 from feedback.pretrain import PretrainConfig
 from feedback.registry import Registry
-from feedback.store import FinetuneRun, utcnow
+from feedback.store import FeedbackItem, FinetuneRun, utcnow
 from reflow.settings import Settings
 from workers.loading import resolve_device
 from workers.model import Transformer
@@ -85,27 +84,25 @@ def run_finetune(
     min_samples: int | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Outcome:
-    """Fine-tunes `model`'s champion on the labelled feedback that arrived since the last run."""
+    """Fine-tunes `model`'s champion on the oldest labelled feedback no run has used yet (at most
+    REFLOW_FINETUNE_MAX_SAMPLES items; the rest waits for the next run)."""
     name = model or settings.model_name
     needed = settings.finetune_min_samples if min_samples is None else min_samples
-    after = last_consumed_feedback_id(engine, name)
-    new = count_new(engine, name, after)
+    new = count_new(engine, name)
     if new < max(needed, 1):
         return Outcome("skipped", f"{new} new labelled feedback item(s) on {name}; waiting for {needed}")
-    champion_ref = registry.resolve(name, alias=settings.model_alias)
-    items = load_new(engine, name, after)
-    run_id = claim_run(engine, name, champion_ref.version, items[0].id, items[-1].id)
+    parent = registry.resolve(name, alias=settings.model_alias).version
+    items = load_new(engine, name, settings.finetune_max_samples)
+    run_id = claim_run(engine, name, parent, [item.id for item in items])
     if run_id is None:
-        return Outcome("skipped", "another fine-tune run is in progress")
+        return Outcome("skipped", "another fine-tune run of this model is in progress")
     try:
-        outcome = _train_and_judge(
-            settings, engine, registry, run_id, champion_ref.version, name, items, progress
-        )
+        return _train_and_judge(settings, engine, registry, run_id, parent, name, items, progress)
     except Exception as error:
         logger.exception("fine-tune run %d failed", run_id)
         _finish(engine, run_id, status="failed", message=f"{type(error).__name__}: {error}")
+        _release(engine, run_id)  # the next run tries these items again
         return Outcome("failed", str(error), run_id)
-    return outcome
 
 
 def _train_and_judge(
@@ -120,9 +117,6 @@ def _train_and_judge(
 ) -> Outcome:
     started = time.perf_counter()
     first_id, last_id = items[0].id, items[-1].id
-    rng = random.Random(run_id)
-    if len(items) > settings.finetune_max_samples:  # a small sample of what is new
-        items = sorted(rng.sample(items, settings.finetune_max_samples), key=lambda item: item.id)
     dataset = build_dataset(items, settings.finetune_holdout_fraction, canonical_thought)
     device = resolve_device(settings.device)
     champion = Transformer.load(
@@ -147,9 +141,8 @@ def _train_and_judge(
         "holdout_fraction": settings.finetune_holdout_fraction,
         "regression_tolerance": settings.finetune_regression_tolerance, "device": str(device),
     }  # fmt: skip
-    curves = {
-        f"train_{field}": [getattr(s, field) for s in history] for field in ("loss", "sft", "kto", "kl")
-    }
+    fields = ("loss", "sft", "kto", "kl", "kto_reference_point")
+    curves = {f"train_{field}": [getattr(s, field) for s in history] for field in fields}
     tags = {"reflow.source": "finetune", "reflow.parent_version": parent, "reflow.verdict": verdict.reason}
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
@@ -175,39 +168,74 @@ def _train_and_judge(
     return Outcome(status, verdict.reason, run_id, version, metrics)
 
 
-def claim_run(engine: Engine, model: str, parent: str, first_id: int, last_id: int) -> int | None:
-    """Records a running run and returns its id; None while another fresh run of `model` runs.
+def claim_run(engine: Engine, model: str, parent: str, feedback_ids: list[int]) -> int | None:
+    """Records a running run of `model` and marks `feedback_ids` as its items; returns the run's
+    id, or None when another fresh run of `model` is running or took some of these items first.
 
     Insert first, then look: of two jobs starting at once (say a scheduled one and `reflow
     finetune run`), each sees both rows and only the older one goes on, on SQLite and PostgreSQL.
+    A run still `running` after STALE_AFTER was killed: it is marked failed, its items released.
     """
     with Session(engine) as session, session.begin():
+        stale = session.scalars(
+            select(FinetuneRun.id).where(
+                FinetuneRun.model == model,
+                FinetuneRun.status == "running",
+                FinetuneRun.started_at <= utcnow() - STALE_AFTER,
+            )
+        ).all()
+        for run_id in stale:
+            _mark_failed(session, run_id, f"abandoned: still running after {STALE_AFTER}")
         run = FinetuneRun(
-            model=model, parent_version=parent, status="running", first_feedback_id=first_id,
-            last_feedback_id=last_id, samples=0, dataset_hash="",
+            model=model, parent_version=parent, status="running", first_feedback_id=min(feedback_ids),
+            last_feedback_id=max(feedback_ids), samples=len(feedback_ids), dataset_hash="",
         )  # fmt: skip
         session.add(run)
         session.flush()
         mine = run.id
+        taken = session.execute(
+            update(FeedbackItem)
+            .where(FeedbackItem.id.in_(feedback_ids), FeedbackItem.finetune_run_id.is_(None))
+            .values(finetune_run_id=mine)
+        ).rowcount
     with Session(engine) as session, session.begin():
         oldest = session.scalar(
             select(FinetuneRun.id)
-            .where(
-                FinetuneRun.model == model,
-                FinetuneRun.status == "running",
-                FinetuneRun.started_at > utcnow() - STALE_AFTER,
-            )
+            .where(FinetuneRun.model == model, FinetuneRun.status == "running")
             .order_by(FinetuneRun.id)
             .limit(1)
         )
-        if oldest != mine:
-            session.delete(session.get(FinetuneRun, mine))
-            return None
-    return mine
+        if oldest == mine and taken == len(feedback_ids):
+            return mine
+        _release_in(session, mine)
+        session.delete(session.get(FinetuneRun, mine))
+    return None
+
+
+def _mark_failed(session: Session, run_id: int, message: str) -> None:
+    run = session.get(FinetuneRun, run_id)
+    if run is not None:
+        run.status, run.message, run.finished_at = "failed", message, utcnow()
+    _release_in(session, run_id)
+
+
+def _release_in(session: Session, run_id: int) -> None:
+    """Gives the items of run `run_id` back to the next run."""
+    session.execute(
+        update(FeedbackItem).where(FeedbackItem.finetune_run_id == run_id).values(finetune_run_id=None)
+    )
+
+
+def _release(engine: Engine, run_id: int) -> None:
+    with Session(engine) as session, session.begin():
+        _release_in(session, run_id)
 
 
 def _finish(engine: Engine, run_id: int, **fields: object) -> None:
     """Marks run `run_id` finished with `fields` (status, message, results)."""
+    metrics = fields.get("metrics")
+    if isinstance(metrics, dict):  # JSON has no NaN (PostgreSQL refuses it): none becomes null
+        fields["metrics"] = {k: None if v != v else v for k, v in metrics.items()}
     with Session(engine) as session, session.begin():
         run = session.get(FinetuneRun, run_id)
         assert run is not None

@@ -90,19 +90,32 @@ class Publisher:
         return failed + unsent
 
     def _run(self) -> None:
-        """Hands queued records over and drains the outbox; after `close`, until its deadline."""
+        """Hands queued records over and drains the outbox; after `close`, until its deadline.
+
+        Every RETRY_S it also looks at the outbox itself, so records another process left there
+        (an ingest that ran while Kafka was down) are sent too. An unexpected error is logged and
+        the loop goes on: this thread is the only one that empties the outbox.
+        """
+        next_look = time.monotonic()
         while True:
             closing = self._closed.is_set()
             if closing and self._queue.empty() and (not self._behind or time.monotonic() > self._close_by):
                 return
-            batch = _take(self._queue, FLUSH_BATCH, timeout_s=0.0 if closing else 0.5)
-            if batch:
-                try:
+            try:
+                batch = _take(self._queue, FLUSH_BATCH, timeout_s=0.0 if closing else 0.5)
+                if batch:
                     self.publish(batch)
-                except Exception:  # the outbox itself failed (disk full?): nothing else can keep them
-                    logger.exception("could not hand over %d inference events; they are lost", len(batch))
-            if self._behind and not self._drain_once():
-                time.sleep(min(RETRY_S, max(self._close_by - time.monotonic(), 0.0)) if closing else RETRY_S)
+                if time.monotonic() >= next_look:
+                    next_look = time.monotonic() + RETRY_S
+                    with self._lock:
+                        self._behind = self._behind or len(self.outbox) > 0
+                if self._behind and not self._drain_once():
+                    time.sleep(
+                        min(RETRY_S, max(self._close_by - time.monotonic(), 0.0)) if closing else RETRY_S
+                    )
+            except Exception:  # e.g. the outbox's disk is full: keep trying rather than die
+                logger.exception("the publisher failed a round; retrying in %.0fs", RETRY_S)
+                time.sleep(RETRY_S)
 
     def _drain_once(self) -> bool:
         """Sends one batch of the outbox; False when Kafka did not take it. After a failure the
@@ -125,13 +138,14 @@ class Publisher:
         self._close_by = time.monotonic() + timeout_s
         self._closed.set()
         self._queue.put(None)  # wakes the thread
-        self._thread.join(timeout_s + self.handover_timeout_s)
+        self._thread.join(timeout_s + 2 * self.handover_timeout_s)
         with contextlib.suppress(KafkaError):  # records it still holds are in the outbox too
             self.producer.close(timeout=1.0)
         left = len(self.outbox)
         if left:
             logger.warning("%d records stay in the outbox %s for the next start", left, self.outbox.path)
-        self.outbox.close()
+        if not self._thread.is_alive():  # else it still uses the outbox; the process exit closes it
+            self.outbox.close()
         return left
 
 

@@ -35,7 +35,8 @@ class SimulationReport:
     requests: int = 0  # sent
     finished: int = 0  # answered or failed
     right: int = 0
-    errors: dict[str, int] = field(default_factory=dict)  # gRPC status name -> count
+    errors: dict[str, int] = field(default_factory=dict)  # Generate: gRPC status name -> count
+    feedback_errors: dict[str, int] = field(default_factory=dict)  # SubmitFeedback failures
     rated: int = 0  # feedback items the gateway accepted
     by_version: dict[str, list[int]] = field(default_factory=dict)  # version -> [right, answered]
 
@@ -165,7 +166,8 @@ async def _rate(
                 ack = await stub.SubmitFeedback(iter(batch), metadata=metadata, timeout=60)
                 report.rated += ack.accepted
             except grpc.aio.AioRpcError as error:
-                report.errors[f"feedback {error.code().name}"] = report.errors.get(error.code().name, 0) + 1
+                key = f"SubmitFeedback {error.code().name}"
+                report.feedback_errors[key] = report.feedback_errors.get(key, 0) + 1
 
 
 def rated_offline(

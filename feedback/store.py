@@ -18,6 +18,7 @@ from sqlalchemy import (
     SmallInteger,
     String,
     Text,
+    UniqueConstraint,
     create_engine,
     event,
 )
@@ -57,7 +58,7 @@ class Inference(Base):
 
     request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(128), index=True)
-    user_id: Mapped[str] = mapped_column(String(128))
+    user_id: Mapped[str] = mapped_column(String(256))
     model: Mapped[str] = mapped_column(String(128))
     version: Mapped[str] = mapped_column(String(32))
     arm: Mapped[str] = mapped_column(String(32))  # the alias it was routed through; "" when pinned
@@ -78,21 +79,24 @@ class FeedbackItem(Base):
     """One rating of a completion; joined with `inferences` on (request_id, tenant) when read.
 
     No foreign key: feedback may be stored before the inference event it rates arrives.
-    `id` grows with arrival, so a reader can ask for "feedback since id N".
+    `id` grows with arrival; `finetune_run_id` marks the fine-tune run that used the item.
     """
 
     __tablename__ = "feedback"
+    # the idempotency key is the tenant's: one tenant's ids never collide with another's
+    __table_args__ = (UniqueConstraint("tenant", "feedback_id", name="uq_feedback_tenant_feedback_id"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    feedback_id: Mapped[str] = mapped_column(String(128), unique=True)  # the idempotency key
+    feedback_id: Mapped[str] = mapped_column(String(128))
     request_id: Mapped[str] = mapped_column(String(64), index=True)
     tenant: Mapped[str] = mapped_column(String(128))
     rating: Mapped[int] = mapped_column(SmallInteger)  # -1, 0 or +1
     correction: Mapped[str] = mapped_column(Text)
-    user_id: Mapped[str] = mapped_column(String(128))
+    user_id: Mapped[str] = mapped_column(String(256))
     labels: Mapped[dict[str, str]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # when it was submitted
     stored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finetune_run_id: Mapped[int | None] = mapped_column(Integer, index=True, default=None)
 
 
 class FinetuneRun(Base):
@@ -130,7 +134,8 @@ def open_engine(url: str) -> Engine:
     """An engine for `url`; SQLite gets WAL, a busy timeout and its parent directory."""
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, pool_pre_ping=True)
+    # hide_parameters: an error message never carries prompts, completions or corrections into logs
+    engine = create_engine(url, pool_pre_ping=True, hide_parameters=True)
     if engine.dialect.name == "sqlite":
 
         @event.listens_for(engine, "connect")

@@ -9,6 +9,7 @@ gateway replica and `reflow feedback ingest` share it.
 from __future__ import annotations
 
 import hmac
+import re
 import secrets
 
 from sqlalchemy import Engine, select
@@ -21,6 +22,7 @@ from feedback.store import Secret
 KEY_NAME = "request_id_key"
 NONCE_HEX = 24  # 96 random bits
 TAG_HEX = 24  # 96 bits of HMAC-SHA256
+_HEX = re.compile(f"[0-9a-f]{{{NONCE_HEX + TAG_HEX}}}")
 
 
 class RequestIds:
@@ -53,7 +55,7 @@ class RequestIds:
 
     def served_to(self, request_id: str, tenant: str) -> bool:
         """True when `request_id` was minted for `tenant` (by any gateway sharing the store)."""
-        if len(request_id) != NONCE_HEX + TAG_HEX:
+        if not _HEX.fullmatch(request_id):
             return False
         nonce, tag = request_id[:NONCE_HEX], request_id[NONCE_HEX:]
         return hmac.compare_digest(tag, self._tag(nonce, tenant))

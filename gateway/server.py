@@ -135,11 +135,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     async for message in stream:
                         answer.append(message.text)
                         reasoning.append(message.reasoning_text)
-                        yield message
-                        if message.finish_reason:
+                        if message.finish_reason:  # before the last yield: a client gone now is no loss
                             self._publish_inference(
                                 request, tenant, header, message, "".join(answer), "".join(reasoning)
                             )
+                        yield message
                 return
             except _WorkerUnreachable as error:
                 if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
@@ -277,10 +277,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 chunk = []
                 if len(handovers) >= CHUNKS_IN_FLIGHT:
                     done, handovers = await asyncio.wait(handovers, return_when=asyncio.FIRST_COMPLETED)
+                    if any(task.exception() for task in done):
+                        await asyncio.gather(*handovers, return_exceptions=True)
                     ack.accepted += sum(task.result() for task in done)
         if chunk:
             handovers.add(asyncio.create_task(self._hand_over(chunk)))
-        ack.accepted += sum(await asyncio.gather(*handovers))
+        outcomes = await asyncio.gather(*handovers, return_exceptions=True)  # every task ends first
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        ack.accepted += sum(outcomes)  # type: ignore[arg-type]
         self.metrics.feedback.labels("accepted").inc(ack.accepted)
         self.metrics.feedback.labels("rejected").inc(ack.rejected)
         if first_error is not None and ack.accepted == 0:  # nothing taken: fail like a unary call would
@@ -291,7 +297,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def _hand_over(self, chunk: list[Record]) -> int:
         """Publishes `chunk` durably (Kafka or the outbox); returns how many records that was."""
-        await asyncio.to_thread(self.publisher.publish, chunk)
+        try:
+            await asyncio.to_thread(self.publisher.publish, chunk)
+        except Exception as error:  # neither Kafka nor the outbox took it (a full disk?)
+            logger.exception("feedback handover failed")
+            raise Unavailable(
+                f"feedback could not be stored ({type(error).__name__}); retry the stream: "
+                "items with the same feedback_id are stored once"
+            ) from error
         return len(chunk)
 
     async def ListModels(

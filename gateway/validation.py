@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from feedback.events import MAX_USER_ID_CHARS
 from reflow.errors import InvalidArgument
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2, worker_pb2
@@ -13,7 +14,6 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_CHARS = 64
 MAX_LABELS = 32
 MAX_LABEL_CHARS = 256
-MAX_USER_ID_CHARS = 256
 
 
 def check_request(request: inference_pb2.GenerateRequest, settings: Settings) -> None:

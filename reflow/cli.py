@@ -326,7 +326,9 @@ def feedback_ingest(
         waiting = publisher.close()
     for number, reason in report.rejected:
         err_console.print(f"line {number}: {reason}", highlight=False, markup=False, soft_wrap=True)
-    note = f" ({waiting} wait in the outbox for Kafka; the gateway sends them)" if waiting else ""
+    note = (
+        f" ({waiting} wait in the outbox for Kafka: a gateway on this data dir sends them)" if waiting else ""
+    )
     err_console.print(f"accepted {report.accepted}{note}, rejected {len(report.rejected)}")
     if report.rejected:
         raise typer.Exit(1)
@@ -446,6 +448,7 @@ def simulate(
     print(f"requests {report.requests}, accuracy {report.accuracy:.1%}, rated {report.rated}")
     for version, (right, answered) in sorted(report.by_version.items()):
         print(f"version {version}: {right}/{answered} right ({right / answered:.1%})")
-    if report.errors:
-        print("errors: " + ", ".join(f"{code} {n}" for code, n in sorted(report.errors.items())))
+    failures = {**report.errors, **report.feedback_errors}
+    if failures:
+        print("errors: " + ", ".join(f"{code} {n}" for code, n in sorted(failures.items())))
         raise typer.Exit(1)

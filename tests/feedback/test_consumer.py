@@ -86,16 +86,24 @@ def test_stores_each_event_once_and_joins_feedback_that_came_first(
         feedback("f-late", "r1", rating=1).to_record(),
         inference("r2").to_record(),
         feedback("f-other", "r2", tenant="mallory").to_record(),  # another tenant: stored, never joined
+        feedback("f-early", "r9", tenant="mallory").to_record(),  # ids are per tenant: no clash
     ]
     produce(kafka.bootstrap, records)
-    wait_for(lambda: count(store, FeedbackItem) == 3 and count(store, Inference) == 2, what="all rows")
-    assert store_counts(store) == {"inferences": 2, "feedback": 3, "joined_feedback": 2}
+    wait_for(lambda: count(store, FeedbackItem) == 4 and count(store, Inference) == 2, what="all rows")
+    assert store_counts(store) == {"inferences": 2, "feedback": 4, "joined_feedback": 2}
     with Session(store) as session:
         row = session.get(Inference, "r1")
         assert row is not None
         assert (row.prompt, row.completion, row.reasoning_tokens, row.total_ms) == ("12+30=", "42", 14, 40.0)
-        ratings = dict(session.execute(select(FeedbackItem.feedback_id, FeedbackItem.rating)).all())
-    assert ratings == {"f-early": -1, "f-late": 1, "f-other": 1}
+        rows = session.execute(
+            select(FeedbackItem.tenant, FeedbackItem.feedback_id, FeedbackItem.rating)
+        ).all()
+    assert {(t, f): r for t, f, r in rows} == {
+        ("acme", "f-early"): -1,
+        ("acme", "f-late"): 1,
+        ("mallory", "f-other"): 1,
+        ("mallory", "f-early"): 1,
+    }
     wait_for(lambda: sum(kafka_stats(kafka.bootstrap)["consumer_lag"].values()) == 0, what="lag 0")
 
 
@@ -103,22 +111,25 @@ def test_malformed_records_go_to_the_dlq_and_the_partition_moves_on(
     kafka: Broker, store: Engine, running_consumer: StoreConsumer
 ) -> None:
     bad_rating = feedback("f-bad", "r1").to_record().value.replace(b'"rating":1', b'"rating":7')
+    nul = feedback("f-nul", "r1").to_record().value.replace(b'"correction":""', b'"correction":"4\\u00002"')
     produce(
         kafka.bootstrap,
         [
             Record(FEEDBACK_TOPIC, b"r1", b"not json at all"),
             Record(FEEDBACK_TOPIC, b"r1", bad_rating),
+            Record(FEEDBACK_TOPIC, b"r1", nul),  # PostgreSQL could never store it
             feedback("f-good", "r1").to_record(),  # same key, so same partition: behind the bad ones
         ],
     )
     wait_for(lambda: count(store, FeedbackItem) == 1, what="the good record")
-    dead = kafka.read(DLQ_TOPIC, 2)
-    assert sorted(r.value for r in dead) == sorted([b"not json at all", bad_rating])
+    dead = kafka.read(DLQ_TOPIC, 3)
+    assert sorted(r.value for r in dead) == sorted([b"not json at all", bad_rating, nul])
     reasons = {r.value: dict(r.headers)["reason"].decode() for r in dead}
     assert "JSON" in reasons[b"not json at all"]
     assert "rating" in reasons[bad_rating]
+    assert "NUL" in reasons[nul]
     assert all(dict(r.headers)["source"].startswith(f"{FEEDBACK_TOPIC}/".encode()) for r in dead)
-    assert kafka_stats(kafka.bootstrap)["dlq_messages"] == 2
+    assert kafka_stats(kafka.bootstrap)["dlq_messages"] == 3
 
 
 def test_kill_9_in_the_middle_of_a_large_batch_loses_and_duplicates_nothing(

@@ -24,7 +24,10 @@ def event(**fields: object):  # type: ignore[no-untyped-def]
         ({"rating": "1"}, "rating must be the integer"),
         ({"request_id": ""}, "request_id"),
         ({"correction": "x" * 4097}, "correction"),
-        ({"user_id": "u" * 129}, "user_id"),
+        ({"user_id": "u" * 257}, "user_id"),
+        ({"request_id": "r" * 65}, "request_id"),
+        ({"correction": "4\x002"}, "NUL"),
+        ({"labels": {"k\x00": "v"}}, "NUL"),
         ({"labels": {f"k{i}": "v" for i in range(17)}}, "labels"),
         ({"labels": {"k": "v" * 257}}, "labels"),
         ({"score": 3}, "unknown field(s) score"),
@@ -66,6 +69,7 @@ def test_request_ids_are_signed_for_their_tenant(tmp_path: Path) -> None:
     forged = request_id[:-1] + ("0" if request_id[-1] != "0" else "1")
     assert not ids.served_to(forged, "acme")
     assert not ids.served_to("short", "acme")
+    assert not ids.served_to("é" * 48, "acme")  # refused, not an error
     assert ids.require_served_to(event(request_id=request_id)).request_id == request_id
     with pytest.raises(NotYourRequest, match="not served to this tenant"):
         ids.require_served_to(event(request_id=ids.new("globex")))

@@ -9,11 +9,12 @@ from datetime import timedelta
 from pathlib import Path
 
 from apscheduler.triggers.interval import IntervalTrigger
-from sqlalchemy import update
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from feedback.jobs import STALE_AFTER, claim_run
 from feedback.scheduler import FINETUNE_JOB, ensure_finetune_job, finetune_job, new_scheduler
-from feedback.store import FinetuneRun, migrate, open_engine, utcnow
+from feedback.store import FeedbackItem, FinetuneRun, migrate, open_engine, utcnow
 
 
 def store(tmp_path: Path):  # type: ignore[no-untyped-def]
@@ -73,12 +74,25 @@ def test_a_job_never_overlaps_itself(tmp_path: Path) -> None:
 
 def test_a_second_finetune_run_waits_while_one_is_running(tmp_path: Path) -> None:
     engine = store(tmp_path)
-    first = claim_run(engine, "arith", "1", 1, 10)
+    with Session(engine) as session, session.begin():
+        session.add_all(
+            FeedbackItem(feedback_id=f"f{i}", request_id=f"r{i}", tenant="acme", rating=1, correction="",
+                         user_id="", labels={}, created_at=utcnow())
+            for i in range(1, 4)
+        )  # fmt: skip
+    first = claim_run(engine, "arith", "1", [1, 2])
     assert first is not None
-    assert claim_run(engine, "arith", "1", 1, 10) is None  # e.g. `reflow finetune run` meanwhile
-    assert claim_run(engine, "other-model", "1", 1, 10) is not None  # other models are independent
+    assert claim_run(engine, "arith", "1", [3]) is None  # e.g. `reflow finetune run` meanwhile
+    other = claim_run(engine, "other-model", "1", [3])  # other models are independent
+    assert other is not None
+    assert claim_run(engine, "third-model", "1", [3]) is None  # item 3 is taken already
     with engine.begin() as connection:  # the first one's process was killed long ago
         connection.execute(
             update(FinetuneRun).where(FinetuneRun.id == first).values(started_at=utcnow() - 2 * STALE_AFTER)
         )
-    assert claim_run(engine, "arith", "1", 1, 10) is not None
+    again = claim_run(engine, "arith", "1", [1, 2])  # its items were given back
+    assert again is not None
+    with Session(engine) as session:
+        assert session.get(FinetuneRun, first).status == "failed"
+        marks = dict(session.execute(select(FeedbackItem.id, FeedbackItem.finetune_run_id)).all())
+    assert marks == {1: again, 2: again, 3: other}
