@@ -35,7 +35,16 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="API key `reflow up` gives its tenant.")
 
     model_name: str = Field("arith", description="Registered model served by default.")
-    model_alias: str = Field("champion", description="Alias a worker loads at start.")
+    model_alias: str = Field(
+        "champion", description="Alias requests without one are routed to; a worker needs it to start."
+    )
+    worker_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["champion", "challenger"],
+        description="Aliases a worker serves and follows as they move in the registry.",
+    )
+    registry_poll_s: float = Field(
+        10.0, ge=0, description="How often a worker re-reads the aliases it follows; 0 = never."
+    )
     model_preset: str = Field("arith-small", description="Preset of the base model bootstrap trains.")
     bootstrap_steps: int = Field(0, ge=0, description="Training steps of the base model; 0 = the recipe's.")
     device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, cuda:N.")
@@ -106,10 +115,10 @@ class Settings(BaseSettings):
             raise ValueError(f"REFLOW_API_KEY needs at least {MIN_API_KEY_LENGTH} characters")
         return value
 
-    @field_validator("workers", mode="before")
+    @field_validator("workers", "worker_aliases", mode="before")
     @classmethod
     def _split_addresses(cls, value: object) -> object:
-        """Accepts `host:port,host:port` from the environment as well as a list."""
+        """Accepts `a,b,c` from the environment (host:port lists, alias lists) as well as a list."""
         if isinstance(value, str):
             return [a.strip() for a in value.split(",") if a.strip()]
         return value

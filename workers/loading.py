@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class LoadedModel:
     tokenizer: ByteTokenizer
     device: torch.device
     aliases: set[str] = field(default_factory=set)
+    last_request: float = field(default_factory=time.monotonic)  # when a Generate last asked for it
 
     banned_tokens: torch.Tensor = field(init=False)  # [V] bool
 

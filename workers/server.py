@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from reflow.serving import (
 from reflow.settings import Settings
 from reflow.v1 import worker_pb2, worker_pb2_grpc
 from workers.engine import Engine, EngineConfig
+from workers.follower import AliasFollower
 from workers.loading import LoadedModel, load_version, resolve_device
 from workers.metrics import WorkerMetrics
 from workers.sampling import SamplingParams
@@ -97,6 +99,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         loaded = self.engine.get(request.model, request.version)
+        loaded.last_request = time.monotonic()
         params = params_from_pb(request)
         prompt_ids = list(request.prompt_token_ids) or loaded.tokenizer.encode(request.prompt)
         stream = self.engine.generate(request.model, request.version, prompt_ids, params)
@@ -184,8 +187,15 @@ async def serve(settings: Settings, *, version: str = "", ready_file: Path | Non
     metrics = WorkerMetrics()
     engine = Engine(engine_config(settings, device), metrics)
     servicer = WorkerServicer(engine, registry, settings, device)
-    alias = "" if version else settings.model_alias
-    await servicer.load(settings.model_name, version=version, alias=alias)
+    follower = None
+    if version:  # pinned: serve exactly this version
+        await servicer.load(settings.model_name, version=version)
+    else:  # the default alias must exist; the others (a challenger) are loaded when they do
+        await servicer.load(settings.model_name, alias=settings.model_alias)
+        follower = AliasFollower(
+            servicer, settings.model_name, settings.worker_aliases, settings.registry_poll_s
+        )
+        await follower.sync()
     server, port, health_servicer = await create_server(servicer, settings.worker_host, settings.worker_port)
     metrics_server, metrics_url = start_metrics_server(
         metrics.registry, settings.worker_host, settings.worker_metrics_port
@@ -199,7 +209,10 @@ async def serve(settings: Settings, *, version: str = "", ready_file: Path | Non
         metrics_url,
     )
     write_ready_file(ready_file, address=address, metrics=metrics_url)
+    following = asyncio.create_task(follower.run()) if follower and settings.registry_poll_s else None
     await wait_for_signal()
+    if following is not None:
+        following.cancel()
     logger.info("worker draining (grace %.0fs)", settings.shutdown_grace_s)
     await set_serving(health_servicer, [SERVICE], False)
     await server.stop(settings.shutdown_grace_s)

@@ -36,9 +36,9 @@ def engine() -> Iterator[Engine]:
     engine.close()
 
 
-async def collect(engine: Engine, prompt: str, params: GenerationParams) -> Delta:
+async def collect(engine: Engine, prompt: str, params: GenerationParams, version: str = "1") -> Delta:
     out = Delta()
-    async for delta in engine.generate("arith", "1", TOK.encode(prompt), params):
+    async for delta in engine.generate("arith", version, TOK.encode(prompt), params):
         out.merge(delta)
     return out
 

@@ -1,0 +1,157 @@
+"""Workers follow aliases moved in the registry: hot-swap under load, with eager and compiled steps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from feedback.registry import Registry
+from reflow.settings import Settings
+from reflow.v1 import inference_pb2
+from tests.conftest import (
+    MODEL,
+    Stack,
+    WorkerUnderTest,
+    reference_greedy,
+    save_model,
+    start_stack,
+    start_worker,
+    stop_stack,
+    tiny_model,
+)
+from tests.workers.test_engine import collect
+from workers.engine import EngineConfig
+from workers.follower import AliasFollower
+from workers.sequence import GenerationParams
+
+P = inference_pb2
+PROMPTS = ["47+38=", "1+1=", "99+9=", "5+60="]
+
+
+@pytest.fixture
+def swap_settings(settings: Settings, tmp_path: Path) -> Settings:
+    """A registry of its own (aliases move here): v1 @champion (seed 0) and v2 (seed 1), no alias."""
+    registry = Registry(f"sqlite:///{tmp_path / 'swap-mlflow.db'}", (tmp_path / "swap-artifacts").as_uri())
+    registry.register(
+        MODEL, save_model(tiny_model(0), tmp_path / "v1"), params={}, metrics={}, alias="champion"
+    )
+    registry.register(
+        MODEL, save_model(tiny_model(1), tmp_path / "v2"), params={}, metrics={}, alias="staged"
+    )
+    return settings.model_copy(
+        update={"mlflow_tracking_uri": registry.tracking_uri, "mlflow_artifact_root": registry.artifact_root}
+    )
+
+
+@contextlib.asynccontextmanager
+async def following(worker: WorkerUnderTest, settings: Settings) -> AsyncIterator[AliasFollower]:
+    follower = AliasFollower(worker.servicer, MODEL, ["champion"], poll_s=0.2, retire_idle_s=0.5)
+    task = asyncio.create_task(follower.run())
+    try:
+        yield follower
+    finally:
+        task.cancel()
+
+
+def move_champion(settings: Settings, version: str) -> None:
+    Registry(settings.resolved_tracking_uri).client.set_registered_model_alias(MODEL, "champion", version)
+
+
+async def answer(stack: Stack, prompt: str) -> tuple[str, str]:
+    """(model_version, reasoning + text) of one greedy completion through the gateway."""
+    request = P.GenerateRequest(prompt=prompt, sampling=P.SamplingParams(max_tokens=12))
+    messages = [m async for m in stack.stub.Generate(request, metadata=stack.metadata)]
+    return messages[0].model_version, "".join(m.reasoning_text + m.text for m in messages)
+
+
+async def wait_until(condition, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_alias_moved_by_hand_is_served_within_the_poll_interval(swap_settings: Settings) -> None:
+    stack = await start_stack(swap_settings)
+    worker = stack.workers[0]
+    try:
+        async with following(worker, swap_settings):
+            assert (await answer(stack, "12+30="))[0] == "1"
+            move_champion(swap_settings, "2")
+            await wait_until(lambda: _serves(stack, "2"))
+            engine = worker.engine
+            out = await collect(engine, "12+30=", GenerationParams(max_tokens=12), version="2")
+            assert out.token_ids == reference_greedy(tiny_model(1), "12+30=", 12)
+            await wait_until(lambda: _unloaded(worker, "1"))  # no alias, no traffic: freed
+    finally:
+        await stop_stack(stack)
+
+
+async def _serves(stack: Stack, version: str) -> bool:
+    return (await answer(stack, "12+30="))[0] == version
+
+
+async def _unloaded(worker: WorkerUnderTest, version: str) -> bool:
+    return worker.engine.find(MODEL, version) is None
+
+
+async def test_a_swap_under_continuous_load_fails_no_request_and_changes_no_output(
+    swap_settings: Settings,
+) -> None:
+    stack = await start_stack(swap_settings, max_concurrent_streams=64, requests_per_minute=0)
+    results: list[tuple[str, str, str]] = []  # (prompt, version, output)
+    failures: list[grpc.aio.AioRpcError] = []
+    stop = asyncio.Event()
+
+    async def client(i: int) -> None:
+        while not stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            try:
+                results.append((prompt, *await answer(stack, prompt)))
+            except grpc.aio.AioRpcError as error:
+                failures.append(error)
+
+    try:
+        async with following(stack.workers[0], swap_settings):
+            clients = [asyncio.create_task(client(i)) for i in range(8)]
+            await asyncio.sleep(0.5)
+            move_champion(swap_settings, "2")
+            await wait_until(lambda: _unloaded(stack.workers[0], "1"))
+            await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.gather(*clients)
+    finally:
+        await stop_stack(stack)
+    assert failures == []
+    versions = [version for _, version, _ in results]
+    assert versions[0] == "1" and versions[-1] == "2" and "1" in versions and "2" in versions
+    outputs: dict[tuple[str, str], set[str]] = {}
+    for prompt, version, output in results:
+        outputs.setdefault((prompt, version), set()).add(output)
+    assert all(len(seen) == 1 for seen in outputs.values()), outputs  # token-exact per version
+    assert any(outputs[(p, "1")] != outputs[(p, "2")] for p in PROMPTS if (p, "1") in outputs)
+
+
+async def test_the_compiled_step_serves_the_new_weights_after_a_swap(swap_settings: Settings) -> None:
+    worker = await start_worker(swap_settings, config=EngineConfig(compile=True, max_batch_size=4))
+    try:
+        params = GenerationParams(max_tokens=12)
+        follower = AliasFollower(worker.servicer, MODEL, ["champion"], poll_s=60, retire_idle_s=0)
+        before = await collect(worker.engine, "47+38=", params, version="1")
+        move_champion(swap_settings, "2")
+        await follower.sync()  # loads, compiles and warms v2, moves the alias
+        after = await collect(worker.engine, "47+38=", params, version="2")
+        assert before.token_ids == reference_greedy(tiny_model(0), "47+38=", 12)
+        assert after.token_ids == reference_greedy(tiny_model(1), "47+38=", 12)
+        assert after.token_ids != before.token_ids
+        assert worker.engine.get(MODEL, "2").aliases == {"champion"}
+        await follower.sync()  # v1 lost its alias and is idle: unloaded
+        assert worker.engine.find(MODEL, "1") is None
+    finally:
+        await worker.server.stop(0)
+        worker.engine.close()
