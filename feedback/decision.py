@@ -1,0 +1,127 @@
+"""The A/B decision: an always-valid sequential test on per-arm positive-feedback rates, a sample
+ratio mismatch check, and guardrails.
+
+The test is the mixture sequential probability ratio test (mSPRT) of Johari, Pekelis and Walsh
+("Always Valid Inference", 2017) on the difference of two proportions, with a normal mixing
+distribution N(0, tau^2) over the effect. With theta the observed difference (challenger minus
+champion) and V its estimated variance, the likelihood ratio against "no difference" is
+
+    Lambda = sqrt(V / (V + tau^2)) * exp(tau^2 * theta^2 / (2 V (V + tau^2)))
+
+and the experiment may stop the first time Lambda >= 1/alpha, however often it was looked at
+before: the chance of ever stopping when the arms are equal stays below alpha.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MIXING_SD = 0.1  # tau: the size of effect on a rate the test is most sensitive to
+SRM_P = 0.001  # a split this unlikely under the configured traffic share invalidates the test
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    """What one arm saw: rated responses, positive ones, requests, failed ones, latency."""
+
+    rated: int
+    positive: int
+    requests: int = 0
+    errors: int = 0
+    p95_latency_ms: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.positive / self.rated if self.rated else 0.0
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """promote, rollback, continue or invalid (sample ratio mismatch), with the numbers behind it."""
+
+    outcome: str
+    reason: str
+    likelihood_ratio: float = 1.0
+    difference: float = 0.0
+    srm_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The experiment's settings."""
+
+    alpha: float = 0.05
+    min_samples: int = 100  # rated responses per arm before any decision
+    traffic: float = 0.1  # share of assignments that go to the challenger
+    max_error_rate_increase: float = 0.02  # guardrail: challenger errors minus champion's
+    max_latency_ratio: float = 1.5  # guardrail: challenger p95 over champion's
+
+
+def likelihood_ratio(champion: ArmStats, challenger: ArmStats, tau: float = MIXING_SD) -> tuple[float, float]:
+    """The mSPRT statistic and the observed difference of rates (challenger - champion)."""
+    theta = challenger.rate - champion.rate
+    pooled = (champion.positive + challenger.positive) / (champion.rated + challenger.rated)
+    # the variance of the difference under "no difference" (pooled): larger, so more cautious,
+    # than the unpooled one when the rates differ
+    variance = pooled * (1 - pooled) * (1 / champion.rated + 1 / challenger.rated)
+    if variance <= 0:  # every rating the same on both arms: no evidence of a difference
+        return 1.0, theta
+    t2 = tau * tau
+    log_ratio = 0.5 * math.log(variance / (variance + t2)) + t2 * theta * theta / (
+        2 * variance * (variance + t2)
+    )
+    return math.exp(min(log_ratio, 700.0)), theta
+
+
+def sample_ratio_p(champion_n: int, challenger_n: int, traffic: float) -> float:
+    """p-value of a chi-square test (1 degree of freedom) that the split follows `traffic`."""
+    total = champion_n + challenger_n
+    if total == 0:
+        return 1.0
+    expected = (total * (1 - traffic), total * traffic)
+    chi2 = sum((o - e) ** 2 / e for o, e in zip((champion_n, challenger_n), expected, strict=True) if e > 0)
+    return math.erfc(math.sqrt(chi2 / 2))  # the chi-square(1) survival function
+
+
+def decide(champion: ArmStats, challenger: ArmStats, rules: Rules) -> Decision:
+    """What to do now with an experiment whose arms saw `champion` and `challenger`."""
+    srm = sample_ratio_p(
+        champion.requests or champion.rated, challenger.requests or challenger.rated, rules.traffic
+    )
+    if srm < SRM_P:
+        return Decision(
+            "invalid", f"sample ratio mismatch (p={srm:.2g}): the split is not the configured one", srm_p=srm
+        )
+    if min(champion.rated, challenger.rated) < rules.min_samples:
+        return Decision("continue", f"waiting for {rules.min_samples} rated responses per arm", srm_p=srm)
+    if challenger.error_rate - champion.error_rate > rules.max_error_rate_increase:
+        return Decision(
+            "rollback",
+            f"guardrail: error rate {challenger.error_rate:.1%} vs {champion.error_rate:.1%}",
+            srm_p=srm,
+        )
+    if (
+        champion.p95_latency_ms
+        and challenger.p95_latency_ms > rules.max_latency_ratio * champion.p95_latency_ms
+    ):
+        return Decision(
+            "rollback",
+            f"guardrail: p95 latency {challenger.p95_latency_ms:.0f} ms vs {champion.p95_latency_ms:.0f} ms",
+            srm_p=srm,
+        )
+    ratio, theta = likelihood_ratio(champion, challenger)
+    numbers = (
+        f"rates {champion.rate:.1%} vs {challenger.rate:.1%}, "
+        f"likelihood ratio {ratio:.3g} (stop at {1 / rules.alpha:.3g})"
+    )
+    if ratio < 1 / rules.alpha:
+        return Decision("continue", f"no decision yet: {numbers}", ratio, theta, srm)
+    outcome = "promote" if theta > 0 else "rollback"
+    return Decision(
+        outcome, f"challenger is {'better' if theta > 0 else 'worse'}: {numbers}", ratio, theta, srm
+    )
