@@ -58,6 +58,39 @@ class Registry:
             return False
         return True
 
+    def versions(self, name: str) -> list[dict[str, object]]:
+        """Every version of `name`, newest first: version, aliases, run id, creation time, tags."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            aliases_of: dict[str, list[str]] = {}
+            for alias, version in self.client.get_registered_model(name).aliases.items():
+                aliases_of.setdefault(str(version), []).append(alias)
+        except MlflowException as error:
+            raise LookupError(f"no registered model named {name!r}") from error
+        found = self.client.search_model_versions(f"name='{name}'")
+        return [
+            {
+                "version": str(mv.version), "aliases": sorted(aliases_of.get(str(mv.version), [])),
+                "run_id": mv.run_id or "", "created_ms": mv.creation_timestamp, "tags": dict(mv.tags),
+            }
+            for mv in sorted(found, key=lambda mv: int(mv.version), reverse=True)
+        ]  # fmt: skip
+
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        """Points `name@alias` at `version` (which must exist); workers following it swap to it."""
+        self.resolve(name, version=version)
+        self.client.set_registered_model_alias(name, alias, version)
+        logger.info("alias model=%s @%s -> version %s", name, alias, version)
+
+    def delete_alias(self, name: str, alias: str) -> bool:
+        """Removes `name@alias`; False when it did not exist."""
+        if not self.has_alias(name, alias):
+            return False
+        self.client.delete_registered_model_alias(name, alias)
+        logger.info("alias model=%s @%s removed", name, alias)
+        return True
+
     def download(self, ref: VersionRef, cache_dir: Path) -> Path:
         """A local directory holding the version's files, downloaded once and then reused.
 

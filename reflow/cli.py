@@ -28,6 +28,8 @@ app.add_typer(db_app, name="db")
 app.add_typer(feedback_app, name="feedback")
 finetune_app = typer.Typer(help="Fine-tune the champion on new feedback.", no_args_is_help=True)
 app.add_typer(finetune_app, name="finetune")
+models_app = typer.Typer(help="Registered model versions and their aliases.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -452,3 +454,59 @@ def simulate(
     if failures:
         print("errors: " + ", ".join(f"{code} {n}" for code, n in sorted(failures.items())))
         raise typer.Exit(1)
+
+
+def _registry() -> Any:
+    from feedback.registry import Registry
+
+    settings = load_settings()
+    return Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+
+
+@models_app.command("list")
+def models_list(
+    name: Annotated[str | None, typer.Argument(help="Registered model [default: REFLOW_MODEL_NAME].")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON array.")] = False,
+) -> None:
+    """Versions of a registered model, newest first, with their aliases and where they came from."""
+    registry = _registry()
+    try:
+        versions = registry.versions(name or load_settings().model_name)
+    except LookupError as error:
+        err_console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(versions))
+        return
+    for v in versions:
+        tags = v["tags"]
+        origin = tags.get("reflow.source", "") + (
+            f" from v{tags['reflow.parent_version']}" if "reflow.parent_version" in tags else ""
+        )
+        print(f"{v['version']}\t{','.join(v['aliases']) or '-'}\t{origin or '-'}\t{v['run_id'] or '-'}")
+
+
+@models_app.command("promote")
+def models_promote(name: str, version: str) -> None:
+    """Make VERSION the champion (no longer the challenger); workers follow within REFLOW_REGISTRY_POLL_S."""
+    registry = _registry()
+    try:
+        registry.set_alias(name, "champion", version)
+    except LookupError as error:
+        err_console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+    if (
+        registry.has_alias(name, "challenger")
+        and registry.resolve(name, alias="challenger").version == version
+    ):
+        registry.delete_alias(name, "challenger")
+    print(f"{name}@champion -> version {version}")
+
+
+@models_app.command("rollback")
+def models_rollback(name: str) -> None:
+    """Remove the challenger alias: workers stop serving it, the champion keeps all traffic."""
+    if not _registry().delete_alias(name, "challenger"):
+        err_console.print(f"[red]error:[/] {name} has no challenger to roll back")
+        raise typer.Exit(1)
+    print(f"{name}@challenger removed")

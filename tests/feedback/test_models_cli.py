@@ -1,0 +1,67 @@
+"""`reflow models list|promote|rollback` against a real MLflow registry, as an ML engineer uses them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from feedback.registry import Registry
+from tests.conftest import MODEL, save_model, tiny_model
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Registry:
+    """arith v1 @champion, v2 @challenger (from a fine-tune of v1), v3 without an alias."""
+    registry = Registry(f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "artifacts").as_uri())
+    for seed, alias, tags in ((0, "champion", {}), (1, "challenger", {"reflow.source": "finetune",
+                              "reflow.parent_version": "1"}), (2, "staged", {})):  # fmt: skip
+        directory = save_model(tiny_model(seed), tmp_path / f"v{seed}")
+        registry.register(MODEL, directory, params={}, metrics={}, alias=alias, tags=tags)
+    registry.delete_alias(MODEL, "staged")
+    return registry
+
+
+def reflow(registry: Registry, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "REFLOW_MLFLOW_TRACKING_URI": registry.tracking_uri}
+    return subprocess.run(
+        [sys.executable, "-m", "reflow", "models", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def aliases(registry: Registry) -> dict[str, list[str]]:
+    return {v["version"]: v["aliases"] for v in registry.versions(MODEL)}  # type: ignore[misc]
+
+
+def test_list_shows_versions_newest_first_with_aliases_and_origin(registry: Registry) -> None:
+    listed = reflow(registry, "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    versions = json.loads(listed.stdout)
+    assert [(v["version"], v["aliases"]) for v in versions] == [
+        ("3", []),
+        ("2", ["challenger"]),
+        ("1", ["champion"]),
+    ]
+    table = reflow(registry, "list").stdout.splitlines()
+    assert table[1].split("\t")[:3] == ["2", "challenger", "finetune from v1"]
+    assert reflow(registry, "list", "nosuch").returncode == 1
+
+
+def test_promote_makes_the_challenger_champion_and_rollback_removes_a_challenger(registry: Registry) -> None:
+    promoted = reflow(registry, "promote", MODEL, "2")
+    assert promoted.returncode == 0, promoted.stderr
+    assert aliases(registry) == {"3": [], "2": ["champion"], "1": []}  # no longer the challenger
+    assert reflow(registry, "rollback", MODEL).returncode == 1  # nothing to roll back
+    registry.set_alias(MODEL, "challenger", "3")
+    rolled_back = reflow(registry, "rollback", MODEL)
+    assert rolled_back.returncode == 0 and aliases(registry) == {"3": [], "2": ["champion"], "1": []}
+    missing = reflow(registry, "promote", MODEL, "9")
+    assert missing.returncode == 1 and "no version 9" in missing.stderr
