@@ -42,6 +42,11 @@ def _no_nul(value: str) -> str:
     return value
 
 
+def storable(text: str) -> str:
+    """`text` with NUL characters replaced by U+FFFD: what a model generates may hold any byte."""
+    return text.replace("\x00", "\ufffd")
+
+
 # Every string is bounded like the column that stores it, and free of NUL characters.
 NoNul = AfterValidator(_no_nul)
 Id = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS), NoNul]

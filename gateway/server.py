@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 from kafka.errors import KafkaError
+from pydantic import ValidationError
 
 from feedback.events import (
     InferenceEvent,
@@ -19,6 +20,7 @@ from feedback.events import (
     Record,
     TokenUsage,
     feedback_event,
+    storable,
 )
 from feedback.kafka import ensure_topics, resolve_bootstrap
 from feedback.publisher import Publisher
@@ -225,20 +227,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         answer: str,
         reasoning: str,
     ) -> None:
-        """Hands the event of a finished generation to the publisher, off the request path."""
+        """Hands the event of a finished generation to the publisher, off the request path; a
+        completion is never failed because its event could not be made (that is logged)."""
         usage = last.usage
-        event = InferenceEvent(
-            request_id=header.request_id, tenant=tenant.name, user_id=request.user_id,
-            model=header.model, version=header.model_version, arm=header.arm, prompt=request.prompt,
-            reasoning=reasoning, completion=answer,
-            finish_reason=inference_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_"),
-            usage=TokenUsage(
-                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                reasoning_tokens=usage.reasoning_tokens,
-            ),
-            latency=Latency(first_token_ms=usage.time_to_first_token_ms, total_ms=usage.total_ms),
-            time=utcnow(),
-        )  # fmt: skip
+        try:
+            event = InferenceEvent(
+                request_id=header.request_id, tenant=tenant.name, user_id=storable(request.user_id),
+                model=header.model, version=header.model_version, arm=header.arm,
+                prompt=storable(request.prompt), reasoning=storable(reasoning), completion=storable(answer),
+                finish_reason=inference_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_"),
+                usage=TokenUsage(
+                    prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                    reasoning_tokens=usage.reasoning_tokens,
+                ),
+                latency=Latency(first_token_ms=usage.time_to_first_token_ms, total_ms=usage.total_ms),
+                time=utcnow(),
+            )  # fmt: skip
+        except ValidationError:
+            logger.exception("request_id=%s: no inference event could be made", header.request_id)
+            return
         self.publisher.enqueue(event.to_record())
 
     async def SubmitFeedback(

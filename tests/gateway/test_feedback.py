@@ -157,3 +157,13 @@ async def test_nothing_is_lost_while_the_broker_is_down(
     everything = {"inferences": 7, "feedback": 7, "joined_feedback": 7}
     await asyncio.to_thread(wait_for, lambda: store_counts(store_consumer) == everything, 90, "all rows")
     assert stack.publisher.pending == 0
+
+
+async def test_a_nul_in_the_text_does_not_fail_the_completion_and_its_event_is_storable(
+    stack: Stack, kafka: Broker
+) -> None:
+    """Models may generate any byte and prompts may hold one; PostgreSQL text cannot hold NUL."""
+    messages = await generate(stack, request("12\x00+30=", max_tokens=6))
+    assert messages[-1].finish_reason in (P.FINISH_REASON_STOP, P.FINISH_REASON_LENGTH)
+    (record,) = kafka.read(INFERENCES_TOPIC, 1)
+    assert json.loads(record.value)["prompt"] == "12\ufffd+30="
