@@ -135,14 +135,15 @@ def summarize(runs: list[Run]) -> tuple[float, float, float, float, float]:
     )  # fmt: skip
 
 
-def register_random_model(settings: Settings, preset: str) -> Path:
+def register_random_model(settings: Settings, preset: str, seed: int = 0, alias: str = "champion") -> Path:
+    """Registers a randomly initialised `preset` model (throughput does not depend on the weights)."""
     model = Transformer(ModelConfig.from_name(preset))
-    init_weights(model, 0)
-    directory = settings.data_dir / "random-model"
+    init_weights(model, seed)
+    directory = settings.data_dir / f"random-model-{seed}"
     model.save(directory)
     ByteTokenizer().save(directory)
     registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
-    registry.register(settings.model_name, directory, params={"preset": preset}, metrics={}, alias="champion")
+    registry.register(settings.model_name, directory, params={"preset": preset}, metrics={}, alias=alias)
     return directory
 
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import grpc
+from decode_throughput import register_random_model  # this script's directory is on sys.path
 
 from feedback.broker import tansu_command, wait_listening
 from feedback.registry import Registry
@@ -30,23 +31,15 @@ from gateway.tenants import create_tenant
 from reflow.settings import Settings
 from reflow.supervisor import Supervisor, free_port, wait_serving
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
-from workers.model import ModelConfig, Transformer, init_weights
-from workers.tokenizer import ByteTokenizer
 
 STEADY_S = 8.0
 
 
 def register_versions(settings: Settings, preset: str) -> Registry:
     """arith v1 (@champion) and v2, random weights of `preset` with seeds 0 and 1."""
+    register_random_model(settings, preset, seed=0, alias="champion")
+    register_random_model(settings, preset, seed=1, alias="staged")
     registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
-    for seed in (0, 1):
-        model = Transformer(ModelConfig.from_name(preset))
-        init_weights(model, seed)
-        directory = settings.data_dir / f"model-{seed}"
-        model.save(directory)
-        ByteTokenizer().save(directory)
-        alias = "champion" if seed == 0 else "staged"
-        registry.register("arith", directory, params={"preset": preset}, metrics={}, alias=alias)
     registry.delete_alias("arith", "staged")
     return registry
 

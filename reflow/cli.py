@@ -456,10 +456,9 @@ def simulate(
         raise typer.Exit(1)
 
 
-def _registry() -> Any:
+def _registry(settings: Settings) -> Any:
     from feedback.registry import Registry
 
-    settings = load_settings()
     return Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
 
 
@@ -469,9 +468,9 @@ def models_list(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON array.")] = False,
 ) -> None:
     """Versions of a registered model, newest first, with their aliases and where they came from."""
-    registry = _registry()
+    settings = load_settings()
     try:
-        versions = registry.versions(name or load_settings().model_name)
+        versions = _registry(settings).versions(name or settings.model_name)
     except LookupError as error:
         err_console.print(f"[red]error:[/] {error}")
         raise typer.Exit(1) from None
@@ -489,7 +488,7 @@ def models_list(
 @models_app.command("promote")
 def models_promote(name: str, version: str) -> None:
     """Make VERSION the champion (no longer the challenger); workers follow within REFLOW_REGISTRY_POLL_S."""
-    registry = _registry()
+    registry = _registry(load_settings())
     try:
         registry.set_alias(name, "champion", version)
     except LookupError as error:
@@ -506,7 +505,7 @@ def models_promote(name: str, version: str) -> None:
 @models_app.command("rollback")
 def models_rollback(name: str) -> None:
     """Remove the challenger alias: workers stop serving it, the champion keeps all traffic."""
-    if not _registry().delete_alias(name, "challenger"):
+    if not _registry(load_settings()).delete_alias(name, "challenger"):
         err_console.print(f"[red]error:[/] {name} has no challenger to roll back")
         raise typer.Exit(1)
     print(f"{name}@challenger removed")

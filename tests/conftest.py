@@ -92,10 +92,15 @@ class RegistryFixture:
         return Registry(self.tracking_uri, self.artifact_root)
 
 
+def local_registry(root: Path, name: str = "mlflow") -> Registry:
+    """A real MLflow store under `root`: a SQLite tracking database and local artifacts."""
+    return Registry(f"sqlite:///{root / f'{name}.db'}", (root / f"{name}-artifacts").as_uri())
+
+
 @pytest.fixture(scope="session")
 def mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> RegistryFixture:
     root = tmp_path_factory.mktemp("mlflow")
-    registry = Registry(f"sqlite:///{root / 'mlflow.db'}", (root / "artifacts").as_uri())
+    registry = local_registry(root)
     versions = []
     for seed, alias in ((0, "champion"), (1, "other")):
         directory = save_model(tiny_model(seed), root / f"model-{seed}")

@@ -23,7 +23,7 @@ from feedback.simulate import rated_offline, simulate
 from feedback.stats import store_counts
 from feedback.store import FinetuneRun, migrate, open_engine
 from reflow.settings import Settings
-from tests.conftest import MODEL, Broker, consuming, save_model, start_stack, stop_stack
+from tests.conftest import MODEL, Broker, consuming, local_registry, save_model, start_stack, stop_stack
 from tests.feedback.test_consumer import wait_for
 from workers.model import Transformer
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def loop_settings(tmp_path: Path, kafka: Broker, base_model: Transformer) -> Settings:
     """A data dir whose registry holds the trained base model as arith v1 @champion."""
-    registry = Registry(f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "mlartifacts").as_uri())
+    registry = local_registry(tmp_path)
     registry.register(
         MODEL, save_model(base_model, tmp_path / "base"), params={}, metrics={}, alias="champion"
     )

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from feedback.registry import Registry
-from tests.conftest import MODEL, save_model, tiny_model
+from tests.conftest import MODEL, local_registry, save_model, tiny_model
 
 
 @pytest.fixture
 def registry(tmp_path: Path) -> Registry:
     """arith v1 @champion, v2 @challenger (from a fine-tune of v1), v3 without an alias."""
-    registry = Registry(f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "artifacts").as_uri())
+    registry = local_registry(tmp_path)
     for seed, alias, tags in ((0, "champion", {}), (1, "challenger", {"reflow.source": "finetune",
                               "reflow.parent_version": "1"}), (2, "staged", {})):  # fmt: skip
         directory = save_model(tiny_model(seed), tmp_path / f"v{seed}")

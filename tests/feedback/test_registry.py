@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from feedback.registry import MODEL_FILES, Registry
-from tests.conftest import save_model, tiny_model
+from feedback.registry import MODEL_FILES
+from tests.conftest import local_registry, save_model, tiny_model
 
 
 def test_register_resolve_and_download(tmp_path: Path) -> None:
-    registry = Registry(f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "artifacts").as_uri())
+    registry = local_registry(tmp_path)
     assert not registry.has_alias("arith", "champion")
     directory = save_model(tiny_model(), tmp_path / "model")
     first = registry.register("arith", directory, params={"p": 1}, metrics={"m": 0.5}, alias="champion")
@@ -28,7 +28,7 @@ def test_register_resolve_and_download(tmp_path: Path) -> None:
 
 
 def test_refuses_to_register_without_every_file(tmp_path: Path) -> None:
-    registry = Registry(f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "artifacts").as_uri())
+    registry = local_registry(tmp_path)
     tiny_model().save(tmp_path / "model")  # no tokenizer.json
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         registry.register("arith", tmp_path / "model", params={}, metrics={}, alias="champion")

@@ -17,6 +17,7 @@ from tests.conftest import (
     MODEL,
     Stack,
     WorkerUnderTest,
+    local_registry,
     reference_greedy,
     save_model,
     start_stack,
@@ -36,7 +37,7 @@ PROMPTS = ["47+38=", "1+1=", "99+9=", "5+60="]
 @pytest.fixture
 def swap_settings(settings: Settings, tmp_path: Path) -> Settings:
     """A registry of its own (aliases move here): v1 @champion (seed 0) and v2 (seed 1), no alias."""
-    registry = Registry(f"sqlite:///{tmp_path / 'swap-mlflow.db'}", (tmp_path / "swap-artifacts").as_uri())
+    registry = local_registry(tmp_path, "swap")
     registry.register(
         MODEL, save_model(tiny_model(0), tmp_path / "v1"), params={}, metrics={}, alias="champion"
     )
