@@ -22,7 +22,8 @@ from pathlib import Path
 from feedback import arith
 from feedback.bootstrap import evaluate
 from feedback.consumer import store_events
-from feedback.jobs import CHALLENGER, run_finetune
+from feedback.experiments import CHALLENGER
+from feedback.jobs import run_finetune
 from feedback.pretrain import PretrainConfig, train_base_model
 from feedback.registry import Registry
 from feedback.simulate import rated_offline

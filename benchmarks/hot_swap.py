@@ -1,15 +1,16 @@
 """Hot-swap under load: from an alias change to every worker serving the new version, and latency
 during the swap beside steady state, with the count of failed requests (it must be 0).
 
-    .venv/bin/python benchmarks/hot_swap.py [--preset arith-small] [--workers 2] [--clients 8] [--runs 3]
+    .venv/bin/python benchmarks/hot_swap.py [--preset arith-small] [--workers 2] [--clients 8] [--runs 6]
 
 Registers two randomly initialised models of the preset (versions 1 and 2), starts worker processes
 that follow `champion` every second (REFLOW_REGISTRY_POLL_S=1) and a gateway in front of them, and
 keeps --clients concurrent clients streaming completions. Each run measures steady state for 8 s,
 then moves `champion` to the other version (1 -> 2, 2 -> 1, ...) and measures until every worker
 reports the new version under the alias, and until the old one is unloaded; "during the swap" is
-from the alias change to that unload. Latency is per request, from the client's side. Prints each
-run and the medians.
+from the alias change to that unload. Runs alternate between leaving the workers to their poll and
+pushing the change to them (the SyncAliases RPC, as `reflow models promote` and the evaluate job
+do). Latency is per request, from the client's side. Prints each run and the medians per mode.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import grpc
 from decode_throughput import register_random_model  # this script's directory is on sys.path
 
 from feedback.broker import tansu_command, wait_listening
+from feedback.promotion import push_to_workers
 from feedback.registry import Registry
 from feedback.store import migrate, open_engine
 from gateway.tenants import create_tenant
@@ -61,7 +63,7 @@ async def serving(workers: list[str], version: str, *, alone: bool) -> bool:
 
 
 async def run_once(
-    gateway: str, api_key: str, workers: list[str], registry: Registry, target: str, clients: int
+    gateway: str, api_key: str, workers: list[str], registry: Registry, target: str, clients: int, push: bool
 ):  # type: ignore[no-untyped-def]
     """One swap to `target` under load: (seconds to the alias moving on every worker, seconds to the
     old version unloaded everywhere, steady latencies, latencies during the swap, failures)."""
@@ -94,6 +96,8 @@ async def run_once(
     await asyncio.sleep(STEADY_S)
     swap_at = time.perf_counter()
     await asyncio.to_thread(registry.set_alias, "arith", "champion", target)
+    if push:
+        await asyncio.to_thread(push_to_workers, workers)
     while not await serving(workers, target, alone=False):  # noqa: ASYNC110 (polling other processes)
         await asyncio.sleep(0.05)
     moved_at = time.perf_counter()
@@ -115,7 +119,7 @@ def main() -> None:
     parser.add_argument("--preset", default="arith-small")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=6)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,14 +146,15 @@ def main() -> None:
             )["address"]
             wait_serving(gateway)
             for run in range(args.runs):
-                target = "2" if run % 2 == 0 else "1"
+                target, push = ("2" if run % 2 == 0 else "1"), run % 4 in (1, 2)  # poll, push, push, poll
                 swap_s, unload_s, steady, during, failures = asyncio.run(
-                    run_once(gateway, api_key, workers, registry, target, args.clients)
+                    run_once(gateway, api_key, workers, registry, target, args.clients, push)
                 )
                 rows.append((swap_s, unload_s, percentile(steady, 0.5), percentile(steady, 0.99),
-                             percentile(during, 0.5), percentile(during, 0.99), failures))  # fmt: skip
+                             percentile(during, 0.5), percentile(during, 0.99), failures, push))  # fmt: skip
                 print(
-                    f"run {run + 1}: champion -> v{target} on every worker in {swap_s:.2f}s, old version "
+                    f"run {run + 1} ({'push' if push else 'poll'}): champion -> v{target} on every worker "
+                    f"in {swap_s:.2f}s, old version "
                     f"unloaded after {unload_s:.1f}s; latency p50/p99 "
                     f"steady {1000 * rows[-1][2]:.0f}/{1000 * rows[-1][3]:.0f} ms, during the swap "
                     f"{1000 * rows[-1][4]:.0f}/{1000 * rows[-1][5]:.0f} ms ({len(during)} requests); "
@@ -158,12 +163,17 @@ def main() -> None:
                 )
         finally:
             supervisor.stop()
-    swap, unload, s50, s99, d50, d99 = (statistics.median(c) for c in list(zip(*rows, strict=True))[:6])
-    print(f"\nmedians of {len(rows)} swaps, {args.workers} workers, {args.clients} clients, {args.preset}:")
-    print(f"  alias change -> every worker serving the new version: {swap:.2f} s (registry poll 1 s)")
-    print(f"  alias change -> the old version unloaded everywhere: {unload:.1f} s (after 10 s idle)")
-    print(f"  latency p50 steady {1000 * s50:.0f} ms, during swap {1000 * d50:.0f} ms ({d50 / s50:.2f}x)")
-    print(f"  latency p99 steady {1000 * s99:.0f} ms, during swap {1000 * d99:.0f} ms ({d99 / s99:.2f}x)")
+    print(f"\nmedians, {args.workers} workers, {args.clients} clients, {args.preset}:")
+    for push in (False, True):
+        mode = [row for row in rows if row[7] == push]
+        if not mode:
+            continue
+        swap, unload, s50, s99, d50, d99 = (statistics.median(c) for c in list(zip(*mode, strict=True))[:6])
+        print(f" {'pushed to the workers' if push else 'registry poll every 1 s'} ({len(mode)} swaps):")
+        print(f"  alias change -> every worker serving the new version: {swap:.2f} s")
+        print(f"  alias change -> the old version unloaded everywhere: {unload:.1f} s (after 10 s idle)")
+        print(f"  latency p50 steady {1000 * s50:.0f} ms, during swap {1000 * d50:.0f} ms ({d50 / s50:.2f}x)")
+        print(f"  latency p99 steady {1000 * s99:.0f} ms, during swap {1000 * d99:.0f} ms ({d99 / s99:.2f}x)")
     print(f"  failed requests: {sum(row[6] for row in rows)} in all runs")
 
 

@@ -44,7 +44,8 @@ def inference_row(event: InferenceEvent, stored_at: datetime) -> dict[str, Any]:
     """The `inferences` row of an event."""
     return {
         "request_id": event.request_id, "tenant": event.tenant, "user_id": event.user_id,
-        "model": event.model, "version": event.version, "arm": event.arm, "prompt": event.prompt,
+        "model": event.model, "version": event.version, "arm": event.arm,
+        "experiment_id": event.experiment, "prompt": event.prompt,
         "reasoning": event.reasoning, "completion": event.completion,
         "finish_reason": event.finish_reason, "prompt_tokens": event.usage.prompt_tokens,
         "completion_tokens": event.usage.completion_tokens,

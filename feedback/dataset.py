@@ -67,6 +67,7 @@ def _unused_labelled(model: str):  # type: ignore[no-untyped-def]
     return joined.where(
         FeedbackItem.finetune_run_id.is_(None),
         Inference.model == model,
+        Inference.finish_reason != "ERROR",  # a failed request has no completion to learn from
         or_(FeedbackItem.rating != 0, FeedbackItem.correction != ""),
     )
 

@@ -15,20 +15,23 @@ before: the chance of ever stopping when the arms are equal stays below alpha.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MIXING_SD = 0.1  # tau: the size of effect on a rate the test is most sensitive to
 SRM_P = 0.001  # a split this unlikely under the configured traffic share invalidates the test
+SRM_MIN_EXPECTED = 20  # units the smaller arm should have before the split is judged
 
 
 @dataclass(frozen=True)
 class ArmStats:
-    """What one arm saw: rated responses, positive ones, requests, failed ones, latency."""
+    """What one arm saw: rated responses, positive ones, requests, failed ones, assignment units
+    (distinct users, or requests without one), latency."""
 
     rated: int
     positive: int
     requests: int = 0
     errors: int = 0
+    units: int = 0
     p95_latency_ms: float = 0.0
 
     @property
@@ -42,7 +45,8 @@ class ArmStats:
 
 @dataclass(frozen=True)
 class Decision:
-    """promote, rollback, continue or invalid (sample ratio mismatch), with the numbers behind it."""
+    """promote, rollback, continue, invalid (sample ratio mismatch) or expire (undecided for too
+    long), with the numbers behind it."""
 
     outcome: str
     reason: str
@@ -60,6 +64,7 @@ class Rules:
     traffic: float = 0.1  # share of assignments that go to the challenger
     max_error_rate_increase: float = 0.02  # guardrail: challenger errors minus champion's
     max_latency_ratio: float = 1.5  # guardrail: challenger p95 over champion's
+    max_duration_s: float = float("inf")  # an experiment still undecided after this long expires
 
 
 def likelihood_ratio(champion: ArmStats, challenger: ArmStats, tau: float = MIXING_SD) -> tuple[float, float]:
@@ -88,32 +93,39 @@ def sample_ratio_p(champion_n: int, challenger_n: int, traffic: float) -> float:
     return math.erfc(math.sqrt(chi2 / 2))  # the chi-square(1) survival function
 
 
-def decide(champion: ArmStats, challenger: ArmStats, rules: Rules) -> Decision:
-    """What to do now with an experiment whose arms saw `champion` and `challenger`."""
-    srm = sample_ratio_p(
-        champion.requests or champion.rated, challenger.requests or challenger.rated, rules.traffic
-    )
-    if srm < SRM_P:
+def decide(champion: ArmStats, challenger: ArmStats, rules: Rules, elapsed_s: float = 0.0) -> Decision:
+    """What to do now with an experiment, `elapsed_s` old, whose arms saw `champion` and
+    `challenger`: the test's verdict, or `expire` when it is still undecided after the longest
+    duration the rules allow."""
+    decision = _verdict(champion, challenger, rules)
+    if decision.outcome == "continue" and elapsed_s > rules.max_duration_s:
+        return replace(
+            decision, outcome="expire", reason=f"undecided after {elapsed_s:.0f}s; {decision.reason}"
+        )
+    return decision
+
+
+def _verdict(champion: ArmStats, challenger: ArmStats, rules: Rules) -> Decision:
+    """The sample ratio check, the guardrails and the sequential test, in that order.
+
+    The split is checked on assignment units when they are known (users are what was randomized;
+    the requests of one user are not independent draws), else on requests, else on ratings, once
+    each arm expects SRM_MIN_EXPECTED of them (the chi-square approximation is poor below). The
+    guardrails need `min_samples` requests per arm, not ratings: a failed request is rarely rated,
+    so a challenger that fails everything would otherwise wait forever.
+    """
+    units = _units(champion), _units(challenger)
+    srm = sample_ratio_p(*units, rules.traffic)
+    expected = sum(units) * min(rules.traffic, 1 - rules.traffic)
+    if expected >= SRM_MIN_EXPECTED and srm < SRM_P:
         return Decision(
             "invalid", f"sample ratio mismatch (p={srm:.2g}): the split is not the configured one", srm_p=srm
         )
+    tripped = _guardrail(champion, challenger, rules)
+    if tripped and min(champion.requests, challenger.requests) >= rules.min_samples:
+        return Decision("rollback", f"guardrail: {tripped}", srm_p=srm)
     if min(champion.rated, challenger.rated) < rules.min_samples:
         return Decision("continue", f"waiting for {rules.min_samples} rated responses per arm", srm_p=srm)
-    if challenger.error_rate - champion.error_rate > rules.max_error_rate_increase:
-        return Decision(
-            "rollback",
-            f"guardrail: error rate {challenger.error_rate:.1%} vs {champion.error_rate:.1%}",
-            srm_p=srm,
-        )
-    if (
-        champion.p95_latency_ms
-        and challenger.p95_latency_ms > rules.max_latency_ratio * champion.p95_latency_ms
-    ):
-        return Decision(
-            "rollback",
-            f"guardrail: p95 latency {challenger.p95_latency_ms:.0f} ms vs {champion.p95_latency_ms:.0f} ms",
-            srm_p=srm,
-        )
     ratio, theta = likelihood_ratio(champion, challenger)
     numbers = (
         f"rates {champion.rate:.1%} vs {challenger.rate:.1%}, "
@@ -125,3 +137,19 @@ def decide(champion: ArmStats, challenger: ArmStats, rules: Rules) -> Decision:
     return Decision(
         outcome, f"challenger is {'better' if theta > 0 else 'worse'}: {numbers}", ratio, theta, srm
     )
+
+
+def _units(arm: ArmStats) -> int:
+    return arm.units or arm.requests or arm.rated
+
+
+def _guardrail(champion: ArmStats, challenger: ArmStats, rules: Rules) -> str:
+    """What the challenger does worse than the guardrails allow; empty when nothing."""
+    if challenger.error_rate - champion.error_rate > rules.max_error_rate_increase:
+        return f"error rate {challenger.error_rate:.1%} vs {champion.error_rate:.1%}"
+    if (
+        champion.p95_latency_ms
+        and challenger.p95_latency_ms > rules.max_latency_ratio * champion.p95_latency_ms
+    ):
+        return f"p95 latency {challenger.p95_latency_ms:.0f} ms vs {champion.p95_latency_ms:.0f} ms"
+    return ""

@@ -72,7 +72,8 @@ class _Event(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     def record(self, topic: str, key: str) -> Record:
-        return Record(topic, key.encode(), self.model_dump_json().encode())
+        # unset optional fields are left out: a consumer older than a field still reads the record
+        return Record(topic, key.encode(), self.model_dump_json(exclude_none=True).encode())
 
 
 class TokenUsage(BaseModel):
@@ -101,6 +102,7 @@ class InferenceEvent(_Event):
     model: Id
     version: VersionId
     arm: Arm = ""
+    experiment: int | None = Field(None, ge=1, le=MAX_COUNT)  # the experiment that assigned `arm`
     prompt: Text
     reasoning: Text = ""
     completion: Text = ""

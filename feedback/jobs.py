@@ -27,8 +27,10 @@ from feedback.dataset import (
     count_new,
     load_new,
 )
+from feedback.experiments import CHALLENGER, reconcile, running_experiment
 from feedback.finetune import FinetuneConfig, train_candidate
 from feedback.pretrain import PretrainConfig
+from feedback.promotion import push_to_workers, worker_addresses
 from feedback.registry import Registry
 from feedback.store import FeedbackItem, FinetuneRun, utcnow
 from reflow.settings import Settings
@@ -37,8 +39,12 @@ from workers.model import Transformer
 from workers.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
-CHALLENGER = "challenger"
 STALE_AFTER = timedelta(minutes=30)  # a `running` row older than this belongs to a killed job
+
+
+class Cancelled(Exception):
+    """Raised by a progress callback to stop a run between steps (e.g. the scheduler stopping);
+    the run is recorded as failed and its items go back to the next one."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,11 @@ def run_finetune(
     REFLOW_FINETUNE_MAX_SAMPLES items; the rest waits for the next run)."""
     name = model or settings.model_name
     needed = settings.finetune_min_samples if min_samples is None else min_samples
+    if (experiment := running_experiment(engine, name)) is not None:
+        return Outcome(
+            "skipped",
+            f"experiment {experiment.id} is still testing v{experiment.challenger_version} of {name}",
+        )
     new = count_new(engine, name)
     if new < max(needed, 1):
         return Outcome("skipped", f"{new} new labelled feedback item(s) on {name}; waiting for {needed}")
@@ -99,7 +110,10 @@ def run_finetune(
     try:
         return _train_and_judge(settings, engine, registry, run_id, parent, name, items, progress)
     except Exception as error:
-        logger.exception("fine-tune run %d failed", run_id)
+        if isinstance(error, Cancelled):
+            logger.info("fine-tune run %d cancelled: %s", run_id, error)
+        else:
+            logger.exception("fine-tune run %d failed", run_id)
         _finish(engine, run_id, status="failed", message=f"{type(error).__name__}: {error}")
         _release(engine, run_id)  # the next run tries these items again
         return Outcome("failed", str(error), run_id)
@@ -165,6 +179,12 @@ def _train_and_judge(
         dataset_hash=dataset.digest, mlflow_run_id=mlflow_run, version=version, metrics=metrics,
     )  # fmt: skip
     logger.info("fine-tune run %d %s: %s", run_id, status, verdict.reason)
+    if verdict.register:  # the experiment opens now, and the workers load the challenger now
+        try:
+            reconcile(engine, registry, name, settings.ab_traffic)
+            push_to_workers(worker_addresses(settings))
+        except Exception:  # the run stands; the evaluate job opens the experiment, workers poll
+            logger.exception("fine-tune run %d: opening the experiment failed; the evaluate job will", run_id)
     return Outcome(status, verdict.reason, run_id, version, metrics)
 
 

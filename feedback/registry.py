@@ -85,9 +85,16 @@ class Registry:
 
     def delete_alias(self, name: str, alias: str) -> bool:
         """Removes `name@alias`; False when it did not exist."""
+        from mlflow.exceptions import MlflowException
+
         if not self.has_alias(name, alias):
             return False
-        self.client.delete_registered_model_alias(name, alias)
+        try:
+            self.client.delete_registered_model_alias(name, alias)
+        except MlflowException:
+            if self.has_alias(name, alias):
+                raise
+            return False  # another process removed it between the check and the delete
         logger.info("alias model=%s @%s removed", name, alias)
         return True
 

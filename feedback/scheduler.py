@@ -1,4 +1,5 @@
-"""`reflow scheduler`: APScheduler 3 keeping its jobs in the store, running the fine-tune job.
+"""`reflow scheduler`: APScheduler 3 keeping its jobs in the store, running the fine-tune job and
+the experiments' evaluate job.
 
 Jobs live in the store's `scheduler_jobs` table, so their schedule survives restarts; coalesce
 folds missed runs into one, max_instances=1 keeps a job from overlapping itself, and a run that
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from datetime import UTC
+from typing import TYPE_CHECKING
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -19,58 +22,105 @@ from sqlalchemy import Engine
 
 from reflow.settings import Settings
 
+if TYPE_CHECKING:
+    from feedback.registry import Registry  # slow import: loaded by the jobs themselves
+
 logger = logging.getLogger(__name__)
 FINETUNE_JOB = "finetune"
+EVALUATE_JOB = "evaluate"
 JOBS_TABLE = "scheduler_jobs"
+STOPPING = threading.Event()  # set when the scheduler stops: a running fine-tune gives up
 
 
 def finetune_job() -> None:
-    """The scheduled fine-tune: runs only when enough new labelled feedback has arrived."""
-    from feedback.jobs import run_finetune
+    """The scheduled fine-tune: runs only when enough new labelled feedback has arrived; stops
+    between two training steps when the scheduler is stopping."""
+    from feedback.jobs import Cancelled, run_finetune
+
+    def stop_when_stopping(_step: int, _total: int, _loss: float) -> None:
+        if STOPPING.is_set():
+            raise Cancelled("the scheduler is stopping")
+
+    def run(settings: Settings, engine: Engine, registry: Registry) -> None:
+        outcome = run_finetune(settings, engine, registry, progress=stop_when_stopping)
+        logger.info("fine-tune job: %s (%s)", outcome.status, outcome.message)
+
+    _with_store(run)
+
+
+def evaluate_job() -> None:
+    """The scheduled evaluation of running experiments (and opening one for a new challenger)."""
+    from feedback.evaluate import evaluate_experiments
+
+    def run(settings: Settings, engine: Engine, registry: Registry) -> None:
+        evaluate_experiments(settings, engine, registry)
+
+    _with_store(run)
+
+
+def _with_store(job: Callable[[Settings, Engine, Registry], None]) -> None:
+    """Runs `job` with fresh settings, a store engine and the registry, then closes the engine."""
     from feedback.registry import Registry
     from feedback.store import open_engine
 
     settings = Settings()
     engine = open_engine(settings.resolved_database_url)
     try:
-        outcome = run_finetune(
-            settings, engine, Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
-        )
-        logger.info("fine-tune job: %s (%s)", outcome.status, outcome.message)
+        job(settings, engine, Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root))
     finally:
         engine.dispose()
 
 
-def new_scheduler(engine: Engine, misfire_grace_s: float) -> BackgroundScheduler:
+def new_scheduler(engine: Engine) -> BackgroundScheduler:
     """A scheduler with its job store in `engine`'s database."""
     return BackgroundScheduler(
         jobstores={"default": SQLAlchemyJobStore(engine=engine, tablename=JOBS_TABLE)},
-        job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": int(misfire_grace_s)},
+        job_defaults={"coalesce": True, "max_instances": 1},
         timezone=UTC,
     )
 
 
-def ensure_finetune_job(scheduler: BackgroundScheduler, interval_s: float) -> None:
-    """Adds the fine-tune job when the store has none; keeps its next run time when it has one,
-    unless the interval changed."""
+def ensure_job(
+    scheduler: BackgroundScheduler, job_id: str, func: Callable[[], None], name: str, interval_s: float
+) -> None:
+    """Adds job `job_id` when the store has none; keeps its next run time when it has one, unless
+    the interval changed. A run late by up to one interval still runs."""
     trigger = IntervalTrigger(seconds=interval_s, timezone=UTC)
-    job = scheduler.get_job(FINETUNE_JOB)
+    grace_s = max(int(interval_s), 1)
+    job = scheduler.get_job(job_id)
     if job is None:
-        scheduler.add_job(finetune_job, trigger, id=FINETUNE_JOB, name="fine-tune from new feedback")
+        scheduler.add_job(func, trigger, id=job_id, name=name, misfire_grace_time=grace_s)
     elif job.trigger.interval != trigger.interval:
-        scheduler.reschedule_job(FINETUNE_JOB, trigger=trigger)
+        scheduler.reschedule_job(job_id, trigger=trigger)
+        scheduler.modify_job(job_id, misfire_grace_time=grace_s)
+
+
+def ensure_finetune_job(scheduler: BackgroundScheduler, interval_s: float) -> None:
+    """The fine-tune job, every `interval_s`."""
+    ensure_job(scheduler, FINETUNE_JOB, finetune_job, "fine-tune from new feedback", interval_s)
+
+
+def ensure_evaluate_job(scheduler: BackgroundScheduler, interval_s: float) -> None:
+    """The experiments' evaluate job, every `interval_s`."""
+    ensure_job(scheduler, EVALUATE_JOB, evaluate_job, "evaluate running experiments", interval_s)
 
 
 def run_scheduler(settings: Settings, engine: Engine, stop: threading.Event) -> None:
-    """Runs the scheduled jobs until `stop` is set, then waits for a running job to finish."""
-    scheduler = new_scheduler(engine, settings.finetune_interval_s)
+    """Runs the scheduled jobs until `stop` is set, then waits for a running job to finish (a
+    fine-tune run stops at its next step and gives its items back)."""
+    STOPPING.clear()
+    scheduler = new_scheduler(engine)
     scheduler.start(paused=True)
     ensure_finetune_job(scheduler, settings.finetune_interval_s)
+    ensure_evaluate_job(scheduler, settings.ab_evaluate_s)
     scheduler.resume()
     job = scheduler.get_job(FINETUNE_JOB)
     logger.info(
-        "scheduler running: fine-tune every %.0fs when %d new labelled items arrived; next at %s",
+        "scheduler running: fine-tune every %.0fs when %d new labelled items arrived (next at %s); "
+        "experiments evaluated every %.0fs",
         settings.finetune_interval_s, settings.finetune_min_samples, job.next_run_time if job else "-",
+        settings.ab_evaluate_s,
     )  # fmt: skip
     stop.wait()
+    STOPPING.set()
     scheduler.shutdown(wait=True)

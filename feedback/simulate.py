@@ -8,6 +8,7 @@ so users asking over a wider range correct it, and those corrections are what it
 from __future__ import annotations
 
 import asyncio
+import itertools
 import operator
 import random
 import time
@@ -59,8 +60,9 @@ async def simulate(
     model: str = "",
     on_request: Callable[[SimulationReport], None] | None = None,
 ) -> SimulationReport:
-    """Sends `rate` requests a second for `duration_s` seconds (at most `rate * duration_s`), each
-    from one of `users` users, and rates every answer; returns once all are answered and rated."""
+    """Sends `rate` requests a second for `duration_s` seconds (at most `rate * duration_s`; 0 =
+    until cancelled), each from one of `users` users, and rates every answer; returns once all are
+    answered and rated."""
     rng = random.Random(seed)
     report = SimulationReport()
     metadata = (("authorization", f"Bearer {api_key}"),)
@@ -69,9 +71,9 @@ async def simulate(
         stub = inference_pb2_grpc.InferenceStub(channel)
         rater = asyncio.create_task(_rate(stub, metadata, ratings, report))
         in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
-        tasks = []
+        tasks: set[asyncio.Task[None]] = set()
         started = time.monotonic()
-        for i in range(int(rate * duration_s)):
+        for i in range(int(rate * duration_s)) if duration_s else itertools.count():
             await asyncio.sleep(max(0.0, started + i / rate - time.monotonic()))
             a, b = arith.sample_operands(1, lo, hi, rng)[0]
             user = f"sim-user-{rng.randrange(users)}"
@@ -80,7 +82,8 @@ async def simulate(
             task.add_done_callback(lambda _t: in_flight.release())
             if on_request is not None:
                 task.add_done_callback(lambda _t: on_request(report))
-            tasks.append(task)
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
         await asyncio.gather(*tasks)
         await ratings.put(None)
         await rater

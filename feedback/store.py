@@ -14,6 +14,8 @@ from sqlalchemy import (
     DateTime,
     Engine,
     Float,
+    ForeignKey,
+    Index,
     Integer,
     SmallInteger,
     String,
@@ -21,6 +23,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -73,6 +76,8 @@ class Inference(Base):
     total_ms: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # when it finished
     stored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # the experiment that assigned its arm; None outside experiments (and for pinned versions)
+    experiment_id: Mapped[int | None] = mapped_column(Integer, index=True, default=None)
 
 
 class FeedbackItem(Base):
@@ -118,6 +123,47 @@ class FinetuneRun(Base):
     metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
+class Experiment(Base):
+    """An A/B test of a model's challenger against its champion on live traffic."""
+
+    __tablename__ = "experiments"
+    __table_args__ = (  # one running experiment per model, even with two schedulers racing
+        Index(
+            "ix_experiments_one_running", "model", unique=True,
+            sqlite_where=text("status = 'running'"), postgresql_where=text("status = 'running'"),
+        ),
+    )  # fmt: skip
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(128))
+    champion_version: Mapped[str] = mapped_column(String(32))
+    challenger_version: Mapped[str] = mapped_column(String(32))
+    traffic: Mapped[float] = mapped_column(Float)  # share of assignment units sent to the challenger
+    # running, promoted, rolled_back, invalid (sample ratio mismatch), expired, or ended (aliases
+    # moved by hand)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    reason: Mapped[str] = mapped_column(Text, default="")  # why it ended
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
+class ExperimentDecision(Base):
+    """One evaluation of a running experiment: the numbers per arm and what was decided."""
+
+    __tablename__ = "experiment_decisions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    experiment_id: Mapped[int] = mapped_column(ForeignKey("experiments.id"), index=True)
+    outcome: Mapped[str] = mapped_column(String(16))  # continue, promote, rollback, invalid, expire
+    reason: Mapped[str] = mapped_column(Text)
+    champion: Mapped[dict[str, float]] = mapped_column(JSON)  # feedback.decision.ArmStats as a dict
+    challenger: Mapped[dict[str, float]] = mapped_column(JSON)
+    likelihood_ratio: Mapped[float] = mapped_column(Float)
+    difference: Mapped[float] = mapped_column(Float)  # challenger rate minus champion rate
+    srm_p: Mapped[float] = mapped_column(Float)
+    decided_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class Secret(Base):

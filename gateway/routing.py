@@ -128,6 +128,13 @@ class WorkerPool:
             raise NotFound(f"no worker serves model {spec}; served now: {', '.join(served) or 'nothing'}")
         return min(candidates, key=lambda pair: pair[0].outstanding)
 
+    def serves(self, spec: ModelSpec, version: str = "") -> bool:
+        """True when a healthy worker serves `spec` (and it resolves to `version`, when given)."""
+        return any(
+            w.healthy and (v := w.serves(spec)) is not None and (not version or v.version == version)
+            for w in self.workers
+        )
+
     def served_versions(self) -> dict[str, dict[str, tuple[set[str], int]]]:
         """model -> version -> (aliases, ready workers), over healthy workers."""
         models: dict[str, dict[str, tuple[set[str], int]]] = {}

@@ -22,10 +22,12 @@ from feedback.events import (
     feedback_event,
     storable,
 )
+from feedback.experiments import CHALLENGER
 from feedback.kafka import ensure_topics, resolve_bootstrap
 from feedback.publisher import Publisher
 from feedback.store import open_engine, require_current_schema, utcnow
 from gateway.auth import Authenticator
+from gateway.experiments import Assignment, ExperimentView
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
 from gateway.request_ids import RequestIds
@@ -72,6 +74,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         metrics: GatewayMetrics,
         request_ids: RequestIds,
         publisher: Publisher,
+        experiments: ExperimentView,
     ):
         self.settings = settings
         self.auth = auth
@@ -80,6 +83,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.metrics = metrics
         self.request_ids = request_ids
         self.publisher = publisher
+        self.experiments = experiments
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -91,30 +95,44 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_id = self.request_ids.new(tenant.name)
         await context.send_initial_metadata((("x-request-id", request_id),))
         deadline = _deadline(context.time_remaining(), request.latency_budget_ms, received)
+        assignment = self.experiments.assign(request.model, spec, request.user_id or request_id, self.pool)
         with self.quotas.admit(tenant):
-            # aclosing: cleanup (quota, outstanding counts, the worker call) runs at once on cancel
-            async with contextlib.aclosing(
-                self._relay(request, tenant, spec, request_id, deadline, received)
-            ) as relay:
-                async for message in relay:
-                    yield message
+            try:
+                # aclosing: cleanup (quota, outstanding counts, the worker call) runs at once on cancel
+                async with contextlib.aclosing(
+                    self._relay(request, tenant, assignment, request_id, deadline, received)
+                ) as relay:
+                    async for message in relay:
+                        yield message
+            except ReflowError as error:
+                # the error-rate guardrail counts failures of the arm, not a request the model
+                # could never take (e.g. a prompt longer than its context)
+                if assignment.experiment is not None and not isinstance(error, InvalidArgument):
+                    self._publish_failure(request, tenant, request_id, assignment, received)
+                raise
 
     async def _relay(
         self,
         request: inference_pb2.GenerateRequest,
         tenant: TenantInfo,
-        spec: ModelSpec,
+        assignment: Assignment,
         request_id: str,
         deadline: float | None,
         received: float,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Streams from a worker, moving to another one if the first fails before any token."""
+        spec = assignment.spec
         tried: set[str] = set()
         full: set[str] = set()  # workers whose queue was full
         while True:
             try:
                 worker, loaded = self.pool.route(spec, exclude=frozenset(tried))
             except (NotFound, Unavailable):
+                if assignment.experiment is not None and assignment.arm == CHALLENGER and not full:
+                    assignment.fall_back_to_champion()
+                    spec = assignment.spec
+                    tried.clear()
+                    continue
                 if full:
                     raise ResourceExhausted(
                         f"every worker serving {spec} has a full queue; retry shortly", retry_after_ms=250
@@ -125,7 +143,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             tried.add(worker.address)
             call_request = worker_request(request, self.settings, request_id=request_id, loaded=loaded)
             header = inference_pb2.GenerateResponse(
-                request_id=request_id, model=loaded.model, model_version=loaded.version, arm=spec.alias
+                request_id=request_id, model=loaded.model, model_version=loaded.version, arm=assignment.arm
             )
             remaining_s = None if deadline is None else max(deadline - time.perf_counter(), 0.001)
             try:
@@ -139,8 +157,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         reasoning.append(message.reasoning_text)
                         if message.finish_reason:  # before the last yield: a client gone now is no loss
                             self._publish_inference(
-                                request, tenant, header, message, "".join(answer), "".join(reasoning)
-                            )
+                                request, tenant, header, assignment, message, "".join(answer),
+                                "".join(reasoning),
+                            )  # fmt: skip
                         yield message
                 return
             except _WorkerUnreachable as error:
@@ -223,25 +242,71 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request: inference_pb2.GenerateRequest,
         tenant: TenantInfo,
         header: inference_pb2.GenerateResponse,
+        assignment: Assignment,
         last: inference_pb2.GenerateResponse,
         answer: str,
         reasoning: str,
     ) -> None:
-        """Hands the event of a finished generation to the publisher, off the request path; a
-        completion is never failed because its event could not be made (that is logged)."""
+        """Hands the event of a finished generation to the publisher, off the request path."""
         usage = last.usage
+        self._publish(
+            request, tenant, header, assignment,
+            finish_reason=inference_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_"),
+            usage=TokenUsage(
+                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                reasoning_tokens=usage.reasoning_tokens,
+            ),
+            latency=Latency(first_token_ms=usage.time_to_first_token_ms, total_ms=usage.total_ms),
+            answer=answer, reasoning=reasoning,
+        )  # fmt: skip
+
+    def _publish_failure(
+        self,
+        request: inference_pb2.GenerateRequest,
+        tenant: TenantInfo,
+        request_id: str,
+        assignment: Assignment,
+        received: float,
+    ) -> None:
+        """Hands over the event of a failed request of an experiment, on the version of its arm."""
+        experiment = assignment.experiment
+        assert experiment is not None
+        version = (
+            experiment.challenger_version if assignment.arm == CHALLENGER else experiment.champion_version
+        )
+        header = inference_pb2.GenerateResponse(
+            request_id=request_id, model=experiment.model, model_version=version, arm=assignment.arm
+        )
+        elapsed_ms = (time.perf_counter() - received) * 1000
+        self._publish(
+            request, tenant, header, assignment, finish_reason="ERROR",
+            usage=TokenUsage(prompt_tokens=0, completion_tokens=0, reasoning_tokens=0),
+            latency=Latency(first_token_ms=elapsed_ms, total_ms=elapsed_ms),
+        )  # fmt: skip
+
+    def _publish(
+        self,
+        request: inference_pb2.GenerateRequest,
+        tenant: TenantInfo,
+        header: inference_pb2.GenerateResponse,
+        assignment: Assignment,
+        *,
+        finish_reason: str,
+        usage: TokenUsage,
+        latency: Latency,
+        answer: str = "",
+        reasoning: str = "",
+    ) -> None:
+        """Publishes an inference event; a completion is never failed because its event could
+        not be made (that is logged)."""
+        experiment = assignment.experiment
         try:
             event = InferenceEvent(
                 request_id=header.request_id, tenant=tenant.name, user_id=storable(request.user_id),
                 model=header.model, version=header.model_version, arm=header.arm,
+                experiment=experiment.id if experiment is not None else None,
                 prompt=storable(request.prompt), reasoning=storable(reasoning), completion=storable(answer),
-                finish_reason=inference_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_"),
-                usage=TokenUsage(
-                    prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                    reasoning_tokens=usage.reasoning_tokens,
-                ),
-                latency=Latency(first_token_ms=usage.time_to_first_token_ms, total_ms=usage.total_ms),
-                time=utcnow(),
+                finish_reason=finish_reason, usage=usage, latency=latency, time=utcnow(),
             )  # fmt: skip
         except ValidationError:
             logger.exception("request_id=%s: no inference event could be made", header.request_id)
@@ -410,7 +475,9 @@ async def create_server(
     require_current_schema(engine)
     auth = Authenticator(engine, settings.auth_cache_ttl_s)
     request_ids = RequestIds.from_store(engine)
-    servicer = InferenceServicer(settings, auth, Quotas(), pool, metrics, request_ids, publisher)
+    experiments = ExperimentView(engine, settings.worker_poll_s)
+    await experiments.refresh()
+    servicer = InferenceServicer(settings, auth, Quotas(), pool, metrics, request_ids, publisher, experiments)
     metrics.outbox.set_function(lambda: publisher.pending)
     server, health_servicer = new_server([SERVICE], on_done=metrics.count_request)
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)

@@ -30,9 +30,12 @@ finetune_app = typer.Typer(help="Fine-tune the champion on new feedback.", no_ar
 app.add_typer(finetune_app, name="finetune")
 models_app = typer.Typer(help="Registered model versions and their aliases.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+experiments_app = typer.Typer(help="A/B experiments of challengers against champions.", no_args_is_help=True)
+app.add_typer(experiments_app, name="experiments")
 console = Console()
 err_console = Console(stderr=True)
 
+SHOWN_EVALUATIONS = 20  # `experiments show` lists the latest ones; `report` plots them all
 ReadyFile = Annotated[
     Path | None, typer.Option(help="Write {'address': ...} here once serving (used by `reflow up`).")
 ]
@@ -62,13 +65,16 @@ def up(
         str | None,
         typer.Option(envvar="REFLOW_API_KEY", help="API key of the default tenant.", show_default=False),
     ] = None,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Also run simulated users, on a faster schedule: the loop turns.")
+    ] = False,
 ) -> None:
     """Run everything on this machine with embedded defaults until Ctrl-C or SIGTERM."""
     from reflow.supervisor import cuda_device_count, run_up
 
     settings = load_settings(data_dir=data_dir, gateway_port=port, api_key=api_key)
     count = workers or (cuda_device_count() if settings.device == "auto" else 0) or 1
-    raise typer.Exit(run_up(settings, count, console))
+    raise typer.Exit(run_up(settings, count, console, demo=demo))
 
 
 def _serve(server: Coroutine[Any, Any, None]) -> None:
@@ -364,13 +370,16 @@ def feedback_stats(
 
 @app.command()
 def scheduler() -> None:
-    """Run the scheduled jobs (fine-tune) until Ctrl-C or SIGTERM; their schedule is kept in the store."""
+    """Run the scheduled jobs (fine-tune, evaluate experiments) until Ctrl-C or SIGTERM; their
+    schedule is kept in the store."""
     import signal
     import threading
 
     from feedback.scheduler import run_scheduler
 
     settings = load_settings()
+    # two lines per run of every job, every few seconds: the jobs log what they did instead
+    logging.getLogger("apscheduler.executors.default").setLevel(logging.WARNING)
     engine = _current_engine(settings)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -415,10 +424,10 @@ def finetune_run(
 @app.command()
 def simulate(
     rate: Annotated[float, typer.Option(min=0.01, help="Requests per second.")] = 5.0,
-    duration: Annotated[float, typer.Option(min=0.0, help="Seconds to run.")] = 60.0,
+    duration: Annotated[float, typer.Option(min=0.0, help="Seconds to run; 0 = until stopped.")] = 60.0,
     lo: Annotated[int, typer.Option(min=0, help="Smallest operand.")] = 0,
     hi: Annotated[int, typer.Option(min=0, help="Largest operand.")] = 99,
-    users: Annotated[int, typer.Option(min=1, help="Distinct simulated users.")] = 50,
+    users: Annotated[int, typer.Option(min=1, help="Distinct simulated users.")] = 500,
     seed: Annotated[int, typer.Option(help="Seed of the operands and users.")] = 0,
     target: Annotated[
         str | None, typer.Option(help="Gateway host:port [default: from endpoints.json].")
@@ -439,7 +448,7 @@ def simulate(
         TextColumn("accuracy {task.fields[accuracy]:.1%}"), TimeElapsedColumn(),
     )  # fmt: skip
     with Progress(*columns, console=err_console) as progress:
-        task = progress.add_task("simulate", total=int(rate * duration), accuracy=0.0)
+        task = progress.add_task("simulate", total=int(rate * duration) or None, accuracy=0.0)
         report = asyncio.run(
             run_simulation(
                 target or _default_target(settings), _default_api_key(settings), rate=rate,
@@ -485,27 +494,151 @@ def models_list(
         print(f"{v['version']}\t{','.join(v['aliases']) or '-'}\t{origin or '-'}\t{v['run_id'] or '-'}")
 
 
+def _follow_aliases(settings: Settings, registry: Any, name: str) -> None:
+    """After a move by hand: ends the experiment on the old aliases (opening one when a challenger
+    remains) and tells the running workers to follow now; they poll anyway."""
+    from feedback.experiments import reconcile
+    from feedback.promotion import push_to_workers, worker_addresses
+    from feedback.store import open_engine, require_current_schema
+
+    engine = open_engine(settings.resolved_database_url)
+    try:
+        require_current_schema(engine)
+        reconcile(engine, registry, name, settings.ab_traffic)
+    except Exception as error:  # the aliases moved all the same; the scheduler catches up
+        err_console.print(
+            f"[yellow]experiments not updated ({error}); the scheduler's next evaluation will[/]"
+        )
+    finally:
+        engine.dispose()
+
+    addresses = worker_addresses(settings)
+    failed = {a: why for a, why in push_to_workers(addresses).items() if why != "ok"}
+    for address, why in failed.items():
+        err_console.print(f"[yellow]worker {address} did not answer ({why}); it follows within "
+                          f"REFLOW_REGISTRY_POLL_S={settings.registry_poll_s:g}s[/]")  # fmt: skip
+    if addresses and not failed:
+        print(f"{len(addresses)} worker(s) now follow it")
+
+
 @models_app.command("promote")
 def models_promote(name: str, version: str) -> None:
-    """Make VERSION the champion (no longer the challenger); workers follow within REFLOW_REGISTRY_POLL_S."""
-    registry = _registry(load_settings())
+    """Make VERSION the champion (no longer the challenger); the workers follow at once."""
+    from feedback.promotion import promote
+
+    settings = load_settings()
+    registry = _registry(settings)
     try:
-        registry.set_alias(name, "champion", version)
+        promote(registry, name, version)
     except LookupError as error:
         err_console.print(f"[red]error:[/] {error}")
         raise typer.Exit(1) from None
-    if (
-        registry.has_alias(name, "challenger")
-        and registry.resolve(name, alias="challenger").version == version
-    ):
-        registry.delete_alias(name, "challenger")
     print(f"{name}@champion -> version {version}")
+    _follow_aliases(settings, registry, name)
 
 
 @models_app.command("rollback")
 def models_rollback(name: str) -> None:
     """Remove the challenger alias: workers stop serving it, the champion keeps all traffic."""
-    if not _registry(load_settings()).delete_alias(name, "challenger"):
+    from feedback.promotion import roll_back
+
+    settings = load_settings()
+    registry = _registry(settings)
+    if not roll_back(registry, name):
         err_console.print(f"[red]error:[/] {name} has no challenger to roll back")
         raise typer.Exit(1)
     print(f"{name}@challenger removed")
+    _follow_aliases(settings, registry, name)
+
+
+def _arm_summary(look: Any) -> dict[str, Any]:
+    """The numbers of one evaluation, per arm, as JSON-ready values."""
+    from dataclasses import asdict
+
+    return {
+        "decided_at": look.at.isoformat(), "outcome": look.outcome, "reason": look.reason,
+        "champion": asdict(look.champion), "challenger": asdict(look.challenger),
+        "likelihood_ratio": look.likelihood_ratio, "difference": look.difference, "srm_p": look.srm_p,
+    }  # fmt: skip
+
+
+def _experiment_summary(experiment: Any) -> dict[str, Any]:
+    from feedback.experiments import aware
+
+    return {
+        "id": experiment.id, "model": experiment.model, "champion_version": experiment.champion_version,
+        "challenger_version": experiment.challenger_version, "traffic": experiment.traffic,
+        "status": experiment.status, "reason": experiment.reason,
+        "started_at": aware(experiment.started_at).isoformat(),
+        "ended_at": aware(experiment.ended_at).isoformat() if experiment.ended_at else None,
+    }  # fmt: skip
+
+
+@experiments_app.command("list")
+def experiments_list(
+    name: Annotated[str | None, typer.Argument(help="Only this model's experiments.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON array.")] = False,
+) -> None:
+    """Experiments, newest first: versions, split, status and the latest numbers per arm."""
+    from feedback.experiments import experiments
+
+    found = experiments(_current_engine(load_settings()), name)
+    if as_json:
+        rows = [
+            {**_experiment_summary(e), "latest": _arm_summary(look) if look else None} for e, look in found
+        ]
+        print(json.dumps(rows))
+        return
+    for e, look in found:
+        numbers = "-"
+        if look is not None:
+            numbers = (f"champion {look.champion.positive}/{look.champion.rated}, "
+                       f"challenger {look.challenger.positive}/{look.challenger.rated} positive")  # fmt: skip
+        print(f"{e.id}\t{e.model}\tv{e.champion_version} vs v{e.challenger_version}\t"
+              f"{e.traffic:.0%}\t{e.status}\t{e.started_at:%Y-%m-%d %H:%M:%S}\t{numbers}")  # fmt: skip
+
+
+def _history(experiment_id: int) -> tuple[Any, list[Any]]:
+    """An experiment and its evaluations; exit status 1 when there is no such experiment."""
+    from feedback.experiments import history
+
+    try:
+        return history(_current_engine(load_settings()), experiment_id)
+    except LookupError as error:
+        err_console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+
+
+@experiments_app.command("show")
+def experiments_show(experiment_id: int) -> None:
+    """One experiment: its versions, its status and why, and every evaluation with its numbers."""
+    from rich.table import Table
+
+    experiment, looks = _history(experiment_id)
+    for key, value in _experiment_summary(experiment).items():
+        print(f"{key}\t{value if value is not None else '-'}")
+    shown = looks[-SHOWN_EVALUATIONS:]
+    table = Table(title=f"the last {len(shown)} of {len(looks)} evaluation(s)")
+    for column in ("time", "outcome", "champion +/rated", "challenger +/rated", "LR", "SRM p", "reason"):
+        table.add_column(column)
+    for look in shown:
+        table.add_row(
+            f"{look.at:%Y-%m-%d %H:%M:%S}", look.outcome,
+            f"{look.champion.positive}/{look.champion.rated}",
+            f"{look.challenger.positive}/{look.challenger.rated}",
+            f"{look.likelihood_ratio:.3g}", f"{look.srm_p:.2g}", look.reason,
+        )  # fmt: skip
+    console.print(table)
+
+
+@experiments_app.command("report")
+def experiments_report(
+    experiment_id: int,
+    out: Annotated[Path, typer.Option("--out", help="PNG file to write.")],
+) -> None:
+    """Plot an experiment: per-arm positive rate over time with 95% bands, samples, the decision."""
+    from feedback.report import plot_experiment
+
+    experiment, looks = _history(experiment_id)
+    plot_experiment(experiment, looks, out)
+    print(f"wrote {out}")

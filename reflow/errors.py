@@ -42,6 +42,13 @@ class NotFound(ReflowError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class FailedPrecondition(ReflowError):
+    """The target is not in a state where the call makes sense (e.g. a pinned worker asked to
+    follow aliases)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ResourceExhausted(ReflowError):
     """A quota or queue is full; retry later (`retry_after_ms` becomes a pushback hint)."""
 

@@ -66,7 +66,9 @@ class Settings(BaseSettings):
     )
     worker_metrics_port: int = Field(0, ge=0, le=65535, description="Worker Prometheus port; 0 = free.")
     gateway_metrics_port: int = Field(0, ge=0, le=65535, description="Gateway Prometheus port; 0 = free.")
-    worker_poll_s: float = Field(1.0, gt=0, description="How often the gateway refreshes worker status.")
+    worker_poll_s: float = Field(
+        1.0, gt=0, description="How often the gateway refreshes worker status and experiments."
+    )
     shutdown_grace_s: float = Field(30.0, description="Seconds in-flight streams get to finish on shutdown.")
 
     kafka_bootstrap: str = Field(
@@ -97,6 +99,39 @@ class Settings(BaseSettings):
     )
     finetune_regression_tolerance: float = Field(
         0.02, ge=0, le=1, description="Largest regression-set accuracy drop a registered candidate may have."
+    )
+
+    ab_traffic: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="Share of users (or requests without one) an experiment sends to the challenger.",
+    )
+    ab_alpha: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="Chance an experiment acts on a challenger no different from the champion.",
+    )
+    ab_min_samples: int = Field(
+        100, ge=1, description="Rated responses per arm before an experiment decides."
+    )
+    ab_evaluate_s: float = Field(
+        30.0, gt=0, description="How often the scheduler evaluates running experiments."
+    )
+    ab_max_duration_s: float = Field(
+        86400.0, gt=0, description="An experiment undecided after this long ends; the champion stays."
+    )
+    ab_max_error_rate_increase: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="Guardrail: challenger error rate above the champion's by more rolls it back.",
+    )
+    ab_max_latency_ratio: float = Field(
+        1.5,
+        ge=1,
+        description="Guardrail: challenger p95 latency above this multiple of the champion's rolls it back.",
     )
 
     auth_cache_ttl_s: float = Field(10.0, ge=0, description="How long an API-key lookup is cached.")

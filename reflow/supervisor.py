@@ -26,6 +26,11 @@ from reflow.settings import Settings
 logger = logging.getLogger(__name__)
 API_KEY_FILE = "api_key"
 ENDPOINTS_FILE = "endpoints.json"
+# `reflow up --demo`: fine-tune every minute, send half the users to a challenger, decide every
+# 10 s; users (under the default tenant's 600 requests a minute) ask over 0-99, where the base
+# model is mostly wrong and learns from their corrections.
+DEMO_SETTINGS = {"finetune_interval_s": "60", "ab_traffic": "0.5", "ab_evaluate_s": "10"}
+DEMO_SIMULATION = ["--rate", "8", "--duration", "0", "--lo", "0", "--hi", "99", "--users", "1000"]
 START_TIMEOUT_S = 300.0  # a worker may download and load a model first
 STOP_MARGIN_S = 10.0  # beyond the children's own drain grace
 
@@ -193,8 +198,17 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
-def run_up(settings: Settings, n_workers: int, console: Console) -> int:
-    """Runs everything on one machine until a signal; returns the exit status."""
+def demo_overrides(settings: Settings) -> dict[str, str]:
+    """`reflow up --demo`: a faster turn of the loop, for each setting the user left at its default."""
+    return {
+        f"REFLOW_{name.upper()}": value for name, value in DEMO_SETTINGS.items()
+        if name not in settings.model_fields_set
+    }  # fmt: skip
+
+
+def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = False) -> int:
+    """Runs everything on one machine until a signal; returns the exit status. With `demo`, the
+    schedule is shortened and simulated users send traffic, so the learning loop turns by itself."""
     from feedback.bootstrap import ensure_base_model
     from feedback.broker import tansu_command, wait_listening
     from feedback.kafka import ensure_topics
@@ -210,6 +224,8 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
     supervisor = Supervisor(settings)
     # Children get absolute paths, whatever directory they start in.
     env = {"REFLOW_DATA_DIR": str(settings.data_dir.resolve())}
+    if demo:
+        env |= demo_overrides(settings)
     try:
         engine = open_engine(settings.resolved_database_url)
         migrate(engine)
@@ -274,6 +290,9 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
             "logs": str(supervisor.log_dir.resolve()),
         }
         write_json_atomically(endpoints_path, endpoints)
+        if demo:
+            supervisor.spawn("simulate", ["simulate", *DEMO_SIMULATION, "--target", gateway_address], env,
+                             ready=False)  # fmt: skip
 
         table = Table(title="reflow is up", show_header=False)
         for key, value in endpoints.items():
@@ -282,6 +301,11 @@ def run_up(settings: Settings, n_workers: int, console: Console) -> int:
             table.add_row(key, ", ".join(value) if isinstance(value, list) else value)
         console.print(table)
         console.print(f'try: reflow generate "47+38="   (stop with Ctrl-C; endpoints in {endpoints_path})')
+        if demo:
+            console.print(
+                "demo: simulated users are rating answers; watch `reflow experiments list` and "
+                "`reflow models list` (a turn of the loop takes a few minutes)"
+            )
         while True:
             supervisor.check_alive()
             time.sleep(0.5)

@@ -197,6 +197,21 @@ class WorkerUnderTest:
         return self.servicer.engine
 
 
+@pytest.fixture
+def swap_settings(settings: Settings, tmp_path: Path) -> Settings:
+    """A registry of its own (aliases move here): v1 @champion (seed 0) and v2 (seed 1), no alias."""
+    registry = local_registry(tmp_path, "swap")
+    registry.register(
+        MODEL, save_model(tiny_model(0), tmp_path / "v1"), params={}, metrics={}, alias="champion"
+    )
+    registry.register(
+        MODEL, save_model(tiny_model(1), tmp_path / "v2"), params={}, metrics={}, alias="staged"
+    )
+    return settings.model_copy(
+        update={"mlflow_tracking_uri": registry.tracking_uri, "mlflow_artifact_root": registry.artifact_root}
+    )
+
+
 @dataclass
 class Stack:
     """A gateway in front of in-process workers, with a tenant's key."""
@@ -304,3 +319,12 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         with admin.connect() as connection:
             connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture
+def store(database_url: str) -> Iterator[SqlEngine]:
+    """A migrated store on `database_url`."""
+    engine = open_engine(database_url)
+    migrate(engine)
+    yield engine
+    engine.dispose()

@@ -51,4 +51,4 @@ def test_public_contract_names() -> None:
         "FINISH_REASON_CANCELLED", "FINISH_REASON_ERROR",
     ]  # fmt: skip
     worker = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
-    assert [m.name for m in worker.methods] == ["Generate", "Status", "Load", "Unload"]
+    assert [m.name for m in worker.methods] == ["Generate", "Status", "Load", "Unload", "SyncAliases"]

@@ -49,7 +49,9 @@ def alive(pid: int) -> bool:
 class Up:
     """A `reflow up` process in a temp data dir."""
 
-    def __init__(self, data_dir: Path):
+    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None):
+        """`reflow up` with a tiny, quickly trained base model and two workers, unless `args`
+        (e.g. `--workers 1 --demo`) and `env` say otherwise."""
         self.data_dir = data_dir
         self.log = data_dir.parent / f"up-{time.monotonic_ns()}.log"
         env = {
@@ -58,11 +60,12 @@ class Up:
             "REFLOW_BOOTSTRAP_STEPS": "5",
             "REFLOW_DEVICE": "cpu",
             "REFLOW_API_KEY": "rf_test_key_0123456789",
+            **(env or {}),
         }
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "reflow", "up", "--data-dir", str(data_dir), "--port", "0",
-                 "--workers", "2"],
+                 *(args or ("--workers", "2"))],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )  # fmt: skip
 

@@ -66,8 +66,8 @@ class AliasFollower:
                 except LookupError:
                     target = None  # the alias was removed (a challenger rolled back)
                 holders = [m for m in engine.loaded() if m.name == self.name and alias in m.aliases]
-                if target is not None and any(m.version == target for m in holders):
-                    continue
+                if [m.version for m in holders] == ([target] if target is not None else []):
+                    continue  # already where the registry points (or absent on both sides)
                 loaded = await self.servicer.load(self.name, version=target) if target is not None else None
                 for previous in holders:  # the move itself: no await between these lines
                     previous.aliases.discard(alias)

@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from feedback.registry import Registry
-from reflow.errors import InvalidArgument, NotFound
+from reflow.errors import FailedPrecondition, InvalidArgument, NotFound
 from reflow.serving import (
     bind,
     new_server,
@@ -94,6 +94,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.registry = registry
         self.settings = settings
         self.device = device
+        self.follower: AliasFollower | None = None  # None when pinned to one version
 
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
@@ -110,6 +111,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Status(
         self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStatusResponse:
+        return self.status()
+
+    async def SyncAliases(
+        self, request: worker_pb2.SyncAliasesRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStatusResponse:
+        if self.follower is None:
+            raise FailedPrecondition("this worker is pinned to one version and follows no alias")
+        # shielded: a caller giving up must not leave a version loaded halfway through a move
+        await asyncio.shield(self.follower.sync())
+        return self.status()
+
+    def status(self) -> worker_pb2.WorkerStatusResponse:
+        """Loaded versions, queue depth and memory."""
         device_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         return worker_pb2.WorkerStatusResponse(
             loaded=[loaded_to_pb(m) for m in self.engine.loaded()],
@@ -192,7 +206,7 @@ async def serve(settings: Settings, *, version: str = "", ready_file: Path | Non
         await servicer.load(settings.model_name, version=version)
     else:  # the default alias must exist; the others (a challenger) are loaded when they do
         await servicer.load(settings.model_name, alias=settings.model_alias)
-        follower = AliasFollower(
+        follower = servicer.follower = AliasFollower(
             servicer, settings.model_name, settings.worker_aliases, settings.registry_poll_s
         )
         await follower.sync()

@@ -110,3 +110,7 @@ class UnloadResponse(_message.Message):
     UNLOADED_FIELD_NUMBER: _ClassVar[int]
     unloaded: bool
     def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...
+
+class SyncAliasesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -55,6 +55,11 @@ class WorkerStub:
                 request_serializer=reflow_dot_v1_dot_worker__pb2.UnloadRequest.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_worker__pb2.UnloadResponse.FromString,
                 _registered_method=True)
+        self.SyncAliases = channel.unary_unary(
+                '/reflow.v1.Worker/SyncAliases',
+                request_serializer=reflow_dot_v1_dot_worker__pb2.SyncAliasesRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_worker__pb2.WorkerStatusResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -89,6 +94,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SyncAliases(self, request, context):
+        """Re-reads the aliases the worker follows now instead of at its next poll
+        (pushed after a promotion or a rollback) and reports the resulting state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Unload,
                     request_deserializer=reflow_dot_v1_dot_worker__pb2.UnloadRequest.FromString,
                     response_serializer=reflow_dot_v1_dot_worker__pb2.UnloadResponse.SerializeToString,
+            ),
+            'SyncAliases': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncAliases,
+                    request_deserializer=reflow_dot_v1_dot_worker__pb2.SyncAliasesRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_worker__pb2.WorkerStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +240,33 @@ class Worker:
             '/reflow.v1.Worker/Unload',
             reflow_dot_v1_dot_worker__pb2.UnloadRequest.SerializeToString,
             reflow_dot_v1_dot_worker__pb2.UnloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncAliases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Worker/SyncAliases',
+            reflow_dot_v1_dot_worker__pb2.SyncAliasesRequest.SerializeToString,
+            reflow_dot_v1_dot_worker__pb2.WorkerStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,7 +18,7 @@ from feedback.consumer import StoreConsumer
 from feedback.events import FeedbackEvent, InferenceEvent, Latency, Record, TokenUsage
 from feedback.kafka import DLQ_TOPIC, FEEDBACK_TOPIC, new_producer
 from feedback.stats import kafka_stats, store_counts
-from feedback.store import FeedbackItem, Inference, migrate, open_engine
+from feedback.store import FeedbackItem, Inference
 from tests.conftest import Broker, consuming
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -58,14 +58,6 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0, what: str =
 def count(engine: Engine, table: type[FeedbackItem] | type[Inference]) -> int:
     with Session(engine) as session:
         return session.scalar(select(func.count()).select_from(table)) or 0
-
-
-@pytest.fixture
-def store(database_url: str) -> Iterator[Engine]:
-    engine = open_engine(database_url)
-    migrate(engine)
-    yield engine
-    engine.dispose()
 
 
 @pytest.fixture

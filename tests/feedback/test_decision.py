@@ -77,3 +77,15 @@ def test_looking_after_every_rating_keeps_false_promotions_below_alpha() -> None
         naive += ever_naive
     assert stopped / runs <= RULES.alpha
     assert naive / runs > 2 * RULES.alpha  # what the sequential test protects against
+
+
+def test_a_challenger_failing_everything_is_rolled_back_though_nothing_gets_rated() -> None:
+    champion = ArmStats(rated=150, positive=75, requests=150, units=150)
+    failing = ArmStats(rated=0, positive=0, requests=150, errors=150, units=150)
+    decision = decide(champion, failing, RULES)
+    assert decision.outcome == "rollback" and decision.reason.startswith("guardrail: error rate 100.0%")
+
+
+def test_a_small_split_is_not_judged_yet() -> None:
+    assert decide(ArmStats(0, 0, units=9), ArmStats(0, 0, units=1), RULES).outcome == "continue"
+    assert decide(ArmStats(0, 0, units=90), ArmStats(0, 0, units=10), RULES).outcome == "invalid"

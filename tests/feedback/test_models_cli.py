@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from feedback.experiments import history, reconcile
 from feedback.registry import Registry
+from feedback.store import migrate, open_engine
 from tests.conftest import MODEL, local_registry, save_model, tiny_model
 
 
@@ -23,11 +25,17 @@ def registry(tmp_path: Path) -> Registry:
         directory = save_model(tiny_model(seed), tmp_path / f"v{seed}")
         registry.register(MODEL, directory, params={}, metrics={}, alias=alias, tags=tags)
     registry.delete_alias(MODEL, "staged")
+    migrate(open_engine(f"sqlite:///{tmp_path / 'reflow.db'}"))
     return registry
 
 
 def reflow(registry: Registry, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "REFLOW_MLFLOW_TRACKING_URI": registry.tracking_uri}
+    data_dir = Path(registry.tracking_uri.removeprefix("sqlite:///")).parent  # where a store is migrated
+    env = {
+        **os.environ,
+        "REFLOW_MLFLOW_TRACKING_URI": registry.tracking_uri,
+        "REFLOW_DATA_DIR": str(data_dir),
+    }
     return subprocess.run(
         [sys.executable, "-m", "reflow", "models", *args],
         env=env,
@@ -55,10 +63,16 @@ def test_list_shows_versions_newest_first_with_aliases_and_origin(registry: Regi
     assert reflow(registry, "list", "nosuch").returncode == 1
 
 
-def test_promote_makes_the_challenger_champion_and_rollback_removes_a_challenger(registry: Registry) -> None:
+def test_promote_makes_the_challenger_champion_and_rollback_removes_a_challenger(
+    registry: Registry, tmp_path: Path
+) -> None:
+    store = open_engine(f"sqlite:///{tmp_path / 'reflow.db'}")
+    experiment = reconcile(store, registry, MODEL, 0.1)  # v2 under test
+    assert experiment is not None
     promoted = reflow(registry, "promote", MODEL, "2")
     assert promoted.returncode == 0, promoted.stderr
     assert aliases(registry) == {"3": [], "2": ["champion"], "1": []}  # no longer the challenger
+    assert history(store, experiment.id)[0].status == "ended"  # decided by hand
     assert reflow(registry, "rollback", MODEL).returncode == 1  # nothing to roll back
     registry.set_alias(MODEL, "challenger", "3")
     rolled_back = reflow(registry, "rollback", MODEL)

@@ -25,13 +25,13 @@ def store(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def test_the_finetune_job_and_its_next_run_survive_a_restart(tmp_path: Path) -> None:
     engine = store(tmp_path)
-    first = new_scheduler(engine, misfire_grace_s=60)
+    first = new_scheduler(engine)
     first.start(paused=True)
     ensure_finetune_job(first, interval_s=3600)
     planned = first.get_job(FINETUNE_JOB).next_run_time
     first.shutdown()
 
-    second = new_scheduler(engine, misfire_grace_s=60)
+    second = new_scheduler(engine)
     second.start(paused=True)
     try:
         kept = second.get_job(FINETUNE_JOB)
@@ -63,7 +63,7 @@ def slow_job() -> None:
 
 
 def test_a_job_never_overlaps_itself(tmp_path: Path) -> None:
-    scheduler = new_scheduler(store(tmp_path), misfire_grace_s=1)
+    scheduler = new_scheduler(store(tmp_path))
     scheduler.start()
     scheduler.add_job(slow_job, IntervalTrigger(seconds=0.1), id="slow")
     time.sleep(2.0)

@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
-import pytest
 
 from feedback.registry import Registry
 from reflow.settings import Settings
@@ -17,9 +15,7 @@ from tests.conftest import (
     MODEL,
     Stack,
     WorkerUnderTest,
-    local_registry,
     reference_greedy,
-    save_model,
     start_stack,
     start_worker,
     stop_stack,
@@ -32,21 +28,6 @@ from workers.sequence import GenerationParams
 
 P = inference_pb2
 PROMPTS = ["47+38=", "1+1=", "99+9=", "5+60="]
-
-
-@pytest.fixture
-def swap_settings(settings: Settings, tmp_path: Path) -> Settings:
-    """A registry of its own (aliases move here): v1 @champion (seed 0) and v2 (seed 1), no alias."""
-    registry = local_registry(tmp_path, "swap")
-    registry.register(
-        MODEL, save_model(tiny_model(0), tmp_path / "v1"), params={}, metrics={}, alias="champion"
-    )
-    registry.register(
-        MODEL, save_model(tiny_model(1), tmp_path / "v2"), params={}, metrics={}, alias="staged"
-    )
-    return settings.model_copy(
-        update={"mlflow_tracking_uri": registry.tracking_uri, "mlflow_artifact_root": registry.artifact_root}
-    )
 
 
 @contextlib.asynccontextmanager

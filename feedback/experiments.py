@@ -1,0 +1,282 @@
+"""A/B experiments in the store: opening one when a model gets a challenger, sticky assignment of
+users to arms, the per-arm numbers an evaluation needs, and recording what was decided.
+
+An experiment exists while a model has both a `champion` and a `challenger` alias. It opens when
+the fine-tune job registers a challenger or when the scheduler's next evaluation finds one set by
+hand; it ends when it decides, or when someone moves the aliases it tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import Engine, Integer, and_, case, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from feedback.decision import ArmStats, Decision
+from feedback.registry import Registry
+from feedback.store import Experiment, ExperimentDecision, FeedbackItem, Inference, utcnow
+
+logger = logging.getLogger(__name__)
+CHAMPION, CHALLENGER = "champion", "challenger"
+LATENCY_SAMPLE = 10_000  # the most recent completions per arm the p95 latency is taken over
+DECIDING = "deciding"  # decided and claimed, its aliases being moved
+# the final status of an experiment, by the outcome that ended it
+ENDED_BY = {"promote": "promoted", "rollback": "rolled_back", "invalid": "invalid", "expire": "expired"}
+
+
+@dataclass(frozen=True)
+class RunningExperiment:
+    """What the gateway needs to assign and route: the experiment, its versions and its split."""
+
+    id: int
+    model: str
+    champion_version: str
+    challenger_version: str
+    traffic: float
+    started_at: datetime
+
+
+def assigned_arm(experiment_id: int, unit: str, traffic: float) -> str:
+    """The arm of assignment unit `unit` (a user id, else a request id): the same unit always gets
+    the same arm within an experiment, and about `traffic` of all units get the challenger."""
+    digest = hashlib.sha256(f"{experiment_id}:{unit}".encode()).digest()
+    return CHALLENGER if int.from_bytes(digest[:8], "big") < traffic * 2**64 else CHAMPION
+
+
+def running_experiments(engine: Engine) -> list[RunningExperiment]:
+    """Every running experiment, one per model at most."""
+    with Session(engine) as session:
+        rows = session.scalars(select(Experiment).where(Experiment.status == "running")).all()
+        return [_snapshot(e) for e in rows]
+
+
+def _snapshot(e: Experiment) -> RunningExperiment:
+    return RunningExperiment(
+        e.id, e.model, e.champion_version, e.challenger_version, e.traffic, aware(e.started_at)
+    )
+
+
+def aware(moment: datetime) -> datetime:
+    """`moment` with its time zone: SQLite hands timestamps back naive, and they were stored in UTC."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def running_experiment(engine: Engine, model: str) -> RunningExperiment | None:
+    """The running experiment of `model`, if any."""
+    return next((e for e in running_experiments(engine) if e.model == model), None)
+
+
+def reconcile(engine: Engine, registry: Registry, model: str, traffic: float) -> RunningExperiment | None:
+    """Brings `model`'s experiment in line with its aliases and returns the running one.
+
+    A challenger without an experiment gets one (one running experiment per model, even when two
+    processes race: the store's unique index lets one insert win); an experiment whose champion or
+    challenger was moved by hand ends as `ended`.
+    """
+    champion = registry.resolve(model, alias=CHAMPION).version
+    try:
+        challenger = registry.resolve(model, alias=CHALLENGER).version
+    except LookupError:
+        challenger = None
+    current = running_experiment(engine, model)
+    if current is not None and (current.champion_version, current.challenger_version) != (
+        champion,
+        challenger,
+    ):
+        moved = f"champion is v{champion}, challenger {f'v{challenger}' if challenger else 'none'}"
+        end(engine, current.id, "ended", f"aliases moved outside the experiment: {moved}")
+        current = None
+    if current is not None or challenger is None:
+        return current
+    if challenger == champion:  # a promotion by hand that left the challenger alias behind
+        registry.delete_alias(model, CHALLENGER)
+        return None
+    try:
+        with Session(engine) as session, session.begin():
+            experiment = Experiment(
+                model=model, champion_version=champion, challenger_version=challenger,
+                traffic=traffic, status="running",
+            )  # fmt: skip
+            session.add(experiment)
+            session.flush()
+            opened = experiment.id
+        logger.info(
+            "experiment %d opened: %s v%s (champion) vs v%s (challenger), %.0f%% to the challenger",
+            opened, model, champion, challenger, traffic * 100,
+        )  # fmt: skip
+    except IntegrityError:
+        pass  # another process opened it first
+    return running_experiment(engine, model)
+
+
+def end(engine: Engine, experiment_id: int, status: str, reason: str, *, was: str = "running") -> bool:
+    """Ends an experiment that is still in status `was` with `status` and why; False when it was
+    not (another process ended it first)."""
+    with engine.begin() as connection:
+        changed = connection.execute(
+            update(Experiment)
+            .where(Experiment.id == experiment_id, Experiment.status == was)
+            .values(status=status, reason=reason, ended_at=utcnow())
+        ).rowcount
+    if changed:
+        logger.info("experiment %d %s: %s", experiment_id, status, reason)
+    return bool(changed)
+
+
+def arm_stats(engine: Engine, experiment_id: int) -> dict[str, ArmStats]:
+    """What each arm of the experiment saw, from the inferences it assigned and their feedback.
+
+    A completion counts as rated when it has a non-zero rating, and as positive when one of its
+    ratings is +1. Units are distinct users (or requests without one): the sample ratio check is
+    on what was randomized.
+    """
+    of_experiment = Inference.experiment_id == experiment_id
+    unit = case((Inference.user_id != "", Inference.user_id), else_=Inference.request_id)
+    errors = func.sum(case((Inference.finish_reason == "ERROR", 1), else_=0))
+    best = (
+        select(Inference.arm, func.max(FeedbackItem.rating).label("best"))
+        .join(
+            FeedbackItem,
+            and_(FeedbackItem.request_id == Inference.request_id, FeedbackItem.tenant == Inference.tenant),
+        )
+        .where(of_experiment, FeedbackItem.rating != 0)
+        .group_by(Inference.request_id, Inference.arm)
+        .subquery()
+    )
+    with Session(engine) as session:
+        traffic = session.execute(
+            select(Inference.arm, func.count(), errors, func.count(unit.distinct()))
+            .where(of_experiment)
+            .group_by(Inference.arm)
+        ).all()
+        ratings = session.execute(
+            select(
+                best.c.arm, func.count(), func.sum(case((best.c.best > 0, 1), else_=0)).cast(Integer)
+            ).group_by(best.c.arm)
+        ).all()
+        stats: dict[str, ArmStats] = {}
+        for arm in (CHAMPION, CHALLENGER):
+            requests, failed, units = next(((n, e, u) for a, n, e, u in traffic if a == arm), (0, 0, 0))
+            rated, positive = next(((n, p) for a, n, p in ratings if a == arm), (0, 0))
+            latencies = session.scalars(
+                select(Inference.total_ms)
+                .where(of_experiment, Inference.arm == arm, Inference.finish_reason != "ERROR")
+                .order_by(Inference.created_at.desc())
+                .limit(LATENCY_SAMPLE)
+            ).all()
+            stats[arm] = ArmStats(
+                rated=rated, positive=int(positive or 0), requests=requests, errors=int(failed or 0),
+                units=units, p95_latency_ms=percentile(latencies, 0.95),
+            )  # fmt: skip
+    return stats
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q` quantile by the nearest-rank method; 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def record(engine: Engine, experiment_id: int, stats: dict[str, ArmStats], decision: Decision) -> bool:
+    """Stores one evaluation with its numbers, if the experiment is still running. An outcome that
+    ends it also claims it, moving it to `deciding` (no longer assigned, not yet applied), so of two
+    evaluators racing only one acts. False when the experiment was no longer running."""
+    with Session(engine) as session, session.begin():
+        claimed = session.execute(
+            update(Experiment)
+            .where(Experiment.id == experiment_id, Experiment.status == "running")
+            .values(status=DECIDING if decision.outcome in ENDED_BY else "running")
+        ).rowcount
+        if not claimed:
+            return False
+        session.add(
+            ExperimentDecision(
+                experiment_id=experiment_id, outcome=decision.outcome, reason=decision.reason,
+                champion=asdict(stats[CHAMPION]), challenger=asdict(stats[CHALLENGER]),
+                likelihood_ratio=decision.likelihood_ratio, difference=decision.difference,
+                srm_p=decision.srm_p,
+            )
+        )  # fmt: skip
+    return True
+
+
+def decided(engine: Engine) -> list[tuple[RunningExperiment, Look]]:
+    """Experiments whose decision was recorded but not yet applied (its process stopped between
+    the two), with that decision."""
+    with Session(engine) as session:
+        rows = session.scalars(select(Experiment).where(Experiment.status == DECIDING)).all()
+        pending = []
+        for e in rows:
+            last = session.scalars(
+                select(ExperimentDecision)
+                .where(ExperimentDecision.experiment_id == e.id)
+                .order_by(ExperimentDecision.id.desc())
+                .limit(1)
+            ).one()
+            pending.append((_snapshot(e), _look(last)))
+    return pending
+
+
+@dataclass(frozen=True)
+class Look:
+    """One recorded evaluation, as `experiments show` and the report present it."""
+
+    at: datetime
+    outcome: str
+    reason: str
+    champion: ArmStats
+    challenger: ArmStats
+    likelihood_ratio: float
+    difference: float
+    srm_p: float
+
+
+def _look(row: ExperimentDecision) -> Look:
+    return Look(
+        aware(row.decided_at), row.outcome, row.reason, ArmStats(**row.champion), ArmStats(**row.challenger),
+        row.likelihood_ratio, row.difference, row.srm_p,
+    )  # fmt: skip
+
+
+def history(engine: Engine, experiment_id: int) -> tuple[Experiment, list[Look]]:
+    """An experiment and every evaluation of it, oldest first; LookupError when there is none."""
+    with Session(engine) as session:
+        experiment = session.get(Experiment, experiment_id)
+        if experiment is None:
+            raise LookupError(f"there is no experiment {experiment_id}")
+        rows = session.scalars(
+            select(ExperimentDecision)
+            .where(ExperimentDecision.experiment_id == experiment_id)
+            .order_by(ExperimentDecision.id)
+        ).all()
+        looks = [_look(r) for r in rows]
+        session.expunge(experiment)
+    return experiment, looks
+
+
+def experiments(engine: Engine, model: str | None = None) -> list[tuple[Experiment, Look | None]]:
+    """Every experiment (of `model`), newest first, with its latest evaluation."""
+    with Session(engine) as session:
+        query = select(Experiment).order_by(Experiment.id.desc())
+        if model:
+            query = query.where(Experiment.model == model)
+        found = []
+        for experiment in session.scalars(query).all():
+            latest = session.scalar(
+                select(ExperimentDecision)
+                .where(ExperimentDecision.experiment_id == experiment.id)
+                .order_by(ExperimentDecision.id.desc())
+                .limit(1)
+            )
+            found.append((experiment, None if latest is None else _look(latest)))
+        session.expunge_all()
+    return found

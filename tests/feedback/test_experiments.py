@@ -1,0 +1,280 @@
+"""Experiments in the store (SQLite and PostgreSQL) and a real MLflow registry: sticky assignment,
+opening and ending with the aliases, per-arm numbers, and the evaluate job acting on synthetic
+streams — promote, roll back, keep going, flag a skewed split — with every decision recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from feedback.consumer import store_events
+from feedback.decision import decide
+from feedback.evaluate import Evaluation, evaluate_experiments, rules
+from feedback.events import FeedbackEvent, InferenceEvent, Latency, TokenUsage
+from feedback.experiments import (
+    CHALLENGER,
+    CHAMPION,
+    RunningExperiment,
+    arm_stats,
+    assigned_arm,
+    history,
+    reconcile,
+    record,
+    running_experiment,
+)
+from feedback.jobs import run_finetune
+from feedback.registry import Registry
+from feedback.store import Experiment, ExperimentDecision, utcnow
+from reflow.settings import Settings
+from tests.conftest import MODEL, local_registry, save_model, tiny_model
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Registry:
+    """arith v1 and v2 (tiny random models); each test sets the aliases it starts from."""
+    root = tmp_path_factory.mktemp("experiments")
+    registry = local_registry(root)
+    for seed, alias in ((0, CHAMPION), (1, CHALLENGER)):
+        directory = save_model(tiny_model(seed), root / f"v{seed}")
+        registry.register(MODEL, directory, params={}, metrics={}, alias=alias)
+    return registry
+
+
+@pytest.fixture
+def aliases(registry: Registry) -> Registry:
+    """v1 @champion, v2 @challenger."""
+    registry.set_alias(MODEL, CHAMPION, "1")
+    registry.set_alias(MODEL, CHALLENGER, "2")
+    return registry
+
+
+@pytest.fixture
+def experiment(store: Engine, aliases: Registry) -> RunningExperiment:
+    """v2 tested against v1, half the users on each."""
+    opened = reconcile(store, aliases, MODEL, 0.5)
+    assert opened is not None
+    return opened
+
+
+def evaluate_once(store: Engine, aliases: Registry, tmp_path: Path) -> Evaluation:
+    """The one evaluation a round makes."""
+    [evaluation] = evaluate_experiments(settings(tmp_path), store, aliases)
+    return evaluation
+
+
+def settings(tmp_path: Path, **overrides: object) -> Settings:
+    values = {"ab_min_samples": 100, "ab_traffic": 0.5, "data_dir": tmp_path, **overrides}
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+def traffic(
+    store: Engine,
+    experiment_id: int,
+    rates: dict[str, float],
+    users: int,
+    *,
+    traffic_share: float = 0.5,
+    skew: float | None = None,
+    errors: dict[str, float] | None = None,
+    seed: int = 0,
+) -> None:
+    """Stores what `users` users did: one rated request each, assigned as the gateway would (or
+    with `skew` of them on the challenger, for a broken split), positive with the arm's rate."""
+    rng = random.Random(seed)
+    events: list[InferenceEvent | FeedbackEvent] = []
+    now = utcnow()
+    for i in range(users):
+        user = f"user-{seed}-{i}"
+        if skew is None:
+            arm = assigned_arm(experiment_id, user, traffic_share)
+        else:
+            arm = CHALLENGER if rng.random() < skew else CHAMPION
+        failed = rng.random() < (errors or {}).get(arm, 0.0)
+        request_id = f"req-{experiment_id}-{seed}-{i}"
+        events.append(
+            InferenceEvent(
+                request_id=request_id, tenant="acme", user_id=user, model=MODEL,
+                version="2" if arm == CHALLENGER else "1", arm=arm, experiment=experiment_id,
+                prompt="1+2=", completion="" if failed else "3", finish_reason="ERROR" if failed else "STOP",
+                usage=TokenUsage(prompt_tokens=4, completion_tokens=1, reasoning_tokens=0),
+                latency=Latency(first_token_ms=5, total_ms=10 + i % 10), time=now,
+            )
+        )  # fmt: skip
+        if not failed:
+            rating = 1 if rng.random() < rates[arm] else -1
+            events.append(
+                FeedbackEvent(feedback_id=f"fb-{request_id}", request_id=request_id, tenant="acme",
+                              rating=rating, user_id=user, time=now)
+            )  # fmt: skip
+    with store.begin() as connection:
+        store_events(connection, events)
+
+
+def test_assignment_is_sticky_and_follows_the_traffic_share() -> None:
+    units = [f"user-{i}" for i in range(20_000)]
+    arms = [assigned_arm(7, u, 0.1) for u in units]
+    assert arms == [assigned_arm(7, u, 0.1) for u in units]  # the same user, the same arm
+    assert abs(arms.count(CHALLENGER) / len(arms) - 0.1) < 0.01
+    other = [assigned_arm(8, u, 0.1) for u in units]  # a new experiment draws afresh
+    both = sum(a == b == CHALLENGER for a, b in zip(arms, other, strict=True))
+    assert abs(both / len(units) - 0.01) < 0.005
+
+
+def test_an_experiment_opens_with_a_challenger_and_ends_when_aliases_move_by_hand(
+    store: Engine, aliases: Registry
+) -> None:
+    opened = reconcile(store, aliases, MODEL, 0.2)
+    assert opened is not None and (opened.champion_version, opened.challenger_version) == ("1", "2")
+    assert reconcile(store, aliases, MODEL, 0.2) == opened  # one experiment per challenger
+    with pytest.raises(IntegrityError), Session(store) as session, session.begin():
+        session.add(Experiment(model=MODEL, champion_version="1", challenger_version="2", traffic=0.2,
+                               status="running"))  # fmt: skip
+    aliases.delete_alias(MODEL, CHALLENGER)  # rolled back in the MLflow UI
+    assert reconcile(store, aliases, MODEL, 0.2) is None
+    experiment, _ = history(store, opened.id)
+    assert experiment.status == "ended" and "challenger none" in experiment.reason
+    aliases.set_alias(MODEL, CHALLENGER, "2")  # set again by hand: a new experiment
+    again = reconcile(store, aliases, MODEL, 0.2)
+    assert again is not None and again.id != opened.id
+
+
+def test_arm_numbers_come_from_the_experiments_inferences_and_their_feedback(
+    store: Engine, aliases: Registry, experiment: RunningExperiment
+) -> None:
+    traffic(store, experiment.id, {CHAMPION: 0.0, CHALLENGER: 1.0}, users=400,
+            errors={CHALLENGER: 0.1})  # fmt: skip
+    stats = arm_stats(store, experiment.id)
+    champion, challenger = stats[CHAMPION], stats[CHALLENGER]
+    assert champion.requests + challenger.requests == 400
+    assert champion.units == champion.requests and challenger.units == challenger.requests
+    assert champion.positive == 0 and champion.rated == champion.requests
+    assert (
+        challenger.errors > 0
+        and challenger.rated == challenger.positive == challenger.requests - challenger.errors
+    )
+    assert champion.errors == 0 and champion.p95_latency_ms == 19.0
+
+
+def test_a_clearly_better_challenger_is_promoted(
+    store: Engine, aliases: Registry, experiment: RunningExperiment, tmp_path: Path
+) -> None:
+    traffic(store, experiment.id, {CHAMPION: 0.3, CHALLENGER: 0.7}, users=600)
+    evaluation = evaluate_once(store, aliases, tmp_path)
+    assert evaluation.decision.outcome == "promote"
+    assert aliases.resolve(MODEL, alias=CHAMPION).version == "2"
+    assert not aliases.has_alias(MODEL, CHALLENGER)
+    ended, looks = history(store, experiment.id)
+    assert ended.status == "promoted" and ended.ended_at is not None
+    assert [look.outcome for look in looks] == ["promote"]
+    assert looks[0].challenger.rate > looks[0].champion.rate + 0.25 and looks[0].likelihood_ratio >= 20
+    assert evaluate_experiments(settings(tmp_path), store, aliases) == []  # nothing left to test
+
+
+def test_a_clearly_worse_challenger_is_rolled_back(
+    store: Engine, aliases: Registry, experiment: RunningExperiment, tmp_path: Path
+) -> None:
+    traffic(store, experiment.id, {CHAMPION: 0.7, CHALLENGER: 0.3}, users=600)
+    evaluation = evaluate_once(store, aliases, tmp_path)
+    assert evaluation.decision.outcome == "rollback"
+    assert aliases.resolve(MODEL, alias=CHAMPION).version == "1" and not aliases.has_alias(MODEL, CHALLENGER)
+    assert history(store, experiment.id)[0].status == "rolled_back"
+
+
+def test_an_equal_challenger_keeps_going_until_the_longest_duration(
+    store: Engine, aliases: Registry, experiment: RunningExperiment, tmp_path: Path
+) -> None:
+    traffic(store, experiment.id, {CHAMPION: 0.5, CHALLENGER: 0.5}, users=600)
+    evaluation = evaluate_once(store, aliases, tmp_path)
+    assert evaluation.decision.outcome == "continue"
+    assert aliases.has_alias(MODEL, CHALLENGER) and running_experiment(store, MODEL) is not None
+    with store.begin() as connection:  # two days later
+        connection.execute(
+            update(Experiment)
+            .values(started_at=utcnow() - timedelta(days=2))
+            .where(Experiment.id == experiment.id)
+        )
+    evaluation = evaluate_once(store, aliases, tmp_path)
+    assert evaluation.decision.outcome == "expire" and "undecided after" in evaluation.decision.reason
+    assert not aliases.has_alias(MODEL, CHALLENGER)
+    ended, looks = history(store, experiment.id)
+    assert ended.status == "expired" and [look.outcome for look in looks] == ["continue", "expire"]
+
+
+def test_a_skewed_split_invalidates_the_experiment(
+    store: Engine, aliases: Registry, experiment: RunningExperiment, tmp_path: Path
+) -> None:
+    traffic(store, experiment.id, {CHAMPION: 0.5, CHALLENGER: 0.9}, users=600, skew=0.3)
+    evaluation = evaluate_once(store, aliases, tmp_path)
+    assert evaluation.decision.outcome == "invalid" and evaluation.decision.srm_p < 0.001
+    assert aliases.resolve(MODEL, alias=CHAMPION).version == "1" and not aliases.has_alias(MODEL, CHALLENGER)
+    with Session(store) as session:
+        recorded = session.scalars(select(ExperimentDecision)).one()
+    assert recorded.outcome == "invalid" and recorded.champion["units"] > recorded.challenger["units"]
+
+
+def test_fine_tuning_waits_while_an_experiment_runs(
+    store: Engine, aliases: Registry, experiment: RunningExperiment, tmp_path: Path
+) -> None:
+    outcome = run_finetune(settings(tmp_path), store, aliases, min_samples=0)
+    assert outcome.status == "skipped" and f"experiment {experiment.id}" in outcome.message
+
+
+def cli(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "REFLOW_DATABASE_URL": url, "REFLOW_DATA_DIR": str(tmp_path)}
+    return subprocess.run(
+        [sys.executable, "-m", "reflow", "experiments", *args], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+
+
+def test_the_cli_lists_shows_and_plots_an_experiment(
+    store: Engine, aliases: Registry, experiment: RunningExperiment, tmp_path: Path
+) -> None:
+    url = store.url.render_as_string(hide_password=False)
+    for seed in range(3):  # three looks: two undecided, then the promotion
+        traffic(store, experiment.id, {CHAMPION: 0.3, CHALLENGER: 0.7}, users=70, seed=seed)
+        evaluate_experiments(settings(tmp_path), store, aliases)
+
+    listed = cli(tmp_path, url, "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    [row] = json.loads(listed.stdout)
+    assert (row["id"], row["status"], row["champion_version"], row["challenger_version"]) == (
+        experiment.id, "promoted", "1", "2",
+    )  # fmt: skip
+    assert row["latest"]["outcome"] == "promote" and row["latest"]["challenger"]["rated"] > 100
+    shown = cli(tmp_path, url, "show", str(experiment.id))
+    assert shown.returncode == 0 and "status\tpromoted" in shown.stdout
+    assert shown.stdout.count("continue") == 2 and "promote" in shown.stdout
+    report = tmp_path / "report" / "experiment.png"
+    plotted = cli(tmp_path, url, "report", str(experiment.id), "--out", str(report))
+    assert plotted.returncode == 0, plotted.stderr
+    assert report.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report.stat().st_size > 20_000
+    missing = cli(tmp_path, url, "show", "99")
+    assert missing.returncode == 1 and "no experiment 99" in missing.stderr
+
+
+def test_a_decision_left_half_applied_is_finished_by_the_next_round(
+    store: Engine, aliases: Registry, experiment: RunningExperiment, tmp_path: Path
+) -> None:
+    traffic(store, experiment.id, {CHAMPION: 0.3, CHALLENGER: 0.7}, users=600)
+    stats = arm_stats(store, experiment.id)
+    decision = decide(stats[CHAMPION], stats[CHALLENGER], rules(settings(tmp_path), 0.5))
+    assert record(store, experiment.id, stats, decision)  # then the process died: no alias moved
+    assert not record(store, experiment.id, stats, decision)  # a second evaluator cannot act on it
+    assert aliases.resolve(MODEL, alias=CHAMPION).version == "1"
+    assert history(store, experiment.id)[0].status == "deciding"
+
+    assert evaluate_experiments(settings(tmp_path), store, aliases) == []
+    assert aliases.resolve(MODEL, alias=CHAMPION).version == "2" and not aliases.has_alias(MODEL, CHALLENGER)
+    ended, looks = history(store, experiment.id)
+    assert ended.status == "promoted" and [look.outcome for look in looks] == ["promote"]

@@ -1,0 +1,82 @@
+"""A/B routing through a real gateway and worker: no request is assigned until the challenger is
+served, then each user keeps one arm, responses name it, and the stored events carry it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from feedback.experiments import CHALLENGER, CHAMPION, assigned_arm, reconcile
+from feedback.promotion import push_to_workers
+from feedback.registry import Registry
+from feedback.store import Inference, open_engine
+from reflow.settings import Settings
+from reflow.v1 import inference_pb2
+from tests.conftest import MODEL, Stack, consuming, start_stack, stop_stack
+from tests.feedback.test_consumer import count, wait_for
+from workers.follower import AliasFollower
+
+P = inference_pb2
+
+
+async def ask(stack: Stack, user: str, model: str = "") -> P.GenerateResponse:
+    """The first message of a short completion for `user`."""
+    request = P.GenerateRequest(
+        model=model, prompt="12+30=", user_id=user, sampling=P.SamplingParams(max_tokens=2)
+    )
+    messages = [m async for m in stack.stub.Generate(request, metadata=stack.metadata)]
+    return messages[0]
+
+
+async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_carry_it(
+    swap_settings: Settings,
+) -> None:
+    stack = await start_stack(swap_settings, requests_per_minute=0)
+    store = open_engine(swap_settings.resolved_database_url)
+    registry = Registry(swap_settings.resolved_tracking_uri, swap_settings.resolved_artifact_root)
+    worker = stack.workers[0]
+    try:
+        [refused] = (await asyncio.to_thread(push_to_workers, [worker.address])).values()
+        assert refused.startswith("FAILED_PRECONDITION")  # this worker follows no alias yet
+        registry.set_alias(MODEL, CHALLENGER, "2")
+        experiment = reconcile(store, registry, MODEL, traffic=0.5)
+        assert experiment is not None
+        await asyncio.sleep(3 * swap_settings.worker_poll_s)  # the gateway has seen the experiment
+        waiting = await ask(stack, "early-user")  # the challenger is not loaded: not assigned
+        assert (waiting.arm, waiting.model_version) == (CHAMPION, "1")
+
+        # the worker follows both aliases but never polls: only the push makes it load v2
+        worker.servicer.follower = AliasFollower(worker.servicer, MODEL, [CHAMPION, CHALLENGER], poll_s=0)
+        assert (await asyncio.to_thread(push_to_workers, [worker.address])) == {worker.address: "ok"}
+        assert worker.engine.find(MODEL, "2") is not None
+        await stack.pool.refresh()
+
+        users = [f"user-{i}" for i in range(24)]
+        first = [await ask(stack, u) for u in users]
+        again = [await ask(stack, u) for u in users]
+        expected = [assigned_arm(experiment.id, u, 0.5) for u in users]
+        assert [m.arm for m in first] == [m.arm for m in again] == expected
+        assert {CHAMPION, CHALLENGER} <= set(expected)
+        assert all(m.model_version == ("2" if m.arm == CHALLENGER else "1") for m in first)
+        pinned = await ask(stack, users[0], model=f"{MODEL}@{CHAMPION}")  # asked by name: not in it
+        assert (pinned.arm, pinned.model_version) == (CHAMPION, "1")
+
+        with consuming(swap_settings.kafka_bootstrap, store):
+            await asyncio.to_thread(wait_for, lambda: count(store, Inference) == 2 * len(users) + 2)
+        with Session(store) as session:
+            rows = {r.request_id: r for r in session.scalars(select(Inference))}
+        for message in first + again:
+            row = rows[message.request_id]
+            assert (row.arm, row.version, row.experiment_id) == (
+                message.arm,
+                message.model_version,
+                experiment.id,
+            )
+        assert (
+            rows[waiting.request_id].experiment_id is None and rows[pinned.request_id].experiment_id is None
+        )
+    finally:
+        store.dispose()
+        await stop_stack(stack)

@@ -1,0 +1,108 @@
+"""The whole learning loop, as a newcomer runs it: `reflow up --demo` from the base champion, and
+no human step. Simulated users rate answers over a range the base model mostly gets wrong; the
+scheduler fine-tunes a challenger, the experiment promotes it, every worker serves it, and no
+request fails on the way."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from feedback.bootstrap import evaluate
+from feedback.experiments import experiments
+from feedback.pretrain import PretrainConfig
+from feedback.registry import Registry
+from feedback.store import FinetuneRun, open_engine
+from reflow.client import Client
+from tests.conftest import MODEL, save_model
+from tests.test_up import Up
+from workers.model import Transformer
+
+pytestmark = pytest.mark.slow
+LOOP_TIMEOUT_S = 420  # a turn takes 2-3 minutes on two busy CPU cores
+FAST_LOOP = {  # on top of --demo's schedule: fine-tune as soon as enough feedback is in
+    "REFLOW_FINETUNE_INTERVAL_S": "5",
+    "REFLOW_FINETUNE_MIN_SAMPLES": "300",
+    "REFLOW_AB_MIN_SAMPLES": "50",
+    "REFLOW_AB_EVALUATE_S": "3",
+}
+
+
+def test_the_loop_turns_by_itself_and_the_champion_gets_better(
+    tmp_path: Path, base_model: Transformer
+) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    registry = Registry(f"sqlite:///{data_dir / 'mlflow.db'}", (data_dir / "mlartifacts").as_uri())
+    registry.register(
+        MODEL, save_model(base_model, tmp_path / "base"), params={}, metrics={}, alias="champion"
+    )
+    up = Up(data_dir, "--workers", "1", "--demo", env=FAST_LOOP)
+    try:
+        endpoints = up.endpoints()
+        started = time.monotonic()
+        champion = "1"
+        while champion == "1":
+            assert up.process.poll() is None, up.output()
+            assert time.monotonic() - started < LOOP_TIMEOUT_S, (
+                f"no promotion in {LOOP_TIMEOUT_S}s:\n{up.output()}"
+            )
+            time.sleep(2)
+            champion = registry.resolve(MODEL, alias="champion").version
+        turned_s = time.monotonic() - started
+
+        with Client(endpoints["gateway"], "rf_test_key_0123456789") as client:
+            deadline = time.monotonic() + 15
+            while (served := _champion_served(client)) != (champion, 1) and time.monotonic() < deadline:
+                time.sleep(0.5)
+        assert served == (champion, 1), "the worker does not serve the new champion"
+        with urllib.request.urlopen(endpoints["metrics"]["gateway"], timeout=10) as reply:
+            codes = re.findall(r'reflow_gateway_requests_total\{code="(\w+)",method="Generate"\} (\S+)',
+                               reply.read().decode())  # fmt: skip
+        assert {code for code, n in codes if float(n)} == {"OK"}, codes  # no failed request
+    finally:
+        assert up.stop() == 0, up.output()
+
+    store = open_engine(f"sqlite:///{data_dir / 'reflow.db'}")
+    (experiment, look), *_ = experiments(store)
+    with Session(store) as session:
+        run = session.scalars(select(FinetuneRun).where(FinetuneRun.version == champion)).one()
+    store.dispose()
+    assert (experiment.status, experiment.challenger_version) == ("promoted", champion)
+    assert look is not None and look.outcome == "promote" and look.challenger.rate > look.champion.rate
+
+    # the fine-tune run behind it, in the store and in MLflow
+    version = registry.client.get_model_version(MODEL, champion)
+    assert version.tags["reflow.parent_version"] == "1" and version.tags["reflow.run_id"] == version.run_id
+    assert (run.status, run.mlflow_run_id, run.first_feedback_id) == ("registered", version.run_id, 1)
+    mlflow_run = registry.client.get_run(version.run_id)
+    assert mlflow_run.data.params["dataset_size"] == str(run.samples) and run.samples >= 300
+    assert len(mlflow_run.data.params["dataset_sha256"]) == 64 == len(run.dataset_hash)
+    metrics = mlflow_run.data.metrics
+    assert metrics["candidate_held_out_accuracy"] > metrics["champion_held_out_accuracy"]
+    assert len(registry.client.get_metric_history(version.run_id, "train_loss")) == 200
+    artifacts = {a.path for a in registry.client.list_artifacts(version.run_id, "model")}
+    assert artifacts == {"model/model.safetensors", "model/config.json", "model/tokenizer.json"}
+    promoted = Transformer.load(
+        registry.download(registry.resolve(MODEL, version=champion), tmp_path / "cache")
+    )
+    before, after = evaluate(base_model, PretrainConfig()), evaluate(promoted, PretrainConfig())
+    assert after["accuracy_wide_range"] - before["accuracy_wide_range"] >= 0.20, (before, after)
+    assert before["accuracy_in_range"] - after["accuracy_in_range"] <= 0.02, (before, after)
+    print(f"loop turned in {turned_s:.0f}s: wide-range accuracy {before['accuracy_wide_range']:.1%} -> "
+          f"{after['accuracy_wide_range']:.1%}")  # fmt: skip
+
+
+def _champion_served(client: Client) -> tuple[str, int] | None:
+    """(version, ready workers) of the version the workers serve as champion."""
+    for model in client.list_models().models:
+        for version in model.versions:
+            if "champion" in version.aliases:
+                return version.version, version.ready_workers
+    return None
