@@ -4,8 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 NODE_CLIENT := tests/clients/node
+BPF_OBJ := build/bpf/isolation.bpf.o
+BPF_SRC := workers/bpf/isolation.bpf.c
+BPF_CFLAGS := -O2 -g -Wall -target bpf -I/usr/include/$(shell uname -m)-linux-gnu
+HAVE_BPF_TOOLS = command -v clang >/dev/null && [ -f /usr/include/bpf/bpf_helpers.h ]
 
-.PHONY: install install-test run test lint protos clean
+.PHONY: install install-test run test lint protos bpf clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,9 +30,21 @@ $(NODE_CLIENT)/node_modules/.installed: $(NODE_CLIENT)/package.json $(NODE_CLIEN
 	cd $(NODE_CLIENT) && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-install: $(VENV)/.installed
+# The worker isolation programs (REFLOW_ISOLATION), compiled here and never committed. clang and
+# libbpf's headers come from apt when missing (as root); where they cannot, the build is skipped
+# and isolation says what is missing (`auto` then runs workers without it).
+$(BPF_OBJ): $(BPF_SRC)
+	@$(HAVE_BPF_TOOLS) || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
+	  (export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q clang libbpf-dev >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null && apt-get install -y -q clang libbpf-dev >/dev/null)) || true
+	@if $(HAVE_BPF_TOOLS); then mkdir -p $(@D) && clang $(BPF_CFLAGS) -c $< -o $@; \
+	else echo "skipping $@: clang and libbpf-dev are missing; worker isolation is unavailable"; fi
 
-install-test: $(VENV)/.installed-test $(NODE_CLIENT)/node_modules/.installed
+bpf: $(BPF_OBJ)
+
+install: $(VENV)/.installed bpf
+
+install-test: $(VENV)/.installed-test $(NODE_CLIENT)/node_modules/.installed bpf
 
 run: install
 	$(BIN)/reflow up
@@ -45,4 +61,4 @@ protos: $(VENV)/.installed-test
 	$(BIN)/python -m reflow.protogen
 
 clean:
-	rm -rf $(VENV) $(NODE_CLIENT)/node_modules .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(NODE_CLIENT)/node_modules .pytest_cache .ruff_cache build

@@ -111,4 +111,4 @@ def apply(
     else:
         roll_back(registry, experiment.model, version=experiment.challenger_version)
     end(engine, experiment.id, ENDED_BY[outcome], reason, was=DECIDING)
-    push_to_workers(worker_addresses(settings))
+    push_to_workers(worker_addresses(settings), settings)

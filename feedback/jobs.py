@@ -182,7 +182,7 @@ def _train_and_judge(
     if verdict.register:  # the experiment opens now, and the workers load the challenger now
         try:
             reconcile(engine, registry, name, settings.ab_traffic)
-            push_to_workers(worker_addresses(settings))
+            push_to_workers(worker_addresses(settings), settings)
         except Exception:  # the run stands; the evaluate job opens the experiment, workers poll
             logger.exception("fine-tune run %d: opening the experiment failed; the evaluate job will", run_id)
     return Outcome(status, verdict.reason, run_id, version, metrics)

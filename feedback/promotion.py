@@ -15,8 +15,10 @@ import grpc
 
 from feedback.experiments import CHALLENGER, CHAMPION
 from feedback.registry import Registry
+from reflow.mtls import worker_channel
 from reflow.settings import Settings
 from reflow.v1 import worker_pb2, worker_pb2_grpc
+from workers.isolation import join_gateway_group
 
 logger = logging.getLogger(__name__)
 PUSH_TIMEOUT_S = 120.0  # a worker loads, compiles and warms the new version before it answers
@@ -56,17 +58,21 @@ def worker_addresses(settings: Settings) -> list[str]:
         return []
 
 
-def push_to_workers(addresses: list[str], timeout_s: float = PUSH_TIMEOUT_S) -> dict[str, str]:
+def push_to_workers(
+    addresses: list[str], settings: Settings, timeout_s: float = PUSH_TIMEOUT_S
+) -> dict[str, str]:
     """Asks every worker, in parallel, to follow its aliases now; returns address -> "ok" or the
-    failure. Returns once each has loaded what it needed (or failed, or timed out)."""
+    failure. Returns once each has loaded what it needed (or failed, or timed out). `settings`
+    give the mTLS files, when the workers use them."""
     if not addresses:
         return {}
+    join_gateway_group(settings, create=False)  # isolated workers admit only the gateway's group
     with ThreadPoolExecutor(max_workers=len(addresses)) as pool:
-        return dict(zip(addresses, pool.map(lambda a: _push(a, timeout_s), addresses), strict=True))
+        return dict(zip(addresses, pool.map(lambda a: _push(a, settings, timeout_s), addresses), strict=True))
 
 
-def _push(address: str, timeout_s: float) -> str:
-    with grpc.insecure_channel(address) as channel:
+def _push(address: str, settings: Settings, timeout_s: float) -> str:
+    with worker_channel(address, settings) as channel:
         try:
             worker_pb2_grpc.WorkerStub(channel).SyncAliases(
                 worker_pb2.SyncAliasesRequest(), timeout=timeout_s

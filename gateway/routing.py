@@ -72,14 +72,19 @@ class WorkerHandle:
 class WorkerPool:
     """Polls workers' status and routes each request to a healthy worker holding its version."""
 
-    def __init__(self, addresses: list[str], poll_s: float):
+    def __init__(
+        self, addresses: list[str], poll_s: float, credentials: grpc.ChannelCredentials | None = None
+    ):
         self.poll_s = poll_s
+        self.credentials = credentials  # mTLS toward the workers; None = plaintext
         self.workers = [self._connect(a) for a in addresses]
         self._poller: asyncio.Task[None] | None = None
 
-    @staticmethod
-    def _connect(address: str) -> WorkerHandle:
-        channel = grpc.aio.insecure_channel(address)
+    def _connect(self, address: str) -> WorkerHandle:
+        if self.credentials is None:
+            channel = grpc.aio.insecure_channel(address)
+        else:
+            channel = grpc.aio.secure_channel(address, self.credentials)
         return WorkerHandle(address, channel, worker_pb2_grpc.WorkerStub(channel))
 
     async def start(self) -> None:

@@ -43,6 +43,7 @@ from reflow.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from reflow.mtls import channel_credentials
 from reflow.serving import (
     bind,
     new_server,
@@ -54,6 +55,7 @@ from reflow.serving import (
 from reflow.settings import Settings
 from reflow.streaming import Mailbox
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
+from workers.isolation import join_gateway_group
 
 logger = logging.getLogger(__name__)
 FEEDBACK_CHUNK = 500  # SubmitFeedback items handed over to Kafka together
@@ -492,13 +494,15 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
     """`reflow gateway`: serve until SIGINT/SIGTERM, then drain in-flight streams."""
     if not settings.workers:
         raise ReflowError("no workers configured; set REFLOW_WORKERS=host:port[,host:port]")
+    if join_gateway_group(settings):  # first, so every socket it makes is the gateway's
+        logger.info("gateway in the cgroup isolated workers admit")
     bootstrap = resolve_bootstrap(settings)
     try:
         await asyncio.to_thread(ensure_topics, bootstrap, settings.kafka_partitions)
     except KafkaError as error:  # serve anyway: events wait in the outbox until Kafka answers
         logger.warning("could not reach Kafka at %s (%s); events go to the outbox for now", bootstrap, error)
     publisher = Publisher(bootstrap, settings.outbox_path, settings.kafka_handover_timeout_s)
-    pool = WorkerPool(settings.workers, settings.worker_poll_s)
+    pool = WorkerPool(settings.workers, settings.worker_poll_s, channel_credentials(settings))
     metrics = GatewayMetrics()
     server, port, health_servicer = await create_server(settings, pool, metrics, publisher)
     metrics_server, metrics_url = start_metrics_server(

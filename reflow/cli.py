@@ -32,6 +32,8 @@ models_app = typer.Typer(help="Registered model versions and their aliases.", no
 app.add_typer(models_app, name="models")
 experiments_app = typer.Typer(help="A/B experiments of challengers against champions.", no_args_is_help=True)
 app.add_typer(experiments_app, name="experiments")
+workers_app = typer.Typer(help="The running workers.", no_args_is_help=True)
+app.add_typer(workers_app, name="workers")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -513,7 +515,7 @@ def _follow_aliases(settings: Settings, registry: Any, name: str) -> None:
         engine.dispose()
 
     addresses = worker_addresses(settings)
-    failed = {a: why for a, why in push_to_workers(addresses).items() if why != "ok"}
+    failed = {a: why for a, why in push_to_workers(addresses, settings).items() if why != "ok"}
     for address, why in failed.items():
         err_console.print(f"[yellow]worker {address} did not answer ({why}); it follows within "
                           f"REFLOW_REGISTRY_POLL_S={settings.registry_poll_s:g}s[/]")  # fmt: skip
@@ -642,3 +644,56 @@ def experiments_report(
     experiment, looks = _history(experiment_id)
     plot_experiment(experiment, looks, out)
     print(f"wrote {out}")
+
+
+@workers_app.command("status")
+def workers_status(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON array.")] = False,
+) -> None:
+    """Each worker: loaded versions, queue, memory, its isolation and the connections it refused."""
+    import grpc
+
+    from feedback.promotion import worker_addresses
+    from reflow.mtls import worker_channel
+    from reflow.v1 import worker_pb2, worker_pb2_grpc
+    from workers.isolation import join_gateway_group
+
+    settings = load_settings()
+    addresses = worker_addresses(settings)
+    if not addresses:
+        err_console.print(
+            "[red]error:[/] no workers: set REFLOW_WORKERS or start `reflow up` in this data dir"
+        )
+        raise typer.Exit(1)
+    join_gateway_group(settings, create=False)  # isolated workers admit the gateway's group only
+    rows: list[dict[str, Any]] = []
+    for address in addresses:
+        with worker_channel(address, settings) as channel:
+            try:
+                status = worker_pb2_grpc.WorkerStub(channel).Status(
+                    worker_pb2.WorkerStatusRequest(), timeout=5
+                )
+            except grpc.RpcError as error:
+                rows.append({"address": address, "error": f"{error.code().name}: {error.details()}"})
+                continue
+        rows.append({
+            "address": address, "isolation": status.isolation,
+            "connections_dropped": status.connections_dropped, "connects_denied": status.connects_denied,
+            "running": status.running, "waiting": status.waiting, "memory_bytes": status.memory_bytes,
+            "loaded": [{"model": v.model, "version": v.version, "aliases": list(v.aliases)}
+                       for v in status.loaded],
+        })  # fmt: skip
+    if as_json:
+        print(json.dumps(rows))
+    else:
+        for row in rows:
+            if "error" in row:
+                print(f"{row['address']}\tunreachable: {row['error']}")
+                continue
+            served = ", ".join(f"{v['model']}/{v['version']}" + "".join(f" @{a}" for a in v["aliases"])
+                               for v in row["loaded"])  # fmt: skip
+            print(f"{row['address']}\t{served or '-'}\trunning {row['running']}, waiting {row['waiting']}\t"
+                  f"isolation {row['isolation']}: {row['connections_dropped']} connections dropped, "
+                  f"{row['connects_denied']} connects denied")  # fmt: skip
+    if any("error" in row for row in rows):
+        raise typer.Exit(1)

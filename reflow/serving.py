@@ -43,9 +43,17 @@ async def set_serving(health_servicer: health.HealthServicer, services: Iterable
         await health_servicer.set(name, status)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Binds an insecure port; returns the port actually bound (useful with port 0)."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(
+    server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Binds a port, with TLS when `credentials` are given; returns the port actually bound
+    (useful with port 0)."""
+    address = f"{host}:{port}"
+    bound = (
+        server.add_insecure_port(address)
+        if credentials is None
+        else server.add_secure_port(address, credentials)
+    )
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}: is another process using it?")
     return bound

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -16,6 +17,24 @@ from pydantic_settings import (
 )
 
 MIN_API_KEY_LENGTH = 16
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_destination(entry: str) -> tuple[Network, int]:
+    """`ADDR[/PREFIX][:PORT]`, IPv6 in brackets when a port follows (`[::1]:5000`); port 0 = any."""
+    address, port = entry, "0"
+    if entry.startswith("["):
+        address, _, rest = entry[1:].partition("]")
+        port = rest.removeprefix(":") or "0"
+    elif entry.count(":") == 1:
+        address, port = entry.split(":")
+    try:
+        network, number = ipaddress.ip_network(address, strict=False), int(port)
+    except ValueError:
+        raise ValueError(f"{entry!r} is not ADDR[/PREFIX][:PORT]") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"{entry!r}: port {number} is out of range")
+    return network, number
 
 
 class Settings(BaseSettings):
@@ -134,6 +153,24 @@ class Settings(BaseSettings):
         description="Guardrail: challenger p95 latency above this multiple of the champion's rolls it back.",
     )
 
+    isolation: Literal["auto", "ebpf", "none"] = Field(
+        "auto", description="Worker isolation: ebpf, none, or auto (eBPF where the host allows it)."
+    )
+    isolation_allow_from: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Addresses (CIDR) of gateways on other hosts an isolated worker admits.",
+    )
+    isolation_egress: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Destinations ADDR[/PREFIX][:PORT] an isolated worker may connect to.",
+    )
+    bpf_object: str = Field("", description="Compiled isolation programs; empty = build/bpf/isolation.bpf.o.")
+    tls_ca_file: str = Field(
+        "", description="CA (PEM) that signs gateway and worker certificates; set = mTLS."
+    )
+    tls_cert_file: str = Field("", description="This process's certificate (PEM) for gateway-worker mTLS.")
+    tls_key_file: str = Field("", description="This process's private key (PEM) for gateway-worker mTLS.")
+
     auth_cache_ttl_s: float = Field(10.0, ge=0, description="How long an API-key lookup is cached.")
     max_prompt_chars: int = Field(4096, ge=1, description="Longest prompt the gateway accepts.")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request leaves it 0.")
@@ -150,13 +187,44 @@ class Settings(BaseSettings):
             raise ValueError(f"REFLOW_API_KEY needs at least {MIN_API_KEY_LENGTH} characters")
         return value
 
-    @field_validator("workers", "worker_aliases", mode="before")
+    @field_validator("workers", "worker_aliases", "isolation_allow_from", "isolation_egress", mode="before")
     @classmethod
     def _split_addresses(cls, value: object) -> object:
         """Accepts `a,b,c` from the environment (host:port lists, alias lists) as well as a list."""
         if isinstance(value, str):
             return [a.strip() for a in value.split(",") if a.strip()]
         return value
+
+    @field_validator("isolation_allow_from")
+    @classmethod
+    def _check_sources(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            ipaddress.ip_network(entry, strict=False)  # ValueError names the bad entry
+        return value
+
+    @field_validator("isolation_egress")
+    @classmethod
+    def _check_destinations(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            parse_destination(entry)
+        return value
+
+    @field_validator("tls_ca_file", "tls_cert_file", "tls_key_file")
+    @classmethod
+    def _check_tls_file(cls, value: str) -> str:
+        if value and not Path(value).is_file():
+            raise ValueError(f"{value} is not a file")
+        return value
+
+    @property
+    def tls(self) -> bool:
+        """Whether the gateway-worker channel uses mTLS (all three files set)."""
+        files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
+        if any(files) and not all(files):
+            raise ValueError(
+                "mTLS needs REFLOW_TLS_CA_FILE, REFLOW_TLS_CERT_FILE and REFLOW_TLS_KEY_FILE together"
+            )
+        return all(files)
 
     @classmethod
     def settings_customise_sources(

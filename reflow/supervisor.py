@@ -215,6 +215,7 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
     from feedback.registry import Registry
     from feedback.store import migrate, open_engine
     from gateway.tenants import ensure_tenant
+    from workers.isolation import remove_instance
 
     signal.signal(signal.SIGINT, _raise_stopped)
     signal.signal(signal.SIGTERM, _raise_stopped)
@@ -319,5 +320,6 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         supervisor.stop()
+        remove_instance(settings)
         endpoints_path.unlink(missing_ok=True)
         console.print("stopped")

@@ -242,13 +242,16 @@ class Stack:
 
 
 async def start_worker(
-    settings: Settings, alias: str = "champion", config: EngineConfig | None = None
+    settings: Settings,
+    alias: str = "champion",
+    config: EngineConfig | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> WorkerUnderTest:
-    """A worker with `arith@alias` loaded, serving on a free port."""
+    """A worker with `arith@alias` loaded, serving on a free port (over mTLS with `credentials`)."""
     registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
     servicer = WorkerServicer(Engine(config, WorkerMetrics()), registry, settings, torch.device("cpu"))
     await servicer.load(MODEL, alias=alias)
-    server, port, _ = await create_worker(servicer, "127.0.0.1", 0)
+    server, port, _ = await create_worker(servicer, "127.0.0.1", 0, credentials)
     return WorkerUnderTest(server, servicer, f"127.0.0.1:{port}")
 
 

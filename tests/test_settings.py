@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from ipaddress import ip_network
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from reflow.settings import Settings
+from reflow.settings import Settings, parse_destination
 
 
 def test_environment_and_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,3 +50,26 @@ def test_the_api_key_never_shows_in_reprs_or_dumps() -> None:
     settings = Settings(api_key="rf_secret_secret_secret")
     assert "rf_secret" not in repr(settings) and "rf_secret" not in settings.model_dump_json()
     assert settings.api_key is not None and settings.api_key.get_secret_value() == "rf_secret_secret_secret"
+
+
+def test_isolation_policies_and_tls_files_are_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REFLOW_ISOLATION_EGRESS", "10.0.0.0/8:5000, [fd00::1]:443, 192.168.1.7, ::1")
+    monkeypatch.setenv("REFLOW_ISOLATION_ALLOW_FROM", "10.1.2.3/32")
+    settings = Settings()
+    assert [parse_destination(e) for e in settings.isolation_egress] == [
+        (ip_network("10.0.0.0/8"), 5000), (ip_network("fd00::1/128"), 443),
+        (ip_network("192.168.1.7/32"), 0), (ip_network("::1/128"), 0),
+    ]  # fmt: skip
+    for bad in ("10.0.0.0/33", "example.com:80", "10.0.0.1:99999"):
+        with pytest.raises(ValidationError, match="isolation_egress"):
+            Settings(isolation_egress=[bad])
+    with pytest.raises(ValidationError, match="isolation_allow_from"):
+        Settings(isolation_allow_from=["not-an-address"])
+    with pytest.raises(ValidationError, match="is not a file"):
+        Settings(tls_ca_file=str(tmp_path / "missing.pem"))
+    (tmp_path / "ca.pem").write_text("x")
+    with pytest.raises(ValueError, match="together"):
+        _ = Settings(tls_ca_file=str(tmp_path / "ca.pem")).tls
+    assert Settings().tls is False

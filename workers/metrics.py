@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from workers.engine import Output
@@ -60,6 +63,10 @@ class WorkerMetrics:
         self.kv_slots_in_use = Gauge("reflow_worker_kv_slots_in_use", "KV cache slots in use.", registry=r)
         self.kv_slots = Gauge("reflow_worker_kv_slots", "KV cache slots allocated.", registry=r)
 
+    def watch_isolation(self, stats: Callable[[], dict[str, int]]) -> None:
+        """Exports the isolation programs' counters, read at each scrape."""
+        self.registry.register(_IsolationCollector(stats))
+
     def observe_occupancy(self, running: int, waiting: int) -> None:
         """After each step: sequences holding KV slots and sequences queued."""
         self.running.set(running)
@@ -83,3 +90,21 @@ class WorkerMetrics:
             request.last_token_at = now
             if output.finish_reason is not None:
                 self.finished.labels(output.finish_reason.name).inc()
+
+
+class _IsolationCollector(Collector):
+    """reflow_worker_isolation_connections_total{direction, verdict} from the eBPF counters."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]):
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "reflow_worker_isolation_connections",
+            "Connections seen by worker isolation: inbound admitted/dropped, outbound allowed/denied.",
+            labels=["direction", "verdict"],
+        )
+        for name, value in self.stats().items():
+            direction, verdict = name.split("_")
+            family.add_metric(["inbound" if direction == "ingress" else "outbound", verdict], value)
+        yield family

@@ -14,6 +14,7 @@ import torch
 
 from feedback.registry import Registry
 from reflow.errors import FailedPrecondition, InvalidArgument, NotFound
+from reflow.mtls import server_credentials
 from reflow.serving import (
     bind,
     new_server,
@@ -26,6 +27,7 @@ from reflow.settings import Settings
 from reflow.v1 import worker_pb2, worker_pb2_grpc
 from workers.engine import Engine, EngineConfig
 from workers.follower import AliasFollower
+from workers.isolation import Isolation, NoIsolation, isolation_for
 from workers.loading import LoadedModel, load_version, resolve_device
 from workers.metrics import WorkerMetrics
 from workers.sampling import SamplingParams
@@ -95,6 +97,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.settings = settings
         self.device = device
         self.follower: AliasFollower | None = None  # None when pinned to one version
+        self.isolation: Isolation = NoIsolation()
 
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
@@ -125,6 +128,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def status(self) -> worker_pb2.WorkerStatusResponse:
         """Loaded versions, queue depth and memory."""
         device_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        stats = self.isolation.stats()
         return worker_pb2.WorkerStatusResponse(
             loaded=[loaded_to_pb(m) for m in self.engine.loaded()],
             running=self.engine.running,
@@ -133,6 +137,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             device_memory_bytes=device_bytes,
             kv_slots=self.engine.kv_slots,
             max_waiting=self.engine.config.max_waiting,
+            isolation=self.isolation.name,
+            connections_dropped=stats.get("ingress_dropped", 0),
+            connects_denied=stats.get("egress_denied", 0),
         )
 
     async def Load(
@@ -169,12 +176,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 async def create_server(
-    servicer: WorkerServicer, host: str, port: int
+    servicer: WorkerServicer, host: str, port: int, credentials: grpc.ServerCredentials | None = None
 ) -> tuple[grpc.aio.Server, int, object]:
-    """A started Worker server on host:port (0 = free); returns (server, port, health servicer)."""
+    """A started Worker server on host:port (0 = free), over mTLS when `credentials` are given;
+    returns (server, port, health servicer)."""
     server, health_servicer = new_server([SERVICE])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    bound = bind(server, host, port)
+    bound = bind(server, host, port, credentials)
     await server.start()
     await set_serving(health_servicer, [SERVICE], True)
     return server, bound, health_servicer
@@ -193,7 +201,19 @@ def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
 
 
 async def serve(settings: Settings, *, version: str = "", ready_file: Path | None = None) -> None:
-    """`reflow worker`: load the configured version, serve until SIGINT/SIGTERM, then drain."""
+    """`reflow worker`: isolate, load the configured version, serve until SIGINT/SIGTERM, drain."""
+    isolation = isolation_for(settings)
+    isolation.prepare()
+    isolation.start_inside()  # before the first socket: sockets keep the cgroup they were made in
+    try:
+        await _serve_isolated(settings, isolation, version, ready_file)
+    finally:
+        isolation.teardown()
+
+
+async def _serve_isolated(
+    settings: Settings, isolation: Isolation, version: str, ready_file: Path | None
+) -> None:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     device = resolve_device(settings.device)
@@ -201,6 +221,8 @@ async def serve(settings: Settings, *, version: str = "", ready_file: Path | Non
     metrics = WorkerMetrics()
     engine = Engine(engine_config(settings, device), metrics)
     servicer = WorkerServicer(engine, registry, settings, device)
+    servicer.isolation = isolation
+    metrics.watch_isolation(isolation.stats)
     follower = None
     if version:  # pinned: serve exactly this version
         await servicer.load(settings.model_name, version=version)
@@ -210,18 +232,18 @@ async def serve(settings: Settings, *, version: str = "", ready_file: Path | Non
             servicer, settings.model_name, settings.worker_aliases, settings.registry_poll_s
         )
         await follower.sync()
-    server, port, health_servicer = await create_server(servicer, settings.worker_host, settings.worker_port)
+    server, port, health_servicer = await create_server(
+        servicer, settings.worker_host, settings.worker_port, server_credentials(settings)
+    )
+    isolation.guard(port)
     metrics_server, metrics_url = start_metrics_server(
         metrics.registry, settings.worker_host, settings.worker_metrics_port
     )
     address = f"{settings.worker_host}:{port}"
     logger.info(
-        "worker serving on %s device=%s compile=%s metrics %s",
-        address,
-        device,
-        engine.config.compile,
-        metrics_url,
-    )
+        "worker serving on %s device=%s compile=%s isolation=%s tls=%s metrics %s",
+        address, device, engine.config.compile, isolation.name, settings.tls, metrics_url,
+    )  # fmt: skip
     write_ready_file(ready_file, address=address, metrics=metrics_url)
     following = asyncio.create_task(follower.run()) if follower and settings.registry_poll_s else None
     await wait_for_signal()

@@ -64,7 +64,7 @@ class LoadedVersion(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
-    __slots__ = ("loaded", "running", "waiting", "memory_bytes", "device_memory_bytes", "kv_slots", "max_waiting")
+    __slots__ = ("loaded", "running", "waiting", "memory_bytes", "device_memory_bytes", "kv_slots", "max_waiting", "isolation", "connections_dropped", "connects_denied")
     LOADED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,9 @@ class WorkerStatusResponse(_message.Message):
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
+    ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CONNECTS_DENIED_FIELD_NUMBER: _ClassVar[int]
     loaded: _containers.RepeatedCompositeFieldContainer[LoadedVersion]
     running: int
     waiting: int
@@ -79,7 +82,10 @@ class WorkerStatusResponse(_message.Message):
     device_memory_bytes: int
     kv_slots: int
     max_waiting: int
-    def __init__(self, loaded: _Optional[_Iterable[_Union[LoadedVersion, _Mapping]]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_waiting: _Optional[int] = ...) -> None: ...
+    isolation: str
+    connections_dropped: int
+    connects_denied: int
+    def __init__(self, loaded: _Optional[_Iterable[_Union[LoadedVersion, _Mapping]]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_waiting: _Optional[int] = ..., isolation: _Optional[str] = ..., connections_dropped: _Optional[int] = ..., connects_denied: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("model", "version", "alias")

@@ -38,7 +38,7 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
     registry = Registry(swap_settings.resolved_tracking_uri, swap_settings.resolved_artifact_root)
     worker = stack.workers[0]
     try:
-        [refused] = (await asyncio.to_thread(push_to_workers, [worker.address])).values()
+        [refused] = (await asyncio.to_thread(push_to_workers, [worker.address], swap_settings)).values()
         assert refused.startswith("FAILED_PRECONDITION")  # this worker follows no alias yet
         registry.set_alias(MODEL, CHALLENGER, "2")
         experiment = reconcile(store, registry, MODEL, traffic=0.5)
@@ -49,7 +49,9 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
 
         # the worker follows both aliases but never polls: only the push makes it load v2
         worker.servicer.follower = AliasFollower(worker.servicer, MODEL, [CHAMPION, CHALLENGER], poll_s=0)
-        assert (await asyncio.to_thread(push_to_workers, [worker.address])) == {worker.address: "ok"}
+        assert (await asyncio.to_thread(push_to_workers, [worker.address], swap_settings)) == {
+            worker.address: "ok"
+        }
         assert worker.engine.find(MODEL, "2") is not None
         await stack.pool.refresh()
 

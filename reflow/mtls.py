@@ -1,0 +1,49 @@
+"""Mutual TLS between the gateway and its workers: credentials from REFLOW_TLS_* files.
+
+Across hosts the gateway's cgroup cannot vouch for it, so isolation's address allow-list is the
+first layer and mTLS the second: a worker accepts only clients whose certificate the CA signed,
+and the gateway (or a control command) checks the worker's certificate the same way. With the
+files unset the channel is plaintext, for one machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+from reflow.settings import Settings
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """A worker's credentials: its certificate, and client certificates required."""
+    if not settings.tls:
+        return None
+    return grpc.ssl_server_credentials(
+        [(_read(settings.tls_key_file), _read(settings.tls_cert_file))],
+        root_certificates=_read(settings.tls_ca_file),
+        require_client_auth=True,
+    )
+
+
+def channel_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
+    """A client's credentials toward workers: the CA to trust and its own certificate."""
+    if not settings.tls:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(settings.tls_ca_file),
+        private_key=_read(settings.tls_key_file),
+        certificate_chain=_read(settings.tls_cert_file),
+    )
+
+
+def worker_channel(address: str, settings: Settings) -> grpc.Channel:
+    """A blocking channel to a worker, over mTLS when configured."""
+    credentials = channel_credentials(settings)
+    if credentials is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, credentials)

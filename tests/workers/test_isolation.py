@@ -1,0 +1,294 @@
+"""eBPF isolation of real `reflow worker` processes: only the gateway gets in, a worker reaches only
+its allow-list, workers cannot reach each other, a killed worker leaves no program behind, and
+across hosts (network namespaces) the address allow-list admits the gateway's address only.
+
+Needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN), cgroup v2 and the compiled programs
+(`make bpf`); skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from feedback.store import migrate, open_engine
+from gateway.tenants import create_tenant
+from reflow.client import Client
+from reflow.settings import Settings
+from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from tests.conftest import MODEL, Broker, local_registry, save_model, tiny_model
+from workers.ebpf import attached_programs
+from workers.isolation import DEFAULT_OBJECT, IsolationUnavailable, check_host, current_group, remove_instance
+
+pytestmark = pytest.mark.slow
+READY_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolation_host() -> None:
+    try:
+        check_host(DEFAULT_OBJECT)
+    except IsolationUnavailable as error:
+        pytest.skip(f"worker isolation cannot run here: {error}")
+
+
+@dataclass
+class Process:
+    """A `reflow` child process and what it wrote to its ready file."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    ready: dict[str, str]
+
+    @property
+    def address(self) -> str:
+        return self.ready["address"]
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(60)
+
+
+def start(
+    root: Path, name: str, args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ()
+) -> Process:
+    """`reflow ARGS` with `env`, once it wrote its ready file."""
+    ready_file, log = root / f"{name}.json", root / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "reflow", *args, "--ready-file", str(ready_file)],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
+        )  # fmt: skip
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not ready_file.is_file():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"{name} did not start:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.1)
+    return Process(process, log, json.loads(ready_file.read_text()))
+
+
+def worker_env(root: Path, **extra: str) -> dict[str, str]:
+    """A data dir whose registry serves a tiny arith v1 @champion."""
+    if not (root / "mlflow.db").exists():
+        registry = local_registry(root)
+        registry.register(
+            MODEL, save_model(tiny_model(), root / "v1"), params={}, metrics={}, alias="champion"
+        )
+    return {
+        "REFLOW_DATA_DIR": str(root), "REFLOW_MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
+        "REFLOW_MLFLOW_ARTIFACT_ROOT": (root / "mlflow-artifacts").as_uri(), "REFLOW_DEVICE": "cpu",
+        "REFLOW_ISOLATION": "ebpf", "REFLOW_REGISTRY_POLL_S": "0", **extra,
+    }  # fmt: skip
+
+
+def run_inside(group: Path, code: str) -> str:
+    """Runs Python `code` in a new process placed in cgroup `group` before it makes any socket."""
+
+    def enter() -> None:
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=enter,
+                            timeout=30)  # fmt: skip
+    return (result.stdout + result.stderr).strip()
+
+
+def connect_code(host: str, port: int, source: str = "") -> str:
+    """Python that prints `connected` or the error of one TCP connect."""
+    bind = f", source_address=({source!r}, 0)" if source else ""
+    return (
+        "import socket\ntry:\n"
+        f"    socket.create_connection(({host!r}, {port}), timeout=2{bind}).close(); print('connected')\n"
+        "except OSError as error:\n    print(type(error).__name__, error.errno)"
+    )
+
+
+def counters(worker: Process) -> dict[tuple[str, str], float]:
+    """The worker's isolation counters from its (unguarded) metrics endpoint."""
+    with urllib.request.urlopen(worker.ready["metrics"], timeout=10) as reply:
+        text = reply.read().decode()
+    pattern = r'reflow_worker_isolation_connections_total\{direction="(\w+)",verdict="(\w+)"\} (\S+)'
+    return {(d, v): float(n) for d, v, n in re.findall(pattern, text)}
+
+
+@dataclass
+class Cluster:
+    root: Path
+    workers: list[Process]
+    gateway: Process
+    api_key: str
+    allowed: socket.socket  # a listener the first worker may connect to
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Two isolated workers (the first may connect to one local listener) and a gateway."""
+    root = tmp_path_factory.mktemp("isolated")
+    broker = Broker()
+    broker.start()
+    store = open_engine(f"sqlite:///{root / 'reflow.db'}")
+    migrate(store)
+    _, api_key = create_tenant(store, "acme")
+    store.dispose()
+    allowed = socket.create_server(("127.0.0.1", 0))
+    allowed.listen()
+    port = allowed.getsockname()[1]
+    started: list[Process] = []
+    try:
+        for i, egress in enumerate((f"127.0.0.1:{port}", "")):
+            env = worker_env(root, REFLOW_ISOLATION_EGRESS=egress)
+            started.append(start(root, f"worker-{i}", ["worker"], env))
+        gateway_env = {**worker_env(root), "REFLOW_KAFKA_BOOTSTRAP": broker.bootstrap,
+                       "REFLOW_WORKERS": ",".join(w.address for w in started)}  # fmt: skip
+        gateway = start(root, "gateway", ["gateway", "--port", "0"], gateway_env)
+        started.append(gateway)
+        yield Cluster(root, started[:2], gateway, api_key, allowed)
+    finally:
+        for process in reversed(started):
+            process.stop()
+        allowed.close()
+        broker.stop()
+        remove_instance(Settings(data_dir=root))
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_the_gateway_reaches_an_isolated_worker_and_nothing_else_does(cluster: Cluster) -> None:
+    with Client(cluster.gateway.address, cluster.api_key) as client:
+        messages = list(client.generate("12+30=", sampling=inference_pb2.SamplingParams(max_tokens=4)))
+    assert messages[-1].usage.completion_tokens == 4  # through the gateway's cgroup: admitted
+    worker = cluster.workers[0]
+    before = counters(worker)[("inbound", "dropped")]
+    # this test runs outside the gateway's cgroup
+    with grpc.insecure_channel(worker.address) as channel, pytest.raises(grpc.RpcError) as refused:
+        worker_pb2_grpc.WorkerStub(channel).Status(worker_pb2.WorkerStatusRequest(), timeout=3)
+    assert refused.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+    with pytest.raises(TimeoutError):  # the SYN is dropped: no answer at all
+        socket.create_connection(("127.0.0.1", worker.port), timeout=2)
+    wait_for(lambda: counters(worker)[("inbound", "dropped")] > before)
+
+    status = subprocess.run(
+        [sys.executable, "-m", "reflow", "workers", "status", "--json"], capture_output=True, text=True,
+        env={**os.environ, **worker_env(cluster.root), "REFLOW_WORKERS": worker.address}, timeout=60,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    [row] = json.loads(status.stdout)
+    assert row["isolation"] == "ebpf" and row["connections_dropped"] >= 1
+    assert [v["version"] for v in row["loaded"]] == ["1"]
+
+
+def test_a_worker_connects_only_to_its_allow_list(cluster: Cluster) -> None:
+    worker = cluster.workers[0]
+    group = current_group(worker.process.pid)
+    assert group.name == f"worker-{worker.process.pid}"
+    allowed_port = cluster.allowed.getsockname()[1]
+    assert run_inside(group, connect_code("127.0.0.1", allowed_port)) == "connected"
+    assert (
+        run_inside(group, connect_code("127.0.0.1", 5432)) == "PermissionError 1"
+    )  # the database: not listed
+    wait_for(lambda: counters(worker)[("outbound", "denied")] >= 1)
+    assert counters(worker)[("outbound", "allowed")] >= 1
+
+
+def test_two_isolated_workers_cannot_reach_each_other(cluster: Cluster) -> None:
+    first, second = cluster.workers
+    assert (
+        run_inside(current_group(first.process.pid), connect_code("127.0.0.1", second.port))
+        == "PermissionError 1"
+    )
+    assert (
+        run_inside(current_group(second.process.pid), connect_code("127.0.0.1", first.port))
+        == "PermissionError 1"
+    )
+
+
+def test_a_killed_worker_leaves_no_program_and_its_group_is_reconciled(tmp_path: Path) -> None:
+    env = worker_env(tmp_path)
+    killed = start(tmp_path, "killed", ["worker"], env)
+    group = current_group(killed.process.pid)
+    assert attached_programs(group) == 3  # ingress, connect4, connect6
+    killed.stop(signal.SIGKILL)
+    wait_for(lambda: attached_programs(group) == 0)  # the links died with the process
+    assert group.is_dir()  # an empty leftover, until the next worker starts
+    restarted = start(tmp_path, "restarted", ["worker"], env)
+    own = current_group(restarted.process.pid)
+    try:
+        assert not group.exists()
+        assert attached_programs(own) == 3
+    finally:
+        restarted.stop()
+    assert not own.exists()  # a clean stop removes its own group
+    remove_instance(Settings(data_dir=tmp_path))
+    assert not own.parent.exists()
+
+
+@contextlib.contextmanager
+def two_hosts() -> Iterator[tuple[str, str]]:
+    """Network namespaces `host` (10.213.0.1) and `peer` (10.213.0.2 and .3) joined by veth."""
+    suffix = uuid.uuid4().hex[:6]
+    host, peer = f"rf-host-{suffix}", f"rf-peer-{suffix}"
+    commands = [
+        ["ip", "netns", "add", host], ["ip", "netns", "add", peer],
+        ["ip", "link", "add", f"rfh{suffix}", "netns", host, "type", "veth", "peer", "name", f"rfp{suffix}",
+         "netns", peer],
+        ["ip", "-n", host, "addr", "add", "10.213.0.1/24", "dev", f"rfh{suffix}"],
+        ["ip", "-n", peer, "addr", "add", "10.213.0.2/24", "dev", f"rfp{suffix}"],
+        ["ip", "-n", peer, "addr", "add", "10.213.0.3/24", "dev", f"rfp{suffix}"],
+        ["ip", "-n", host, "link", "set", f"rfh{suffix}", "up"],
+        ["ip", "-n", peer, "link", "set", f"rfp{suffix}", "up"],
+        ["ip", "-n", host, "link", "set", "lo", "up"], ["ip", "-n", peer, "link", "set", "lo", "up"],
+    ]  # fmt: skip
+    try:
+        for command in commands:
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                pytest.skip(f"cannot build network namespaces ({' '.join(command)}): {result.stderr.strip()}")
+        yield host, peer
+    finally:
+        for namespace in (host, peer):
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+
+
+def test_across_hosts_the_address_allow_list_admits_the_gateway_only(tmp_path: Path) -> None:
+    with two_hosts() as (host, peer):
+        env = worker_env(
+            tmp_path, REFLOW_WORKER_HOST="10.213.0.1", REFLOW_ISOLATION_ALLOW_FROM="10.213.0.2/32"
+        )
+        worker = start(tmp_path, "worker", ["worker"], env, prefix=("ip", "netns", "exec", host))
+        try:
+
+            def from_peer(source: str) -> str:
+                code = connect_code("10.213.0.1", worker.port, source)
+                result = subprocess.run(["ip", "netns", "exec", peer, sys.executable, "-c", code],
+                                        capture_output=True, text=True, timeout=30)  # fmt: skip
+                return result.stdout.strip()
+
+            assert from_peer("10.213.0.2") == "connected"  # the gateway's address
+            assert from_peer("10.213.0.3").startswith("TimeoutError")  # another address of that host
+        finally:
+            worker.stop()
+            remove_instance(Settings(data_dir=tmp_path))

@@ -1,0 +1,43 @@
+"""Choosing the isolation hook: `none` and `auto` never stop a worker, `ebpf` on a host that cannot
+do it stops it with an error naming what is missing and the setting that opts out."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reflow.settings import Settings
+from workers.isolation import IsolationUnavailable, NoIsolation, isolation_for
+
+
+def test_none_and_auto_fall_back_but_ebpf_refuses_with_the_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = str(tmp_path / "isolation.bpf.o")  # e.g. `make bpf` never ran
+    assert isinstance(isolation_for(Settings(isolation="none", bpf_object=missing)), NoIsolation)
+    with caplog.at_level(logging.WARNING, logger="workers.isolation"):
+        assert isinstance(isolation_for(Settings(isolation="auto", bpf_object=missing)), NoIsolation)
+    assert "isolation off" in caplog.text
+    with pytest.raises(IsolationUnavailable) as refused:
+        isolation_for(Settings(isolation="ebpf", bpf_object=missing))
+    message = str(refused.value)
+    if os.geteuid() == 0:  # as root the object is what is missing; otherwise the capabilities
+        assert "make bpf" in message and missing in message
+    else:
+        assert "CAP_BPF" in message
+    assert "REFLOW_ISOLATION=none" in message
+
+
+def test_a_worker_that_cannot_be_isolated_does_not_start(tmp_path: Path) -> None:
+    env = {**os.environ, "REFLOW_DATA_DIR": str(tmp_path), "REFLOW_ISOLATION": "ebpf",
+           "REFLOW_BPF_OBJECT": str(tmp_path / "isolation.bpf.o")}  # fmt: skip
+    command = [sys.executable, "-m", "reflow", "worker"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "error:" in result.stderr and "REFLOW_ISOLATION=none" in result.stderr
+    assert "Traceback" not in result.stderr
