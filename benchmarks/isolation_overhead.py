@@ -1,8 +1,8 @@
 """What worker isolation costs: requests/s and latency of gateway -> worker streams with the eBPF
 programs attached and without, measured alternately in one run.
 
-    sudo .venv/bin/python benchmarks/isolation_overhead.py [--preset arith-small] [--rounds 6]
-        [--seconds 10] [--concurrency 8] [--connections-per-request]
+    sudo .venv/bin/python benchmarks/isolation_overhead.py [--preset arith-small] [--rounds 12]
+        [--seconds 8] [--concurrency 8] [--connections-per-request]
 
 Starts two worker processes serving the same random `preset` model: one with REFLOW_ISOLATION=ebpf,
 one with none. This process joins the gateway's cgroup, as the gateway does, and streams
@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -39,6 +41,8 @@ from workers.isolation import (
     remove_instance,
 )
 
+LOCAL_POOL = ("grpc.use_local_subchannel_pool", 1)
+
 
 async def round_of(
     address: str, seconds: float, concurrency: int, per_request: bool
@@ -55,7 +59,8 @@ async def round_of(
                 sampling=inference_pb2.SamplingParams(max_tokens=16),
             )  # fmt: skip
             started = time.perf_counter()
-            channel = grpc.aio.insecure_channel(address) if per_request else shared
+            # a local subchannel pool: a channel of its own is a TCP connection of its own
+            channel = grpc.aio.insecure_channel(address, options=[LOCAL_POOL]) if per_request else shared
             async for _ in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=60):
                 pass
             if per_request:
@@ -70,6 +75,16 @@ async def round_of(
     return len(latencies) / elapsed, latencies
 
 
+def admitted_connections(metrics_url: str) -> float:
+    """New connections the isolated worker's ingress program admitted, from its metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    found = re.search(
+        r'reflow_worker_isolation_connections_total\{direction="inbound",verdict="admitted"\} (\S+)', text
+    )
+    return float(found.group(1)) if found else 0.0
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -80,8 +95,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", default="arith-small")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--connections-per-request", action="store_true")
     args = parser.parse_args()
@@ -95,13 +110,15 @@ def main() -> None:
         supervisor = Supervisor(settings)
         env = {"REFLOW_DATA_DIR": tmp, "REFLOW_DEVICE": "cpu", "REFLOW_REGISTRY_POLL_S": "0"}
         results: dict[str, list[tuple[float, float, float]]] = {"ebpf": [], "none": []}
+        requests = {"ebpf": 0, "none": 0}
         origin = current_group()
         try:
-            workers = {
+            ready = {
                 mode: supervisor.wait_ready(supervisor.spawn(f"worker-{mode}", ["worker"],
-                                                             {**env, "REFLOW_ISOLATION": mode}))["address"]
+                                                             {**env, "REFLOW_ISOLATION": mode}))
                 for mode in ("ebpf", "none")
             }  # fmt: skip
+            workers = {mode: r["address"] for mode, r in ready.items()}
             assert join_gateway_group(settings, create=False), "the gateway's cgroup is missing"
             asyncio.run(round_of(workers["none"], 2.0, args.concurrency, False))  # warm-up, both
             asyncio.run(round_of(workers["ebpf"], 2.0, args.concurrency, False))
@@ -112,9 +129,11 @@ def main() -> None:
                         round_of(workers[mode], args.seconds, args.concurrency, args.connections_per_request)
                     )
                     results[mode].append((rate, pct(latencies, 0.5), pct(latencies, 0.99)))
+                    requests[mode] += len(latencies)
                     print(f"round {round_number + 1} isolation={mode}: {rate:.1f} requests/s, p50 "
                           f"{1000 * pct(latencies, 0.5):.1f} ms, p99 {1000 * pct(latencies, 0.99):.1f} ms",
                           flush=True)  # fmt: skip
+            admitted = admitted_connections(ready["ebpf"]["metrics"])
         finally:
             supervisor.stop()
             join(origin)  # out of the gateway's group, so it can be removed
@@ -127,6 +146,8 @@ def main() -> None:
     print(f"  requests/s  isolated {on[0]:.1f}  not {off[0]:.1f}  ratio {on[0] / off[0]:.3f}")
     print(f"  p50 ms      isolated {1000 * on[1]:.1f}  not {1000 * off[1]:.1f}  ratio {on[1] / off[1]:.3f}")
     print(f"  p99 ms      isolated {1000 * on[2]:.1f}  not {1000 * off[2]:.1f}  ratio {on[2] / off[2]:.3f}")
+    print(f"  new connections the isolated worker checked and admitted: {admitted:.0f} "
+          f"(for {requests['ebpf']} requests)")  # fmt: skip
 
 
 if __name__ == "__main__":

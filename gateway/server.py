@@ -46,6 +46,7 @@ from reflow.errors import (
 from reflow.mtls import channel_credentials
 from reflow.serving import (
     bind,
+    host_port,
     new_server,
     set_serving,
     start_metrics_server,
@@ -508,7 +509,7 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
     metrics_server, metrics_url = start_metrics_server(
         metrics.registry, settings.gateway_host, settings.gateway_metrics_port
     )
-    address = f"{settings.gateway_host}:{port}"
+    address = host_port(settings.gateway_host, port)
     logger.info("gateway serving on %s, workers %s, metrics %s", address, settings.workers, metrics_url)
     write_ready_file(ready_file, address=address, metrics=metrics_url)
     await wait_for_signal()

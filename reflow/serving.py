@@ -43,12 +43,17 @@ async def set_serving(health_servicer: health.HealthServicer, services: Iterable
         await health_servicer.set(name, status)
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 host in brackets (`[::1]:50051`)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def bind(
     server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
 ) -> int:
     """Binds a port, with TLS when `credentials` are given; returns the port actually bound
     (useful with port 0)."""
-    address = f"{host}:{port}"
+    address = host_port(host, port)
     bound = (
         server.add_insecure_port(address)
         if credentials is None

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -216,15 +216,19 @@ class Settings(BaseSettings):
             raise ValueError(f"{value} is not a file")
         return value
 
-    @property
-    def tls(self) -> bool:
-        """Whether the gateway-worker channel uses mTLS (all three files set)."""
+    @model_validator(mode="after")
+    def _check_tls_together(self) -> Settings:
         files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
         if any(files) and not all(files):
             raise ValueError(
                 "mTLS needs REFLOW_TLS_CA_FILE, REFLOW_TLS_CERT_FILE and REFLOW_TLS_KEY_FILE together"
             )
-        return all(files)
+        return self
+
+    @property
+    def tls(self) -> bool:
+        """Whether the gateway-worker channel uses mTLS (the three files are set together)."""
+        return bool(self.tls_ca_file)
 
     @classmethod
     def settings_customise_sources(

@@ -70,6 +70,6 @@ def test_isolation_policies_and_tls_files_are_checked(
     with pytest.raises(ValidationError, match="is not a file"):
         Settings(tls_ca_file=str(tmp_path / "missing.pem"))
     (tmp_path / "ca.pem").write_text("x")
-    with pytest.raises(ValueError, match="together"):
-        _ = Settings(tls_ca_file=str(tmp_path / "ca.pem")).tls
+    with pytest.raises(ValidationError, match="together"):
+        Settings(tls_ca_file=str(tmp_path / "ca.pem"))
     assert Settings().tls is False

@@ -10,16 +10,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
 from pathlib import Path
 
 from reflow.settings import Network
 
-PROGRAMS = ("reflow_ingress", "reflow_connect4", "reflow_connect6")
-# enum bpf_attach_type: where those programs attach
-ATTACH_TYPES = {"ingress": 0, "connect4": 10, "connect6": 11}
+# program -> where it attaches (enum bpf_attach_type)
+PROGRAMS = {
+    "reflow_ingress": 0,  # BPF_CGROUP_INET_INGRESS
+    "reflow_connect4": 10,  # BPF_CGROUP_INET4_CONNECT
+    "reflow_connect6": 11,  # BPF_CGROUP_INET6_CONNECT
+    "reflow_sendmsg4": 14,  # BPF_CGROUP_UDP4_SENDMSG
+    "reflow_sendmsg6": 15,  # BPF_CGROUP_UDP6_SENDMSG
+}
 COUNTERS = ("ingress_admitted", "ingress_dropped", "egress_allowed", "egress_denied")
 BPF_ANY = 0
-LIBBPF_WARN = 0
+LIBBPF_DEBUG = 2  # libbpf's most verbose level: left out of error messages
+LOG_LINES = 40  # the end of libbpf's log (the verifier's complaint is at its end) kept in errors
 
 
 class BpfError(RuntimeError):
@@ -62,19 +69,29 @@ class _Log:
 
     def __init__(self) -> None:
         self.lines: list[str] = []
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        self._vsnprintf = libc.vsnprintf
-        self._vsnprintf.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_void_p]
-        self.callback = _PRINT(self._collect)  # kept referenced while libbpf may call it
+        self._libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        self._libc.vasprintf.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_char_p, ctypes.c_void_p]
+        self._libc.free.argtypes = [ctypes.c_void_p]
+        self.callback = _PRINT(self._collect)
 
     def _collect(self, level: int, fmt: bytes, args: int) -> int:
-        buffer = ctypes.create_string_buffer(4096)
-        self._vsnprintf(buffer, len(buffer), fmt, args)
-        self.lines.append(buffer.value.decode(errors="replace").rstrip())
+        if level >= LIBBPF_DEBUG:
+            return 0
+        text = ctypes.c_char_p()
+        if self._libc.vasprintf(ctypes.byref(text), fmt, args) >= 0:  # the whole message, however long
+            self.lines += (text.value or b"").decode(errors="replace").splitlines()
+            self._libc.free(ctypes.cast(text, ctypes.c_void_p))
+        del self.lines[:-LOG_LINES]
         return 0
 
-    def tail(self, lines: int = 25) -> str:
-        return "\n".join(line for line in self.lines[-lines:] if line)
+    def tail(self) -> str:
+        """The last messages, then forgets them."""
+        text = "\n".join(line for line in self.lines if line.strip())
+        self.lines.clear()
+        return text
+
+
+_LOG = _Log()  # one for the process: libbpf keeps calling the callback it was given
 
 
 class IsolationPrograms:
@@ -82,7 +99,7 @@ class IsolationPrograms:
 
     def __init__(self, object_path: Path, cgroup_dir: Path):
         self.lib = _libbpf()
-        self.log = _Log()
+        self.log = _LOG
         self.lib.libbpf_set_print(ctypes.cast(self.log.callback, ctypes.c_void_p))
         self._links: list[int] = []
         self._object = self.lib.bpf_object__open_file(str(object_path).encode(), None)
@@ -104,6 +121,10 @@ class IsolationPrograms:
         try:
             for name in PROGRAMS:
                 program = self.lib.bpf_object__find_program_by_name(self._object, name.encode())
+                if not program:
+                    raise BpfError(
+                        f"the isolation object has no program {name!r}: rebuild it with `make bpf`"
+                    )
                 link = self.lib.bpf_program__attach_cgroup(program, fd)
                 if not link:
                     raise BpfError(
@@ -129,26 +150,23 @@ class IsolationPrograms:
 
     def allow_cgroup(self, cgroup_id: int) -> None:
         """Admits new connections from sockets of this cgroup (same host)."""
-        self._update("allowed_cgroups", cgroup_id.to_bytes(8, "little"), b"\x01")
+        self._update("allowed_cgroups", cgroup_id.to_bytes(8, sys.byteorder), b"\x01")
 
-    def guard_port(self, port: int) -> None:
-        """New connections to this port need an allowed cgroup or source address."""
-        self._update("guarded_ports", port.to_bytes(2, "little"), b"\x01")
+    def open_port(self, port: int) -> None:
+        """Anyone may open a connection to this port (every other one is guarded)."""
+        self._update("open_ports", port.to_bytes(2, sys.byteorder), b"\x01")
 
     def allow_source(self, network: Network) -> None:
         """Admits new connections from these addresses (other hosts)."""
         name = "sources_v4" if network.version == 4 else "sources_v6"
-        key = network.prefixlen.to_bytes(4, "little") + network.network_address.packed
+        key = network.prefixlen.to_bytes(4, sys.byteorder) + network.network_address.packed
         self._update(name, key, b"\x01")
 
     def allow_destination(self, network: Network, port: int = 0) -> None:
         """Lets the worker connect to these addresses, on `port` (0 = any)."""
         name = "destinations_v4" if network.version == 4 else "destinations_v6"
-        key = (
-            (16 + network.prefixlen).to_bytes(4, "little")
-            + port.to_bytes(2, "big")
-            + network.network_address.packed
-        )
+        prefix = (16 + network.prefixlen).to_bytes(4, sys.byteorder)
+        key = prefix + port.to_bytes(2, "big") + network.network_address.packed
         self._update(name, key, b"\x01")
 
     def counters(self) -> dict[str, int]:
@@ -180,7 +198,7 @@ def attached_programs(cgroup_dir: Path) -> int:
     fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         total = 0
-        for attach_type in ATTACH_TYPES.values():
+        for attach_type in PROGRAMS.values():
             flags, count = ctypes.c_uint32(0), ctypes.c_uint32(0)
             if lib.bpf_prog_query(fd, attach_type, 0, ctypes.byref(flags), None, ctypes.byref(count)) != 0:
                 raise BpfError(f"querying {cgroup_dir} failed: {os.strerror(ctypes.get_errno())}")

@@ -7,11 +7,14 @@ where the instance is derived from the data dir, so two `reflow up` on one host 
 - prepare: finds (or mounts) cgroup v2, removes the groups of workers that died, creates this
   worker's group, loads the programs of `workers/bpf/isolation.bpf.c` and attaches them to it;
 - start_inside: moves this process into its group, before it creates a socket (sockets keep the
-  cgroup they were created in, so moving a serving process would not be enough);
-- guard: after binding, new connections to the gRPC port need the gateway's cgroup or an allowed
-  source address (REFLOW_ISOLATION_ALLOW_FROM, for gateways on other hosts);
+  cgroup they were created in, so moving a serving process would not be enough), and checks that
+  the programs act there. From then on a new connection to any port of the worker needs the
+  gateway's cgroup or, from another host, an allowed source address (REFLOW_ISOLATION_ALLOW_FROM);
+- open_port: lets anyone connect to one port (the metrics port, for Prometheus);
 - stats: dropped and admitted connections, read from the programs' counters;
 - teardown: detaches the programs, leaves the group and removes it.
+
+`isolate` runs prepare and start_inside, falling back to no isolation under `auto`.
 
 The gateway joins `<instance>/gateway`; reflow's own control commands that talk to workers (the
 scheduler's pushes, `reflow models promote|rollback`, `reflow workers status`) join it as well.
@@ -38,6 +41,7 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OBJECT = REPO_ROOT / "build" / "bpf" / "isolation.bpf.o"
 MOUNT_POINT = Path("/run/reflow/cgroup2")  # where cgroup v2 is mounted when the host has only v1
+PROBE_DESTINATION = ("192.0.2.1", 9)  # TEST-NET-1, discard: a worker's policy should never allow it
 CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_BPF = 12, 21, 39
 OPT_OUT = "set REFLOW_ISOLATION=none to run without isolation"
 
@@ -47,13 +51,11 @@ class IsolationUnavailable(FailedPrecondition):
 
 
 class Isolation(Protocol):
-    """What a worker calls around its life."""
+    """What a worker calls around its life, once `isolate` prepared it and moved it inside."""
 
     name: str
 
-    def prepare(self) -> None: ...
-    def start_inside(self) -> None: ...
-    def guard(self, port: int) -> None: ...
+    def open_port(self, port: int) -> None: ...
     def stats(self) -> dict[str, int]: ...
     def teardown(self) -> None: ...
 
@@ -63,13 +65,7 @@ class NoIsolation:
 
     name = "none"
 
-    def prepare(self) -> None:
-        pass
-
-    def start_inside(self) -> None:
-        pass
-
-    def guard(self, port: int) -> None:
+    def open_port(self, port: int) -> None:
         pass
 
     def stats(self) -> dict[str, int]:
@@ -84,72 +80,107 @@ class EbpfIsolation:
 
     name = "ebpf"
 
-    def __init__(self, settings: Settings, object_path: Path = DEFAULT_OBJECT):
+    def __init__(self, settings: Settings):
         self.settings = settings
-        self.object_path = Path(settings.bpf_object) if settings.bpf_object else object_path
-        self.instance = instance_dir(settings)
-        self.group = self.instance / f"worker-{os.getpid()}"
         self.programs: IsolationPrograms | None = None
+        self.group: Path | None = None
         self.origin: Path | None = None  # the group this process was in before
 
     def prepare(self) -> None:
-        check_host(self.object_path)
-        reconcile(self.instance)
+        """Checks the host, creates this worker's group and attaches the programs to it."""
+        check_host(object_path(self.settings))
+        instance = instance_dir(self.settings)
+        reconcile(instance)
         gateway = gateway_dir(self.settings)
+        self.group = instance / f"worker-{os.getpid()}"
         self.group.mkdir(exist_ok=True)
         try:
-            self.programs = IsolationPrograms(self.object_path, self.group)
-        except BpfError as error:
-            self.group.rmdir()
-            raise IsolationUnavailable(f"{error}\n{OPT_OUT}") from None
-        self.programs.allow_cgroup(cgroup_id(gateway))
-        for network in self.settings.isolation_allow_from:
-            self.programs.allow_source(ipaddress.ip_network(network, strict=False))
-        for network, port in egress_policy(self.settings):
-            self.programs.allow_destination(network, port)
+            self.programs = IsolationPrograms(object_path(self.settings), self.group)
+            self.programs.allow_cgroup(cgroup_id(gateway))
+            for network in self.settings.isolation_allow_from:
+                self.programs.allow_source(ipaddress.ip_network(network, strict=False))
+            for network, port in egress_policy(self.settings):
+                self.programs.allow_destination(network, port)
+        except BaseException:
+            self.teardown()
+            raise
         logger.info("isolation: cgroup %s, gateway group %s", self.group, gateway)
 
     def start_inside(self) -> None:
+        """Moves this process into its group, then checks that the programs hold there (they do
+        not where net_cls/net_prio v1 controllers have taken over socket cgroups)."""
+        assert self.group is not None
         self.origin = current_group()
         join(self.group)
+        probe = ipaddress.ip_network(PROBE_DESTINATION[0])
+        if any(probe.subnet_of(n) for n, _ in egress_policy(self.settings) if n.version == 4):  # type: ignore[arg-type]
+            return  # the policy allows the probe's destination: nothing to learn from it
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            try:
+                udp.connect(PROBE_DESTINATION)  # UDP: no packet is sent
+            except PermissionError:
+                return
+        raise IsolationUnavailable(
+            "the isolation programs are attached but do not act in this worker's cgroup (are the "
+            f"net_cls or net_prio cgroup v1 controllers in use?); {OPT_OUT}"
+        )
 
-    def guard(self, port: int) -> None:
+    def open_port(self, port: int) -> None:
+        """Anyone may connect to `port` (the metrics port); every other port is guarded."""
         assert self.programs is not None
-        self.programs.guard_port(port)
+        self.programs.open_port(port)
 
     def stats(self) -> dict[str, int]:
-        return self.programs.counters() if self.programs is not None else {}
+        programs = self.programs
+        return programs.counters() if programs is not None else {}
 
     def teardown(self) -> None:
-        if self.programs is not None:
-            self.programs.close()
-            self.programs = None
+        """Detaches the programs, leaves the group and removes it."""
+        programs, self.programs = self.programs, None  # a metrics scrape no longer reads them
+        if programs is not None:
+            programs.close()
         if self.origin is not None:
-            join(self.origin)  # back where it came from, so the group can go
-        remove_group(self.group)
+            try:
+                join(self.origin)  # back where it came from, so the group can go
+            except OSError as error:
+                logger.warning("could not leave %s: %s", self.group, error)
+        if self.group is not None:
+            remove_group(self.group)
 
 
-def isolation_for(settings: Settings) -> Isolation:
-    """The hook REFLOW_ISOLATION asks for; `auto` falls back to none, saying why, where the host
-    cannot do eBPF. IsolationUnavailable when `ebpf` was asked for and the host cannot."""
+def isolate(settings: Settings) -> Isolation:
+    """The hook REFLOW_ISOLATION asks for, prepared, with this process inside: call it before the
+    worker makes its first socket. Where the host cannot isolate, `auto` logs why and runs without
+    isolation, while `ebpf` raises IsolationUnavailable saying why."""
     if settings.isolation == "none":
         return NoIsolation()
+    hook = EbpfIsolation(settings)
     try:
-        check_host(Path(settings.bpf_object) if settings.bpf_object else DEFAULT_OBJECT)
-    except IsolationUnavailable as error:
+        hook.prepare()
+        hook.start_inside()
+    except (IsolationUnavailable, BpfError, OSError) as error:
+        hook.teardown()
+        reason = str(error) if isinstance(error, IsolationUnavailable) else f"{error}; {OPT_OUT}"
         if settings.isolation == "ebpf":
-            raise
-        logger.warning("worker isolation off (REFLOW_ISOLATION=auto): %s", str(error).splitlines()[0])
+            raise IsolationUnavailable(reason) from None
+        logger.warning("worker isolation off (REFLOW_ISOLATION=auto): %s", reason.splitlines()[0])
         return NoIsolation()
-    return EbpfIsolation(settings)
+    return hook
+
+
+def object_path(settings: Settings) -> Path:
+    """The compiled isolation programs: REFLOW_BPF_OBJECT, else the build directory's."""
+    return Path(settings.bpf_object) if settings.bpf_object else DEFAULT_OBJECT
 
 
 def check_host(object_path: Path) -> None:
     """IsolationUnavailable naming the first thing the host lacks."""
     if not Path("/proc/self/status").is_file():
         raise IsolationUnavailable(f"eBPF isolation needs Linux; {OPT_OUT}")
-    missing = [name for bit, name in ((CAP_BPF, "CAP_BPF"), (CAP_NET_ADMIN, "CAP_NET_ADMIN"),
-               (CAP_SYS_ADMIN, "CAP_SYS_ADMIN")) if not has_capability(bit)]  # fmt: skip
+    missing = [name for bit, name in ((CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"))
+               if not has_capability(bit)]  # fmt: skip
+    if not has_capability(CAP_BPF) and not has_capability(CAP_SYS_ADMIN):  # before Linux 5.8: SYS_ADMIN
+        missing.insert(0, "CAP_BPF")
     if missing:
         raise IsolationUnavailable(
             f"eBPF isolation needs {', '.join(missing)} (run the worker as root or grant them); {OPT_OUT}"
@@ -169,12 +200,20 @@ def has_capability(bit: int) -> bool:
     return False
 
 
-def cgroup2_root() -> Path:
-    """Where cgroup v2 is mounted; mounted at MOUNT_POINT when the host has only v1."""
-    for line in Path("/proc/self/mounts").read_text().splitlines():
+def mounted_cgroup2() -> Path | None:
+    """Where cgroup v2 is mounted, if it is."""
+    mounts = Path("/proc/self/mounts")
+    for line in mounts.read_text().splitlines() if mounts.is_file() else []:
         fields = line.split()
         if len(fields) > 2 and fields[2] == "cgroup2":
             return Path(fields[1])
+    return None
+
+
+def cgroup2_root() -> Path:
+    """Where cgroup v2 is mounted; mounted at MOUNT_POINT when the host has only v1."""
+    if (mounted := mounted_cgroup2()) is not None:
+        return mounted
     MOUNT_POINT.mkdir(parents=True, exist_ok=True)
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     if libc.mount(b"none", str(MOUNT_POINT).encode(), b"cgroup2", 0, None) != 0:
@@ -196,7 +235,7 @@ def instance_dir(settings: Settings, *, create: bool = True) -> Path:
 
 def remove_instance(settings: Settings) -> None:
     """After `reflow up` stopped its processes: removes the instance's groups, if empty."""
-    if settings.isolation == "none" or not has_capability(CAP_SYS_ADMIN):
+    if settings.isolation == "none" or mounted_cgroup2() is None:
         return
     instance = instance_dir(settings, create=False)
     if instance.is_dir():
@@ -238,15 +277,17 @@ def join_gateway_group(settings: Settings, *, create: bool = True) -> bool:
     if settings.isolation == "none":
         return False
     try:
-        check_host(Path(settings.bpf_object) if settings.bpf_object else DEFAULT_OBJECT)
+        if not create and mounted_cgroup2() is None:
+            return False  # no cgroup v2: no worker of this host can be isolated
         group = gateway_dir(settings) if create else instance_dir(settings, create=False) / "gateway"
         if not group.is_dir():
             return False
         join(group)
     except (IsolationUnavailable, OSError) as error:
-        message = str(error).splitlines()[0]
-        if settings.isolation == "ebpf":
-            logger.warning("could not join the gateway's cgroup: %s", message)
+        logger.warning(
+            "could not join the gateway's cgroup (%s): isolated workers will not admit this process",
+            str(error).splitlines()[0],
+        )
         return False
     return True
 
@@ -259,18 +300,20 @@ def reconcile(instance: Path) -> None:
         pid = group.name.removeprefix("worker-")
         if pid.isdigit() and Path(f"/proc/{pid}").exists():
             continue
-        remove_group(group)
-        logger.info("removed the leftover cgroup %s", group)
+        if remove_group(group):
+            logger.info("removed the leftover cgroup %s", group)
 
 
-def remove_group(group: Path) -> None:
-    """Removes an empty cgroup; one still holding processes is left, logged."""
+def remove_group(group: Path) -> bool:
+    """Removes an empty cgroup; one still holding processes is left, logged. True if removed."""
     try:
         group.rmdir()
     except FileNotFoundError:
-        pass
+        return False
     except OSError as error:
         logger.warning("could not remove cgroup %s: %s", group, error)
+        return False
+    return True
 
 
 def egress_policy(settings: Settings) -> list[tuple[Network, int]]:

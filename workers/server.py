@@ -17,6 +17,7 @@ from reflow.errors import FailedPrecondition, InvalidArgument, NotFound
 from reflow.mtls import server_credentials
 from reflow.serving import (
     bind,
+    host_port,
     new_server,
     set_serving,
     start_metrics_server,
@@ -27,7 +28,7 @@ from reflow.settings import Settings
 from reflow.v1 import worker_pb2, worker_pb2_grpc
 from workers.engine import Engine, EngineConfig
 from workers.follower import AliasFollower
-from workers.isolation import Isolation, NoIsolation, isolation_for
+from workers.isolation import Isolation, NoIsolation, isolate
 from workers.loading import LoadedModel, load_version, resolve_device
 from workers.metrics import WorkerMetrics
 from workers.sampling import SamplingParams
@@ -202,9 +203,7 @@ def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
 
 async def serve(settings: Settings, *, version: str = "", ready_file: Path | None = None) -> None:
     """`reflow worker`: isolate, load the configured version, serve until SIGINT/SIGTERM, drain."""
-    isolation = isolation_for(settings)
-    isolation.prepare()
-    isolation.start_inside()  # before the first socket: sockets keep the cgroup they were made in
+    isolation = isolate(settings)  # before the first socket: sockets keep the cgroup they were made in
     try:
         await _serve_isolated(settings, isolation, version, ready_file)
     finally:
@@ -235,11 +234,11 @@ async def _serve_isolated(
     server, port, health_servicer = await create_server(
         servicer, settings.worker_host, settings.worker_port, server_credentials(settings)
     )
-    isolation.guard(port)
     metrics_server, metrics_url = start_metrics_server(
         metrics.registry, settings.worker_host, settings.worker_metrics_port
     )
-    address = f"{settings.worker_host}:{port}"
+    isolation.open_port(metrics_server.server_port)  # Prometheus may scrape from anywhere
+    address = host_port(settings.worker_host, port)
     logger.info(
         "worker serving on %s device=%s compile=%s isolation=%s tls=%s metrics %s",
         address, device, engine.config.compile, isolation.name, settings.tls, metrics_url,

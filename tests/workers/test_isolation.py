@@ -31,10 +31,19 @@ from reflow.client import Client
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import MODEL, Broker, local_registry, save_model, tiny_model
-from workers.ebpf import attached_programs
+from workers.ebpf import PROGRAMS, attached_programs
 from workers.isolation import DEFAULT_OBJECT, IsolationUnavailable, check_host, current_group, remove_instance
 
 pytestmark = pytest.mark.slow
+UDP_SEND = """import socket
+try:
+    socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", 53)); print("sent")
+except OSError as error:
+    print(type(error).__name__, error.errno)"""
+LISTEN_50999 = """import socket, time
+server = socket.create_server(("0.0.0.0", 50999))
+print("up", flush=True)
+time.sleep(60)"""
 READY_TIMEOUT_S = 120
 
 
@@ -112,9 +121,9 @@ def run_inside(group: Path, code: str) -> str:
     return (result.stdout + result.stderr).strip()
 
 
-def connect_code(host: str, port: int, source: str = "") -> str:
+def connect_code(host: str, port: int, source: str = "", source_port: int = 0) -> str:
     """Python that prints `connected` or the error of one TCP connect."""
-    bind = f", source_address=({source!r}, 0)" if source else ""
+    bind = f", source_address=({source!r}, {source_port})" if source else ""
     return (
         "import socket\ntry:\n"
         f"    socket.create_connection(({host!r}, {port}), timeout=2{bind}).close(); print('connected')\n"
@@ -207,9 +216,10 @@ def test_a_worker_connects_only_to_its_allow_list(cluster: Cluster) -> None:
     assert group.name == f"worker-{worker.process.pid}"
     allowed_port = cluster.allowed.getsockname()[1]
     assert run_inside(group, connect_code("127.0.0.1", allowed_port)) == "connected"
-    assert (
-        run_inside(group, connect_code("127.0.0.1", 5432)) == "PermissionError 1"
-    )  # the database: not listed
+    assert run_inside(group, connect_code("::ffff:127.0.0.1", allowed_port)) == "connected"  # v4-mapped
+    denied = run_inside(group, connect_code("127.0.0.1", 5432))  # the database: not listed
+    assert denied == "PermissionError 1"
+    assert run_inside(group, UDP_SEND) == "PermissionError 1"  # unconnected UDP is checked too
     wait_for(lambda: counters(worker)[("outbound", "denied")] >= 1)
     assert counters(worker)[("outbound", "allowed")] >= 1
 
@@ -226,11 +236,25 @@ def test_two_isolated_workers_cannot_reach_each_other(cluster: Cluster) -> None:
     )
 
 
+def test_ipv6_gets_the_same_treatment(tmp_path: Path) -> None:
+    worker = start(tmp_path, "worker", ["worker"], worker_env(tmp_path, REFLOW_WORKER_HOST="::1"))
+    try:
+        assert worker.address.startswith("[::1]:")
+        gateway_group = current_group(worker.process.pid).parent / "gateway"
+        assert run_inside(gateway_group, connect_code("::1", worker.port)) == "connected"
+        with pytest.raises(TimeoutError):
+            socket.create_connection(("::1", worker.port), timeout=2)
+        assert run_inside(current_group(worker.process.pid), connect_code("::1", 5432)) == "PermissionError 1"
+    finally:
+        worker.stop()
+        remove_instance(Settings(data_dir=tmp_path))
+
+
 def test_a_killed_worker_leaves_no_program_and_its_group_is_reconciled(tmp_path: Path) -> None:
     env = worker_env(tmp_path)
     killed = start(tmp_path, "killed", ["worker"], env)
     group = current_group(killed.process.pid)
-    assert attached_programs(group) == 3  # ingress, connect4, connect6
+    assert attached_programs(group) == len(PROGRAMS)  # ingress, connect4/6, sendmsg4/6
     killed.stop(signal.SIGKILL)
     wait_for(lambda: attached_programs(group) == 0)  # the links died with the process
     assert group.is_dir()  # an empty leftover, until the next worker starts
@@ -238,7 +262,7 @@ def test_a_killed_worker_leaves_no_program_and_its_group_is_reconciled(tmp_path:
     own = current_group(restarted.process.pid)
     try:
         assert not group.exists()
-        assert attached_programs(own) == 3
+        assert attached_programs(own) == len(PROGRAMS)
     finally:
         restarted.stop()
     assert not own.exists()  # a clean stop removes its own group
@@ -281,14 +305,28 @@ def test_across_hosts_the_address_allow_list_admits_the_gateway_only(tmp_path: P
         worker = start(tmp_path, "worker", ["worker"], env, prefix=("ip", "netns", "exec", host))
         try:
 
-            def from_peer(source: str) -> str:
-                code = connect_code("10.213.0.1", worker.port, source)
+            def from_peer(source: str, source_port: int = 0) -> str:
+                code = connect_code("10.213.0.1", worker.port, source, source_port)
                 result = subprocess.run(["ip", "netns", "exec", peer, sys.executable, "-c", code],
                                         capture_output=True, text=True, timeout=30)  # fmt: skip
                 return result.stdout.strip()
 
             assert from_peer("10.213.0.2") == "connected"  # the gateway's address
             assert from_peer("10.213.0.3").startswith("TimeoutError")  # another address of that host
+            # a listener of the gateway's cgroup on the worker's host, on all addresses: a SYN
+            # from another host sent from that listener's port must not pass for the gateway's
+            gateway_group = current_group(worker.process.pid).parent / "gateway"
+            listener = subprocess.Popen(
+                ["ip", "netns", "exec", host, sys.executable, "-c", LISTEN_50999],
+                stdout=subprocess.PIPE, text=True,
+                preexec_fn=lambda: (gateway_group / "cgroup.procs").write_text(str(os.getpid())),
+            )  # fmt: skip
+            try:
+                assert listener.stdout is not None and listener.stdout.readline().strip() == "up"
+                assert from_peer("10.213.0.3", source_port=50999).startswith("TimeoutError")
+            finally:
+                listener.kill()
+                listener.wait()
         finally:
             worker.stop()
             remove_instance(Settings(data_dir=tmp_path))

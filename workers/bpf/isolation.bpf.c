@@ -3,15 +3,21 @@
  * reflow worker isolation: programs attached to one worker's cgroup (v2).
  *
  * ingress (cgroup_skb/ingress): packets of established flows pass. A new TCP
- * connection (SYN without ACK) to a guarded port (the worker's gRPC port) is
- * admitted when its source address is in an allow-list, or, on this host,
- * when the connecting socket belongs to an allowed cgroup (the gateway's):
- * the peer socket is found with bpf_sk_lookup_tcp and its cgroup read with
- * bpf_sk_cgroup_id. Everything else is dropped and counted.
+ * connection (SYN without ACK) to any port but the open ones (the metrics
+ * port) is checked, so a port is guarded from the moment it listens. When the
+ * connecting socket is on this host (bpf_sk_lookup_tcp finds it, connecting),
+ * it is admitted only if it belongs to an allowed cgroup (the gateway's, read
+ * with bpf_sk_cgroup_id); a connection from another host is admitted when its
+ * source address is in an allow-list. Everything else is dropped and counted.
  *
- * connect4 / connect6 (cgroup/connect4, cgroup/connect6): the worker may
- * connect only to allow-listed destinations (address prefix, and port or any
- * port); others fail at once with EPERM and are counted.
+ * connect4 / connect6 / sendmsg4 / sendmsg6 (cgroup/...): the worker may
+ * connect, or send unconnected UDP, only to allow-listed destinations
+ * (address prefix, and port or any port; IPv4-mapped IPv6 addresses are
+ * checked against the IPv4 list); others fail at once with EPERM and are
+ * counted.
+ *
+ * IPv6 extension headers are walked (up to 6); a chain longer than that is
+ * dropped when it may hide TCP, so nothing gets in unchecked.
  *
  * Counters are per-CPU, summed by the loader (workers/ebpf.py).
  */
@@ -60,7 +66,7 @@ struct {
 	__uint(max_entries, 16);
 	__type(key, __u16);  /* host order */
 	__type(value, __u8);
-} guarded_ports SEC(".maps");
+} open_ports SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
@@ -102,17 +108,25 @@ static __always_inline void count(__u32 which)
 		*value += 1; /* per-CPU: no other writer */
 }
 
-/* 1 when the socket that sent this SYN (found by the reversed tuple) lives in
- * an allowed cgroup */
-static __always_inline int peer_allowed(struct __sk_buff *skb, struct bpf_sock_tuple *tuple, __u32 size)
+#define REMOTE (-1)
+
+/* For a SYN from this host: 1 when the socket that sent it (found by the
+ * reversed tuple, and connecting: a listener that happens to match the tuple
+ * is not the sender) lives in an allowed cgroup, else 0. REMOTE when no local
+ * socket sent it. */
+static __always_inline int local_peer_allowed(struct __sk_buff *skb, struct bpf_sock_tuple *tuple, __u32 size)
 {
 	struct bpf_sock *peer = bpf_sk_lookup_tcp(skb, tuple, size, BPF_F_CURRENT_NETNS, 0);
 	__u64 cgroup;
+	__u32 state;
 
 	if (!peer)
-		return 0;
+		return REMOTE;
+	state = peer->state;
 	cgroup = bpf_sk_cgroup_id(peer);
 	bpf_sk_release(peer);
+	if (state != BPF_TCP_SYN_SENT)
+		return REMOTE;
 	return bpf_map_lookup_elem(&allowed_cgroups, &cgroup) != 0;
 }
 
@@ -123,7 +137,7 @@ static __always_inline int is_new_connection(__u8 flags)
 
 static __always_inline int guarded(__u16 port)
 {
-	return bpf_map_lookup_elem(&guarded_ports, &port) != 0;
+	return bpf_map_lookup_elem(&open_ports, &port) == 0;
 }
 
 static __always_inline int verdict(int allowed)
@@ -132,12 +146,45 @@ static __always_inline int verdict(int allowed)
 	return allowed;
 }
 
+#define NOT_TCP (-1)
+#define UNPARSED (-2)
+#define MAX_EXTENSION_HEADERS 6
+
+/* Where the TCP header starts behind the IPv6 header and its extension headers; NOT_TCP for
+ * another transport (ICMPv6, UDP: they pass), UNPARSED when the chain is longer than we walk.
+ * Fragments are reassembled before a socket's filter runs, so none are seen here. */
+static __always_inline int tcp_offset_v6(struct __sk_buff *skb, __u8 next)
+{
+	int offset = sizeof(struct ipv6hdr);
+	__u8 header[2];
+
+#pragma unroll
+	for (int i = 0; i < MAX_EXTENSION_HEADERS; i++) {
+		if (next == IPPROTO_TCP)
+			return offset;
+		if (next != IPPROTO_HOPOPTS && next != IPPROTO_ROUTING && next != IPPROTO_DSTOPTS &&
+		    next != IPPROTO_AH && next != IPPROTO_FRAGMENT)
+			return NOT_TCP;
+		if (bpf_skb_load_bytes(skb, offset, header, sizeof(header)))
+			return UNPARSED;
+		if (next == IPPROTO_FRAGMENT)
+			offset += 8;
+		else if (next == IPPROTO_AH)
+			offset += (header[1] + 2) * 4;
+		else
+			offset += (header[1] + 1) * 8;
+		next = header[0];
+	}
+	return next == IPPROTO_TCP ? offset : UNPARSED;
+}
+
 SEC("cgroup_skb/ingress")
 int reflow_ingress(struct __sk_buff *skb)
 {
 	struct bpf_sock_tuple tuple = {};
 	struct tcphdr tcp;
 	__u8 flags;
+	int local;
 
 	if (skb->protocol == bpf_htons(ETH_P_IP)) {
 		struct iphdr ip;
@@ -150,34 +197,40 @@ int reflow_ingress(struct __sk_buff *skb)
 		flags = ((__u8 *)&tcp)[13];
 		if (!is_new_connection(flags) || !guarded(bpf_ntohs(tcp.dest)))
 			return 1;
-		__builtin_memcpy(source.addr, &ip.saddr, 4);
-		if (bpf_map_lookup_elem(&sources_v4, &source))
-			return verdict(1);
 		tuple.ipv4.saddr = ip.daddr; /* the peer's view: it sent from saddr to daddr */
 		tuple.ipv4.daddr = ip.saddr;
 		tuple.ipv4.sport = tcp.dest;
 		tuple.ipv4.dport = tcp.source;
-		return verdict(peer_allowed(skb, &tuple, sizeof(tuple.ipv4)));
+		local = local_peer_allowed(skb, &tuple, sizeof(tuple.ipv4));
+		if (local != REMOTE)
+			return verdict(local); /* on this host the cgroup decides, whatever the address */
+		__builtin_memcpy(source.addr, &ip.saddr, 4);
+		return verdict(bpf_map_lookup_elem(&sources_v4, &source) != 0);
 	}
 	if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr ip6;
 		struct source_v6 source = {.prefixlen = 128};
+		int offset;
 
-		if (bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)) || ip6.nexthdr != IPPROTO_TCP)
-			return 1; /* extension headers are not parsed: no new TCP connection is recognised behind them */
-		if (bpf_skb_load_bytes(skb, sizeof(ip6), &tcp, sizeof(tcp)))
+		if (bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)))
 			return 1;
+		offset = tcp_offset_v6(skb, ip6.nexthdr);
+		if (offset == NOT_TCP)
+			return 1;
+		if (offset < 0 || bpf_skb_load_bytes(skb, offset, &tcp, sizeof(tcp)))
+			return verdict(0); /* TCP hidden behind headers we cannot walk: fail closed */
 		flags = ((__u8 *)&tcp)[13];
 		if (!is_new_connection(flags) || !guarded(bpf_ntohs(tcp.dest)))
 			return 1;
-		__builtin_memcpy(source.addr, &ip6.saddr, 16);
-		if (bpf_map_lookup_elem(&sources_v6, &source))
-			return verdict(1);
 		__builtin_memcpy(tuple.ipv6.saddr, &ip6.daddr, 16);
 		__builtin_memcpy(tuple.ipv6.daddr, &ip6.saddr, 16);
 		tuple.ipv6.sport = tcp.dest;
 		tuple.ipv6.dport = tcp.source;
-		return verdict(peer_allowed(skb, &tuple, sizeof(tuple.ipv6)));
+		local = local_peer_allowed(skb, &tuple, sizeof(tuple.ipv6));
+		if (local != REMOTE)
+			return verdict(local);
+		__builtin_memcpy(source.addr, &ip6.saddr, 16);
+		return verdict(bpf_map_lookup_elem(&sources_v6, &source) != 0);
 	}
 	return 1;
 }
@@ -188,34 +241,57 @@ static __always_inline int egress_verdict(int allowed)
 	return allowed; /* 0: connect() fails with EPERM */
 }
 
-SEC("cgroup/connect4")
-int reflow_connect4(struct bpf_sock_addr *ctx)
+static __always_inline int destination_v4_allowed(__u32 ip, __u16 port)
 {
-	struct dest_v4 key = {.prefixlen = 16 + 32};
-	__u32 ip = ctx->user_ip4;
+	struct dest_v4 key = {.prefixlen = 16 + 32, .port = port};
 
-	key.port = (__u16)ctx->user_port;
 	__builtin_memcpy(key.addr, &ip, 4);
 	if (bpf_map_lookup_elem(&destinations_v4, &key))
-		return egress_verdict(1);
+		return 1;
 	key.port = 0;
-	return egress_verdict(bpf_map_lookup_elem(&destinations_v4, &key) != 0);
+	return bpf_map_lookup_elem(&destinations_v4, &key) != 0;
 }
 
-SEC("cgroup/connect6")
-int reflow_connect6(struct bpf_sock_addr *ctx)
+static __always_inline int destination_v6_allowed(struct bpf_sock_addr *ctx)
 {
 	struct dest_v6 key = {.prefixlen = 16 + 128};
+	__u16 port = (__u16)ctx->user_port;
 	__u32 ip[4];
 
 	ip[0] = ctx->user_ip6[0];
 	ip[1] = ctx->user_ip6[1];
 	ip[2] = ctx->user_ip6[2];
 	ip[3] = ctx->user_ip6[3];
-	key.port = (__u16)ctx->user_port;
+	if (ip[0] == 0 && ip[1] == 0 && ip[2] == bpf_htonl(0xffff)) /* ::ffff:a.b.c.d */
+		return destination_v4_allowed(ip[3], port);
+	key.port = port;
 	__builtin_memcpy(key.addr, ip, 16);
 	if (bpf_map_lookup_elem(&destinations_v6, &key))
-		return egress_verdict(1);
+		return 1;
 	key.port = 0;
-	return egress_verdict(bpf_map_lookup_elem(&destinations_v6, &key) != 0);
+	return bpf_map_lookup_elem(&destinations_v6, &key) != 0;
+}
+
+SEC("cgroup/connect4")
+int reflow_connect4(struct bpf_sock_addr *ctx)
+{
+	return egress_verdict(destination_v4_allowed(ctx->user_ip4, (__u16)ctx->user_port));
+}
+
+SEC("cgroup/connect6")
+int reflow_connect6(struct bpf_sock_addr *ctx)
+{
+	return egress_verdict(destination_v6_allowed(ctx));
+}
+
+SEC("cgroup/sendmsg4")
+int reflow_sendmsg4(struct bpf_sock_addr *ctx)
+{
+	return egress_verdict(destination_v4_allowed(ctx->user_ip4, (__u16)ctx->user_port));
+}
+
+SEC("cgroup/sendmsg6")
+int reflow_sendmsg6(struct bpf_sock_addr *ctx)
+{
+	return egress_verdict(destination_v6_allowed(ctx));
 }
