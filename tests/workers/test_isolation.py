@@ -330,3 +330,26 @@ def test_across_hosts_the_address_allow_list_admits_the_gateway_only(tmp_path: P
         finally:
             worker.stop()
             remove_instance(Settings(data_dir=tmp_path))
+
+
+REFUSED_PROGRAM = """#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+char LICENSE[] SEC("license") = "GPL";
+SEC("cgroup_skb/ingress")
+int reflow_ingress(struct __sk_buff *skb) { return *(int *)(long)skb->data; } /* unchecked read */
+"""
+
+
+def test_a_program_the_verifier_refuses_stops_the_worker_with_the_verifiers_reason(tmp_path: Path) -> None:
+    source, compiled = tmp_path / "refused.bpf.c", tmp_path / "refused.bpf.o"
+    source.write_text(REFUSED_PROGRAM)
+    subprocess.run(["clang", "-O2", "-target", "bpf", f"-I/usr/include/{os.uname().machine}-linux-gnu", "-c",
+                    str(source), "-o", str(compiled)], check=True)  # fmt: skip
+    env = {**os.environ, **worker_env(tmp_path, REFLOW_BPF_OBJECT=str(compiled))}
+    command = [sys.executable, "-m", "reflow", "worker"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "the kernel refused the isolation programs" in result.stderr
+    assert "invalid access to packet" in result.stderr  # the verifier's own words
+    assert "REFLOW_ISOLATION=none" in result.stderr
+    remove_instance(Settings(data_dir=tmp_path))
