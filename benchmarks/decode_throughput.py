@@ -142,7 +142,7 @@ def register_random_model(settings: Settings, preset: str, seed: int = 0, alias:
     directory = settings.data_dir / f"random-model-{seed}"
     model.save(directory)
     ByteTokenizer().save(directory)
-    registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+    registry = Registry.from_settings(settings)
     registry.register(settings.model_name, directory, params={"preset": preset}, metrics={}, alias=alias)
     return directory
 

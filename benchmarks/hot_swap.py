@@ -41,7 +41,7 @@ def register_versions(settings: Settings, preset: str) -> Registry:
     """arith v1 (@champion) and v2, random weights of `preset` with seeds 0 and 1."""
     register_random_model(settings, preset, seed=0, alias="champion")
     register_random_model(settings, preset, seed=1, alias="staged")
-    registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+    registry = Registry.from_settings(settings)
     registry.delete_alias("arith", "staged")
     return registry
 
@@ -97,7 +97,7 @@ async def run_once(
     swap_at = time.perf_counter()
     await asyncio.to_thread(registry.set_alias, "arith", "champion", target)
     if push:
-        await asyncio.to_thread(push_to_workers, workers, Settings())
+        await asyncio.to_thread(push_to_workers, Settings(workers=workers))
     while not await serving(workers, target, alone=False):  # noqa: ASYNC110 (polling other processes)
         await asyncio.sleep(0.05)
     moved_at = time.perf_counter()

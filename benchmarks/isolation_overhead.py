@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 from decode_throughput import register_random_model  # this script's directory is on sys.path
+from hot_swap import percentile
 
 from reflow.settings import Settings
 from reflow.supervisor import Supervisor
@@ -85,11 +86,6 @@ def admitted_connections(metrics_url: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -128,11 +124,11 @@ def main() -> None:
                     rate, latencies = asyncio.run(
                         round_of(workers[mode], args.seconds, args.concurrency, args.connections_per_request)
                     )
-                    results[mode].append((rate, pct(latencies, 0.5), pct(latencies, 0.99)))
+                    p50, p99 = percentile(latencies, 0.5), percentile(latencies, 0.99)
+                    results[mode].append((rate, p50, p99))
                     requests[mode] += len(latencies)
-                    print(f"round {round_number + 1} isolation={mode}: {rate:.1f} requests/s, p50 "
-                          f"{1000 * pct(latencies, 0.5):.1f} ms, p99 {1000 * pct(latencies, 0.99):.1f} ms",
-                          flush=True)  # fmt: skip
+                    print(f"round {round_number + 1} isolation={mode}: {rate:.1f} requests/s, "
+                          f"p50 {1000 * p50:.1f} ms, p99 {1000 * p99:.1f} ms", flush=True)  # fmt: skip
             admitted = admitted_connections(ready["ebpf"]["metrics"])
         finally:
             supervisor.stop()

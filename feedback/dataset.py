@@ -13,10 +13,10 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sqlalchemy import Engine, and_, func, or_, select
+from sqlalchemy import Engine, func, or_, select
 from sqlalchemy.orm import Session
 
-from feedback.store import FeedbackItem, Inference
+from feedback.store import RATES, FeedbackItem, Inference
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,7 @@ class Dataset:
 def _unused_labelled(model: str):  # type: ignore[no-untyped-def]
     """Feedback on completions of `model` that says something (a rating or a correction) and that
     no fine-tune run has used yet."""
-    joined = select(FeedbackItem, Inference).join(
-        Inference,
-        and_(Inference.request_id == FeedbackItem.request_id, Inference.tenant == FeedbackItem.tenant),
-    )
+    joined = select(FeedbackItem, Inference).join(Inference, RATES)
     return joined.where(
         FeedbackItem.finetune_run_id.is_(None),
         Inference.model == model,

@@ -28,7 +28,7 @@ from feedback.experiments import (
     record,
     running_experiments,
 )
-from feedback.promotion import promote, push_to_workers, roll_back, worker_addresses
+from feedback.promotion import promote, push_to_workers, roll_back
 from feedback.registry import Registry
 from feedback.store import utcnow
 from reflow.settings import Settings
@@ -59,10 +59,12 @@ def rules(settings: Settings, traffic: float) -> Rules:
 def evaluate_experiments(settings: Settings, engine: Engine, registry: Registry) -> list[Evaluation]:
     """Finishes decisions a stopped process left half applied, opens the experiment a new
     challenger needs, then evaluates and acts on every running one. A model whose round fails is
-    logged and retried at the next round; the other models go on."""
-    for experiment, look in decided(engine):
+    logged and retried at the next round; the other models go on. When aliases moved, the
+    workers are told once, at the end."""
+    half_applied = decided(engine)
+    for experiment, look in half_applied:
         logger.info("experiment %d: applying its %s decision again", experiment.id, look.outcome)
-        apply(settings, engine, registry, experiment, look.outcome, look.reason)
+        apply(engine, registry, experiment, look.outcome, look.reason)
     models = {settings.model_name} | {e.model for e in running_experiments(engine)}
     evaluations = []
     for model in sorted(models):
@@ -72,6 +74,8 @@ def evaluate_experiments(settings: Settings, engine: Engine, registry: Registry)
                 evaluations.append(evaluation)
         except Exception:
             logger.exception("evaluating the experiment of %s failed; the next round tries again", model)
+    if half_applied or any(e.decision.outcome != "continue" for e in evaluations):
+        push_to_workers(settings)
     return evaluations
 
 
@@ -91,24 +95,22 @@ def evaluate(
         decision.outcome, decision.reason,
     )  # fmt: skip
     if decision.outcome != "continue":
-        apply(settings, engine, registry, experiment, decision.outcome, decision.reason)
+        apply(engine, registry, experiment, decision.outcome, decision.reason)
     return Evaluation(experiment, decision)
 
 
 def apply(
-    settings: Settings,
     engine: Engine,
     registry: Registry,
     experiment: RunningExperiment,
     outcome: str,
     reason: str,
 ) -> None:
-    """Moves the aliases as `outcome` says, ends the experiment with its final status and tells the
-    workers. `promote` makes the challenger the champion; every other outcome removes the
-    challenger alias, if it still points at this experiment's challenger."""
+    """Moves the aliases as `outcome` says and ends the experiment with its final status.
+    `promote` makes the challenger the champion; every other outcome removes the challenger
+    alias, if it still points at this experiment's challenger."""
     if outcome == "promote":
         promote(registry, experiment.model, experiment.challenger_version)
     else:
         roll_back(registry, experiment.model, version=experiment.challenger_version)
     end(engine, experiment.id, ENDED_BY[outcome], reason, was=DECIDING)
-    push_to_workers(worker_addresses(settings), settings)

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import Engine, Integer, and_, case, func, select, update
+from sqlalchemy import Engine, Integer, Select, case, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from feedback.decision import ArmStats, Decision
 from feedback.registry import Registry
-from feedback.store import Experiment, ExperimentDecision, FeedbackItem, Inference, utcnow
+from feedback.store import RATES, Experiment, ExperimentDecision, FeedbackItem, Inference, utcnow
 
 logger = logging.getLogger(__name__)
 CHAMPION, CHALLENGER = "champion", "challenger"
@@ -70,7 +70,11 @@ def aware(moment: datetime) -> datetime:
 
 def running_experiment(engine: Engine, model: str) -> RunningExperiment | None:
     """The running experiment of `model`, if any."""
-    return next((e for e in running_experiments(engine) if e.model == model), None)
+    with Session(engine) as session:
+        found = session.scalar(
+            select(Experiment).where(Experiment.status == "running", Experiment.model == model)
+        )
+        return None if found is None else _snapshot(found)
 
 
 def reconcile(engine: Engine, registry: Registry, model: str, traffic: float) -> RunningExperiment | None:
@@ -142,10 +146,7 @@ def arm_stats(engine: Engine, experiment_id: int) -> dict[str, ArmStats]:
     errors = func.sum(case((Inference.finish_reason == "ERROR", 1), else_=0))
     best = (
         select(Inference.arm, func.max(FeedbackItem.rating).label("best"))
-        .join(
-            FeedbackItem,
-            and_(FeedbackItem.request_id == Inference.request_id, FeedbackItem.tenant == Inference.tenant),
-        )
+        .join(FeedbackItem, RATES)
         .where(of_experiment, FeedbackItem.rating != 0)
         .group_by(Inference.request_id, Inference.arm)
         .subquery()
@@ -213,17 +214,8 @@ def decided(engine: Engine) -> list[tuple[RunningExperiment, Look]]:
     """Experiments whose decision was recorded but not yet applied (its process stopped between
     the two), with that decision."""
     with Session(engine) as session:
-        rows = session.scalars(select(Experiment).where(Experiment.status == DECIDING)).all()
-        pending = []
-        for e in rows:
-            last = session.scalars(
-                select(ExperimentDecision)
-                .where(ExperimentDecision.experiment_id == e.id)
-                .order_by(ExperimentDecision.id.desc())
-                .limit(1)
-            ).one()
-            pending.append((_snapshot(e), _look(last)))
-    return pending
+        rows = _with_latest_look(session, select(Experiment).where(Experiment.status == DECIDING))
+        return [(_snapshot(e), look) for e, look in rows if look is not None]
 
 
 @dataclass(frozen=True)
@@ -269,14 +261,23 @@ def experiments(engine: Engine, model: str | None = None) -> list[tuple[Experime
         query = select(Experiment).order_by(Experiment.id.desc())
         if model:
             query = query.where(Experiment.model == model)
-        found = []
-        for experiment in session.scalars(query).all():
-            latest = session.scalar(
-                select(ExperimentDecision)
-                .where(ExperimentDecision.experiment_id == experiment.id)
-                .order_by(ExperimentDecision.id.desc())
-                .limit(1)
-            )
-            found.append((experiment, None if latest is None else _look(latest)))
+        found = _with_latest_look(session, query)
         session.expunge_all()
     return found
+
+
+def _with_latest_look(
+    session: Session, query: Select[tuple[Experiment]]
+) -> list[tuple[Experiment, Look | None]]:
+    """The experiments `query` selects, each with its latest evaluation, in one query."""
+    latest = (
+        select(ExperimentDecision.experiment_id, func.max(ExperimentDecision.id).label("id"))
+        .group_by(ExperimentDecision.experiment_id)
+        .subquery()
+    )
+    rows = session.execute(
+        query.add_columns(ExperimentDecision)
+        .outerjoin(latest, latest.c.experiment_id == Experiment.id)
+        .outerjoin(ExperimentDecision, ExperimentDecision.id == latest.c.id)
+    ).all()
+    return [(experiment, None if decision is None else _look(decision)) for experiment, decision in rows]

@@ -30,8 +30,8 @@ from feedback.dataset import (
 from feedback.experiments import CHALLENGER, reconcile, running_experiment
 from feedback.finetune import FinetuneConfig, train_candidate
 from feedback.pretrain import PretrainConfig
-from feedback.promotion import push_to_workers, worker_addresses
-from feedback.registry import Registry
+from feedback.promotion import push_to_workers
+from feedback.registry import Registry, VersionRef
 from feedback.store import FeedbackItem, FinetuneRun, utcnow
 from reflow.settings import Settings
 from workers.loading import resolve_device
@@ -77,7 +77,7 @@ def canonical_thought(prompt: str) -> str | None:
 def base_problem(rng: random.Random) -> Example:
     """A problem from the base model's training distribution, replayed against forgetting."""
     base = PretrainConfig()
-    a, b = rng.randint(base.lo, base.hi), rng.randint(base.lo, base.hi)
+    [(a, b)] = arith.sample_operands(1, base.lo, base.hi, rng)
     return Example(arith.format_prompt(a, b), arith.reasoning(a, b), str(a + b))
 
 
@@ -102,20 +102,20 @@ def run_finetune(
     new = count_new(engine, name)
     if new < max(needed, 1):
         return Outcome("skipped", f"{new} new labelled feedback item(s) on {name}; waiting for {needed}")
-    parent = registry.resolve(name, alias=settings.model_alias).version
+    parent = registry.resolve(name, alias=settings.model_alias)
     items = load_new(engine, name, settings.finetune_max_samples)
-    run_id = claim_run(engine, name, parent, [item.id for item in items])
+    run_id = claim_run(engine, name, parent.version, [item.id for item in items])
     if run_id is None:
         return Outcome("skipped", "another fine-tune run of this model is in progress")
     try:
-        return _train_and_judge(settings, engine, registry, run_id, parent, name, items, progress)
+        return _train_and_judge(settings, engine, registry, run_id, parent, items, progress)
     except Exception as error:
         if isinstance(error, Cancelled):
             logger.info("fine-tune run %d cancelled: %s", run_id, error)
         else:
             logger.exception("fine-tune run %d failed", run_id)
-        _finish(engine, run_id, status="failed", message=f"{type(error).__name__}: {error}")
-        _release(engine, run_id)  # the next run tries these items again
+        with Session(engine) as session, session.begin():  # the next run tries these items again
+            _mark_failed(session, run_id, f"{type(error).__name__}: {error}")
         return Outcome("failed", str(error), run_id)
 
 
@@ -124,8 +124,7 @@ def _train_and_judge(
     engine: Engine,
     registry: Registry,
     run_id: int,
-    parent: str,
-    name: str,
+    parent_ref: VersionRef,
     items: list[RatedCompletion],
     progress: Callable[[int, int, float], None] | None,
 ) -> Outcome:
@@ -133,9 +132,8 @@ def _train_and_judge(
     first_id, last_id = items[0].id, items[-1].id
     dataset = build_dataset(items, settings.finetune_holdout_fraction, canonical_thought)
     device = resolve_device(settings.device)
-    champion = Transformer.load(
-        registry.download(registry.resolve(name, version=parent), settings.model_cache_dir), device
-    )
+    name, parent = parent_ref.name, parent_ref.version
+    champion = Transformer.load(registry.download(parent_ref, settings.model_cache_dir), device)
     config = finetune_config(settings, seed=run_id)
     candidate, history = train_candidate(champion, dataset, base_problem, config, progress)
     train_s = time.perf_counter() - started
@@ -182,7 +180,7 @@ def _train_and_judge(
     if verdict.register:  # the experiment opens now, and the workers load the challenger now
         try:
             reconcile(engine, registry, name, settings.ab_traffic)
-            push_to_workers(worker_addresses(settings), settings)
+            push_to_workers(settings)
         except Exception:  # the run stands; the evaluate job opens the experiment, workers poll
             logger.exception("fine-tune run %d: opening the experiment failed; the evaluate job will", run_id)
     return Outcome(status, verdict.reason, run_id, version, metrics)
@@ -244,11 +242,6 @@ def _release_in(session: Session, run_id: int) -> None:
     session.execute(
         update(FeedbackItem).where(FeedbackItem.finetune_run_id == run_id).values(finetune_run_id=None)
     )
-
-
-def _release(engine: Engine, run_id: int) -> None:
-    with Session(engine) as session, session.begin():
-        _release_in(session, run_id)
 
 
 def _finish(engine: Engine, run_id: int, **fields: object) -> None:

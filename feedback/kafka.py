@@ -4,8 +4,6 @@ Apache Kafka and the embedded Tansu broker, and topic creation."""
 from __future__ import annotations
 
 import contextlib
-import json
-from pathlib import Path
 from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
@@ -14,6 +12,7 @@ from kafka.errors import TopicAlreadyExistsError
 
 from reflow.errors import Unavailable
 from reflow.settings import Settings
+from reflow.supervisor import read_endpoints
 
 INFERENCES_TOPIC = "reflow.inferences"
 FEEDBACK_TOPIC = "reflow.feedback"
@@ -35,11 +34,9 @@ def resolve_bootstrap(settings: Settings) -> str:
     """REFLOW_KAFKA_BOOTSTRAP, else the embedded broker of a running `reflow up` (endpoints.json)."""
     if settings.kafka_bootstrap:
         return settings.kafka_bootstrap
-    endpoints = Path(settings.data_dir) / "endpoints.json"
-    if endpoints.is_file():
-        bootstrap = json.loads(endpoints.read_text()).get("kafka")
-        if bootstrap:
-            return str(bootstrap)
+    bootstrap = (read_endpoints(settings.data_dir) or {}).get("kafka")
+    if bootstrap:
+        return str(bootstrap)
     raise Unavailable(
         "no Kafka broker: set REFLOW_KAFKA_BOOTSTRAP=host:port, or start `reflow up` "
         f"with this data dir ({settings.data_dir}) to use its embedded broker"

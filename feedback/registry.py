@@ -8,6 +8,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from reflow.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +39,11 @@ class Registry:
         self.tracking_uri = tracking_uri
         self.artifact_root = artifact_root
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Registry:
+        """The registry REFLOW_MLFLOW_TRACKING_URI (and artifact root) name."""
+        return cls(settings.resolved_tracking_uri, settings.resolved_artifact_root)
 
     def resolve(self, name: str, *, version: str = "", alias: str = "") -> VersionRef:
         """The version asked for by number, else by alias; LookupError when there is none."""
@@ -85,16 +94,9 @@ class Registry:
 
     def delete_alias(self, name: str, alias: str) -> bool:
         """Removes `name@alias`; False when it did not exist."""
-        from mlflow.exceptions import MlflowException
-
         if not self.has_alias(name, alias):
             return False
-        try:
-            self.client.delete_registered_model_alias(name, alias)
-        except MlflowException:
-            if self.has_alias(name, alias):
-                raise
-            return False  # another process removed it between the check and the delete
+        self.client.delete_registered_model_alias(name, alias)  # a no-op if removed meanwhile
         logger.info("alias model=%s @%s removed", name, alias)
         return True
 

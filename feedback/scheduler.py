@@ -66,7 +66,7 @@ def _with_store(job: Callable[[Settings, Engine, Registry], None]) -> None:
     settings = Settings()
     engine = open_engine(settings.resolved_database_url)
     try:
-        job(settings, engine, Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root))
+        job(settings, engine, Registry.from_settings(settings))
     finally:
         engine.dispose()
 

@@ -7,23 +7,16 @@ from typing import Any
 
 from kafka import KafkaConsumer
 from kafka.structs import TopicPartition
-from sqlalchemy import Engine, and_, func, select
+from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from feedback.kafka import DLQ_TOPIC, FEEDBACK_TOPIC, INFERENCES_TOPIC, STORE_GROUP, new_admin, new_consumer
-from feedback.store import FeedbackItem, Inference
+from feedback.store import RATES, FeedbackItem, Inference
 
 
 def store_counts(engine: Engine) -> dict[str, int]:
     """Rows of inferences and feedback, and feedback joined with the completion it rates."""
-    joined = (
-        select(func.count())
-        .select_from(FeedbackItem)
-        .join(
-            Inference,
-            and_(Inference.request_id == FeedbackItem.request_id, Inference.tenant == FeedbackItem.tenant),
-        )
-    )
+    joined = select(func.count()).select_from(FeedbackItem).join(Inference, RATES)
     with Session(engine) as session:
         return {
             "inferences": session.scalar(select(func.count()).select_from(Inference)) or 0,

@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    and_,
     create_engine,
     event,
     text,
@@ -104,6 +105,10 @@ class FeedbackItem(Base):
     finetune_run_id: Mapped[int | None] = mapped_column(Integer, index=True, default=None)
 
 
+# feedback joined with the completion it rates (feedback may arrive first: the join is made on read)
+RATES = and_(Inference.request_id == FeedbackItem.request_id, Inference.tenant == FeedbackItem.tenant)
+
+
 class FinetuneRun(Base):
     """One fine-tune job: the feedback it used, what it produced, and why it was (not) registered."""
 
@@ -114,7 +119,7 @@ class FinetuneRun(Base):
     parent_version: Mapped[str] = mapped_column(String(32))  # the champion it started from
     status: Mapped[str] = mapped_column(String(16), index=True)  # running, registered, rejected, failed
     first_feedback_id: Mapped[int] = mapped_column(Integer)  # feedback.id range it considered
-    last_feedback_id: Mapped[int] = mapped_column(Integer)  # the next run starts after this one
+    last_feedback_id: Mapped[int] = mapped_column(Integer)  # (items are marked with finetune_run_id)
     samples: Mapped[int] = mapped_column(Integer)  # labelled feedback items it used
     dataset_hash: Mapped[str] = mapped_column(String(64))
     mlflow_run_id: Mapped[str] = mapped_column(String(64), default="")

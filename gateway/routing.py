@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from reflow.errors import InvalidArgument, NotFound, Unavailable
+from reflow.mtls import open_channel
 from reflow.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -81,10 +82,7 @@ class WorkerPool:
         self._poller: asyncio.Task[None] | None = None
 
     def _connect(self, address: str) -> WorkerHandle:
-        if self.credentials is None:
-            channel = grpc.aio.insecure_channel(address)
-        else:
-            channel = grpc.aio.secure_channel(address, self.credentials)
+        channel = open_channel(address, self.credentials, grpc.aio)
         return WorkerHandle(address, channel, worker_pb2_grpc.WorkerStub(channel))
 
     async def start(self) -> None:
@@ -133,11 +131,10 @@ class WorkerPool:
             raise NotFound(f"no worker serves model {spec}; served now: {', '.join(served) or 'nothing'}")
         return min(candidates, key=lambda pair: pair[0].outstanding)
 
-    def serves(self, spec: ModelSpec, version: str = "") -> bool:
-        """True when a healthy worker serves `spec` (and it resolves to `version`, when given)."""
+    def serves(self, spec: ModelSpec, version: str) -> bool:
+        """True when a healthy worker serves `spec` as `version` (e.g. `@challenger` as v2)."""
         return any(
-            w.healthy and (v := w.serves(spec)) is not None and (not version or v.version == version)
-            for w in self.workers
+            w.healthy and (v := w.serves(spec)) is not None and v.version == version for w in self.workers
         )
 
     def served_versions(self) -> dict[str, dict[str, tuple[set[str], int]]]:

@@ -114,10 +114,10 @@ def worker(
 
 
 def _default_target(settings: Settings) -> str:
-    endpoints = settings.data_dir / "endpoints.json"
-    if endpoints.is_file():
-        return json.loads(endpoints.read_text())["gateway"]
-    return f"{settings.gateway_host}:{settings.gateway_port}"
+    from reflow.supervisor import read_endpoints
+
+    endpoints = read_endpoints(settings.data_dir)
+    return endpoints["gateway"] if endpoints else f"{settings.gateway_host}:{settings.gateway_port}"
 
 
 def _default_api_key(settings: Settings) -> str:
@@ -397,11 +397,10 @@ def finetune_run(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from feedback.jobs import run_finetune
-    from feedback.registry import Registry
 
     settings = load_settings()
     engine = _current_engine(settings)
-    registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+    registry = _registry(settings)
     columns = (
         TextColumn("[bold]fine-tuning"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -470,7 +469,7 @@ def simulate(
 def _registry(settings: Settings) -> Any:
     from feedback.registry import Registry
 
-    return Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+    return Registry.from_settings(settings)
 
 
 @models_app.command("list")
@@ -500,7 +499,7 @@ def _follow_aliases(settings: Settings, registry: Any, name: str) -> None:
     """After a move by hand: ends the experiment on the old aliases (opening one when a challenger
     remains) and tells the running workers to follow now; they poll anyway."""
     from feedback.experiments import reconcile
-    from feedback.promotion import push_to_workers, worker_addresses
+    from feedback.promotion import push_to_workers
     from feedback.store import open_engine, require_current_schema
 
     engine = open_engine(settings.resolved_database_url)
@@ -514,13 +513,13 @@ def _follow_aliases(settings: Settings, registry: Any, name: str) -> None:
     finally:
         engine.dispose()
 
-    addresses = worker_addresses(settings)
-    failed = {a: why for a, why in push_to_workers(addresses, settings).items() if why != "ok"}
+    pushed = push_to_workers(settings)
+    failed = {a: why for a, why in pushed.items() if why != "ok"}
     for address, why in failed.items():
         err_console.print(f"[yellow]worker {address} did not answer ({why}); it follows within "
                           f"REFLOW_REGISTRY_POLL_S={settings.registry_poll_s:g}s[/]")  # fmt: skip
-    if addresses and not failed:
-        print(f"{len(addresses)} worker(s) now follow it")
+    if pushed and not failed:
+        print(f"{len(pushed)} worker(s) now follow it")
 
 
 @models_app.command("promote")
@@ -651,31 +650,21 @@ def workers_status(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON array.")] = False,
 ) -> None:
     """Each worker: loaded versions, queue, memory, its isolation and the connections it refused."""
-    import grpc
-
-    from feedback.promotion import worker_addresses
-    from reflow.mtls import worker_channel
-    from reflow.v1 import worker_pb2, worker_pb2_grpc
-    from workers.isolation import join_gateway_group
+    from reflow.v1 import worker_pb2
+    from reflow.worker_calls import call_workers
 
     settings = load_settings()
-    addresses = worker_addresses(settings)
-    if not addresses:
+    statuses = call_workers(settings, "Status", worker_pb2.WorkerStatusRequest(), timeout_s=5)
+    if not statuses:
         err_console.print(
             "[red]error:[/] no workers: set REFLOW_WORKERS or start `reflow up` in this data dir"
         )
         raise typer.Exit(1)
-    join_gateway_group(settings, create=False)  # isolated workers admit the gateway's group only
     rows: list[dict[str, Any]] = []
-    for address in addresses:
-        with worker_channel(address, settings) as channel:
-            try:
-                status = worker_pb2_grpc.WorkerStub(channel).Status(
-                    worker_pb2.WorkerStatusRequest(), timeout=5
-                )
-            except grpc.RpcError as error:
-                rows.append({"address": address, "error": f"{error.code().name}: {error.details()}"})
-                continue
+    for address, status in statuses.items():
+        if isinstance(status, str):
+            rows.append({"address": address, "error": status})
+            continue
         rows.append({
             "address": address, "isolation": status.isolation,
             "connections_dropped": status.connections_dropped, "connects_denied": status.connects_denied,

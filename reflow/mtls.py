@@ -9,6 +9,7 @@ files unset the channel is plaintext, for one machine.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -41,9 +42,8 @@ def channel_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
     )
 
 
-def worker_channel(address: str, settings: Settings) -> grpc.Channel:
-    """A blocking channel to a worker, over mTLS when configured."""
-    credentials = channel_credentials(settings)
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None, api: Any = grpc) -> Any:
+    """A channel of `api` (grpc, or grpc.aio) to a worker: plaintext, or TLS with `credentials`."""
     if credentials is None:
-        return grpc.insecure_channel(address)
-    return grpc.secure_channel(address, credentials)
+        return api.insecure_channel(address)
+    return api.secure_channel(address, credentials)

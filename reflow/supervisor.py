@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,6 +37,12 @@ STOP_MARGIN_S = 10.0  # beyond the children's own drain grace
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen
+
+
+def read_endpoints(data_dir: Path) -> dict[str, Any] | None:
+    """What a running `reflow up` wrote to `<data-dir>/endpoints.json`; None when it is not up."""
+    path = data_dir / ENDPOINTS_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -232,7 +239,7 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
         migrate(engine)
         ensure_tenant(engine, "default", resolve_api_key(settings, console))
         engine.dispose()
-        registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+        registry = Registry.from_settings(settings)
         ensure_base_model(settings, registry, console)
 
         bootstrap = settings.kafka_bootstrap

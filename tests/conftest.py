@@ -207,6 +207,7 @@ def swap_settings(settings: Settings, tmp_path: Path) -> Settings:
     registry.register(
         MODEL, save_model(tiny_model(1), tmp_path / "v2"), params={}, metrics={}, alias="staged"
     )
+    registry.delete_alias(MODEL, "staged")  # registering names an alias; v2 is to have none
     return settings.model_copy(
         update={"mlflow_tracking_uri": registry.tracking_uri, "mlflow_artifact_root": registry.artifact_root}
     )
@@ -248,7 +249,7 @@ async def start_worker(
     credentials: grpc.ServerCredentials | None = None,
 ) -> WorkerUnderTest:
     """A worker with `arith@alias` loaded, serving on a free port (over mTLS with `credentials`)."""
-    registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+    registry = Registry.from_settings(settings)
     servicer = WorkerServicer(Engine(config, WorkerMetrics()), registry, settings, torch.device("cpu"))
     await servicer.load(MODEL, alias=alias)
     server, port, _ = await create_worker(servicer, "127.0.0.1", 0, credentials)

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from feedback.bootstrap import evaluate
-from feedback.experiments import experiments
+from feedback.experiments import aware, experiments
 from feedback.pretrain import PretrainConfig
 from feedback.registry import Registry
 from feedback.store import FinetuneRun, open_engine
@@ -95,6 +95,9 @@ def test_the_loop_turns_by_itself_and_the_champion_gets_better(
     before, after = evaluate(base_model, PretrainConfig()), evaluate(promoted, PretrainConfig())
     assert after["accuracy_wide_range"] - before["accuracy_wide_range"] >= 0.20, (before, after)
     assert before["accuracy_in_range"] - after["accuracy_in_range"] <= 0.02, (before, after)
+    finetune_s = (aware(run.finished_at) - aware(run.started_at)).total_seconds()  # type: ignore[arg-type]
+    experiment_s = (aware(experiment.ended_at) - aware(experiment.started_at)).total_seconds()  # type: ignore[arg-type]
+    print(f"fine-tune job {finetune_s:.0f}s, experiment {experiment_s:.0f}s")
     print(f"loop turned in {turned_s:.0f}s: wide-range accuracy {before['accuracy_wide_range']:.1%} -> "
           f"{after['accuracy_wide_range']:.1%}")  # fmt: skip
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ class BpfError(RuntimeError):
     """The kernel or libbpf refused: the message says what, with the verifier's log if any."""
 
 
+@functools.cache
 def _libbpf() -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
@@ -112,6 +114,7 @@ class IsolationPrograms:
                     f"{self.log.tail()}"
                 )
             self._attach(cgroup_dir)
+            self._counters = self._map_fd("counters"), self.lib.libbpf_num_possible_cpus()
         except BaseException:
             self.close()
             raise
@@ -171,9 +174,8 @@ class IsolationPrograms:
 
     def counters(self) -> dict[str, int]:
         """The counters summed over CPUs."""
-        fd = self._map_fd("counters")
-        cpus = self.lib.libbpf_num_possible_cpus()
-        values = (ctypes.c_uint64 * cpus)()
+        fd, cpus = self._counters
+        values = (ctypes.c_uint64 * cpus)()  # per call: a scrape and a Status may read at once
         totals = {}
         for index, name in enumerate(COUNTERS):
             key = ctypes.c_uint32(index)

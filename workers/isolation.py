@@ -85,21 +85,24 @@ class EbpfIsolation:
         self.programs: IsolationPrograms | None = None
         self.group: Path | None = None
         self.origin: Path | None = None  # the group this process was in before
+        self.egress: list[tuple[Network, int]] = []
 
     def prepare(self) -> None:
         """Checks the host, creates this worker's group and attaches the programs to it."""
-        check_host(object_path(self.settings))
+        programs = object_path(self.settings)
+        check_host(programs)
         instance = instance_dir(self.settings)
         reconcile(instance)
         gateway = gateway_dir(self.settings)
+        self.egress = egress_policy(self.settings)
         self.group = instance / f"worker-{os.getpid()}"
         self.group.mkdir(exist_ok=True)
         try:
-            self.programs = IsolationPrograms(object_path(self.settings), self.group)
+            self.programs = IsolationPrograms(programs, self.group)
             self.programs.allow_cgroup(cgroup_id(gateway))
             for network in self.settings.isolation_allow_from:
                 self.programs.allow_source(ipaddress.ip_network(network, strict=False))
-            for network, port in egress_policy(self.settings):
+            for network, port in self.egress:
                 self.programs.allow_destination(network, port)
         except BaseException:
             self.teardown()
@@ -113,7 +116,7 @@ class EbpfIsolation:
         self.origin = current_group()
         join(self.group)
         probe = ipaddress.ip_network(PROBE_DESTINATION[0])
-        if any(probe.subnet_of(n) for n, _ in egress_policy(self.settings) if n.version == 4):  # type: ignore[arg-type]
+        if any(probe.subnet_of(n) for n, _ in self.egress if n.version == 4):  # type: ignore[arg-type]
             return  # the policy allows the probe's destination: nothing to learn from it
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
             try:
@@ -177,9 +180,10 @@ def check_host(object_path: Path) -> None:
     """IsolationUnavailable naming the first thing the host lacks."""
     if not Path("/proc/self/status").is_file():
         raise IsolationUnavailable(f"eBPF isolation needs Linux; {OPT_OUT}")
+    held = effective_capabilities()
     missing = [name for bit, name in ((CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"))
-               if not has_capability(bit)]  # fmt: skip
-    if not has_capability(CAP_BPF) and not has_capability(CAP_SYS_ADMIN):  # before Linux 5.8: SYS_ADMIN
+               if not held >> bit & 1]  # fmt: skip
+    if not (held >> CAP_BPF & 1 or held >> CAP_SYS_ADMIN & 1):  # before Linux 5.8: SYS_ADMIN
         missing.insert(0, "CAP_BPF")
     if missing:
         raise IsolationUnavailable(
@@ -192,12 +196,12 @@ def check_host(object_path: Path) -> None:
     cgroup2_root()
 
 
-def has_capability(bit: int) -> bool:
-    """Whether this process holds capability `bit` (effective set)."""
+def effective_capabilities() -> int:
+    """This process's effective capability set, as a bit mask (Linux)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> bit & 1)
-    return False
+            return int(line.split()[1], 16)
+    return 0
 
 
 def mounted_cgroup2() -> Path | None:

@@ -216,7 +216,7 @@ async def _serve_isolated(
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     device = resolve_device(settings.device)
-    registry = Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+    registry = Registry.from_settings(settings)
     metrics = WorkerMetrics()
     engine = Engine(engine_config(settings, device), metrics)
     servicer = WorkerServicer(engine, registry, settings, device)

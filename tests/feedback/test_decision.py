@@ -75,8 +75,28 @@ def test_looking_after_every_rating_keeps_false_promotions_below_alpha() -> None
             ever_naive = ever_naive or abs(z) > 1.96
         stopped += ever
         naive += ever_naive
+    print(f"A/A experiments ever stopped: mSPRT {stopped / runs:.1%}, peeking z-test {naive / runs:.1%}")
     assert stopped / runs <= RULES.alpha
     assert naive / runs > 2 * RULES.alpha  # what the sequential test protects against
+
+
+def test_a_correct_split_looked_at_again_and_again_is_rarely_flagged() -> None:
+    """The sample ratio check runs at every evaluation, so its 0.1% per look adds up: correctly
+    split experiments, looked at every 20 units up to 3,000, are flagged in a few percent."""
+    rng = np.random.default_rng(6)
+    runs, units = 2000, 3000
+    for traffic in (0.1, 0.5):
+        challenger = (rng.random((runs, units)) < traffic).cumsum(axis=1)
+        flagged = 0
+        for run in range(runs):
+            for n in range(20, units + 1, 20):
+                c = int(challenger[run, n - 1])
+                rules = Rules(traffic=traffic)
+                if decide(ArmStats(0, 0, units=n - c), ArmStats(0, 0, units=c), rules).outcome == "invalid":
+                    flagged += 1
+                    break
+        print(f"correct {traffic:.0%} splits flagged as mismatched: {flagged / runs:.1%}")
+        assert flagged / runs < 0.03
 
 
 def test_a_challenger_failing_everything_is_rolled_back_though_nothing_gets_rated() -> None:
@@ -87,5 +107,7 @@ def test_a_challenger_failing_everything_is_rolled_back_though_nothing_gets_rate
 
 
 def test_a_small_split_is_not_judged_yet() -> None:
-    assert decide(ArmStats(0, 0, units=9), ArmStats(0, 0, units=1), RULES).outcome == "continue"
+    assert (
+        decide(ArmStats(0, 0, units=30), ArmStats(0, 0, units=0), RULES).outcome == "continue"
+    )  # expects 15
     assert decide(ArmStats(0, 0, units=90), ArmStats(0, 0, units=10), RULES).outcome == "invalid"

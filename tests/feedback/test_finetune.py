@@ -49,10 +49,6 @@ def store(loop_settings: Settings) -> Iterator[Engine]:
     engine.dispose()
 
 
-def registry_of(settings: Settings) -> Registry:
-    return Registry(settings.resolved_tracking_uri, settings.resolved_artifact_root)
-
-
 def rate_served_answers(
     store: Engine, model: Transformer, operands: list[tuple[int, int]], answer_key: Callable[[int, int], int]
 ) -> None:
@@ -64,7 +60,7 @@ def rate_served_answers(
 def test_a_harmful_dataset_registers_nothing(
     loop_settings: Settings, store: Engine, base_model: Transformer
 ) -> None:
-    registry = registry_of(loop_settings)
+    registry = Registry.from_settings(loop_settings)
     operands = arith.sample_operands(300, 0, 49, random.Random(3))  # what the champion gets right
     rate_served_answers(store, base_model, operands, lambda a, b: a + b + 1)  # "corrected" wrongly
     settings = loop_settings.model_copy(update={"finetune_steps": 60})  # enough to do the damage
@@ -86,7 +82,7 @@ def test_too_little_new_feedback_skips_without_a_trace(
     loop_settings: Settings, store: Engine, base_model: Transformer
 ) -> None:
     rate_served_answers(store, base_model, arith.sample_operands(10, 50, 99, random.Random(4)), operator.add)
-    outcome = run_finetune(loop_settings, store, registry_of(loop_settings))
+    outcome = run_finetune(loop_settings, store, Registry.from_settings(loop_settings))
     assert outcome.status == "skipped" and "10 new labelled feedback item(s)" in outcome.message
     with Session(store) as session:
         assert session.scalars(select(FinetuneRun)).all() == []
@@ -101,7 +97,9 @@ def test_a_cancelled_run_gives_its_items_back(
         if step == 3:
             raise Cancelled("the scheduler is stopping")
 
-    outcome = run_finetune(loop_settings, store, registry_of(loop_settings), progress=stop_at_step_3)
+    outcome = run_finetune(
+        loop_settings, store, Registry.from_settings(loop_settings), progress=stop_at_step_3
+    )
 
     assert outcome.status == "failed" and "stopping" in outcome.message
     with Session(store) as session:

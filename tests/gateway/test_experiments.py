@@ -35,10 +35,11 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
 ) -> None:
     stack = await start_stack(swap_settings, requests_per_minute=0)
     store = open_engine(swap_settings.resolved_database_url)
-    registry = Registry(swap_settings.resolved_tracking_uri, swap_settings.resolved_artifact_root)
+    registry = Registry.from_settings(swap_settings)
     worker = stack.workers[0]
+    pushing = swap_settings.model_copy(update={"workers": [worker.address]})
     try:
-        [refused] = (await asyncio.to_thread(push_to_workers, [worker.address], swap_settings)).values()
+        [refused] = (await asyncio.to_thread(push_to_workers, pushing)).values()
         assert refused.startswith("FAILED_PRECONDITION")  # this worker follows no alias yet
         registry.set_alias(MODEL, CHALLENGER, "2")
         experiment = reconcile(store, registry, MODEL, traffic=0.5)
@@ -49,9 +50,7 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
 
         # the worker follows both aliases but never polls: only the push makes it load v2
         worker.servicer.follower = AliasFollower(worker.servicer, MODEL, [CHAMPION, CHALLENGER], poll_s=0)
-        assert (await asyncio.to_thread(push_to_workers, [worker.address], swap_settings)) == {
-            worker.address: "ok"
-        }
+        assert (await asyncio.to_thread(push_to_workers, pushing)) == {worker.address: "ok"}
         assert worker.engine.find(MODEL, "2") is not None
         await stack.pool.refresh()
 

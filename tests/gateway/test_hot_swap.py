@@ -41,7 +41,7 @@ async def following(worker: WorkerUnderTest, settings: Settings) -> AsyncIterato
 
 
 def move_champion(settings: Settings, version: str) -> None:
-    Registry(settings.resolved_tracking_uri).client.set_registered_model_alias(MODEL, "champion", version)
+    Registry.from_settings(settings).set_alias(MODEL, "champion", version)
 
 
 async def answer(stack: Stack, prompt: str) -> tuple[str, str]:

@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from reflow.client import Client
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import MODEL, Broker, local_registry, save_model, tiny_model
+from tests.feedback.test_consumer import wait_for
 from workers.ebpf import PROGRAMS, attached_programs
 from workers.isolation import DEFAULT_OBJECT, IsolationUnavailable, check_host, current_group, remove_instance
 
@@ -177,13 +178,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         allowed.close()
         broker.stop()
         remove_instance(Settings(data_dir=root))
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
 
 
 def test_the_gateway_reaches_an_isolated_worker_and_nothing_else_does(cluster: Cluster) -> None:

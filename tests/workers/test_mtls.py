@@ -17,9 +17,10 @@ from cryptography.x509.oid import NameOID
 
 from feedback.promotion import push_to_workers
 from gateway.routing import WorkerPool
-from reflow.mtls import channel_credentials, server_credentials, worker_channel
+from reflow.mtls import channel_credentials, server_credentials
 from reflow.settings import Settings
 from reflow.v1 import worker_pb2, worker_pb2_grpc
+from reflow.worker_calls import call_workers
 from tests.conftest import start_worker
 
 
@@ -110,15 +111,14 @@ async def test_mtls_admits_certificates_the_ca_signed_and_nothing_else(
                     await status(channel)
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
-        def control_status(tls: Settings) -> str:  # how `reflow workers status` calls a worker
-            with worker_channel(worker.address, tls) as channel:
-                stub = worker_pb2_grpc.WorkerStub(channel)
-                return stub.Status(worker_pb2.WorkerStatusRequest(), timeout=5).isolation
-
-        assert await asyncio.to_thread(control_status, gateway_settings) == "none"
-        pushed = await asyncio.to_thread(push_to_workers, [worker.address], gateway_settings)
+        control = gateway_settings.model_copy(update={"workers": [worker.address]})
+        status = worker_pb2.WorkerStatusRequest()  # how `reflow workers status` calls a worker
+        [answer] = (await asyncio.to_thread(call_workers, control, "Status", status, 5)).values()
+        assert answer.isolation == "none"
+        pushed = await asyncio.to_thread(push_to_workers, control)
         assert pushed[worker.address].startswith("FAILED_PRECONDITION")  # in, but follows no alias
-        refused = await asyncio.to_thread(push_to_workers, [worker.address], settings)  # no certificate
+        without_certificate = settings.model_copy(update={"workers": [worker.address]})
+        refused = await asyncio.to_thread(push_to_workers, without_certificate)
         assert refused[worker.address].startswith("UNAVAILABLE")
     finally:
         await pool.close()
