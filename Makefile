@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 NODE_CLIENT := tests/clients/node
 BPF_OBJ := build/bpf/isolation.bpf.o
-BPF_SRC := workers/bpf/isolation.bpf.c
+BPF_SRC := workers/isolation/bpf/isolation.bpf.c
 BPF_CFLAGS := -O2 -g -Wall -target bpf -I/usr/include/$(shell uname -m)-linux-gnu
 HAVE_BPF_TOOLS = command -v clang >/dev/null && [ -f /usr/include/bpf/bpf_helpers.h ]
 
@@ -52,6 +52,7 @@ run: install
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 
 test: install-test lint
 	$(BIN)/python -m pytest

@@ -26,18 +26,19 @@ from pathlib import Path
 
 import grpc
 
-from feedback.registry import Registry
-from feedback.store import migrate, open_engine
 from gateway.tenants import create_tenant
+from reflow.cli.supervisor import Supervisor, wait_serving
+from reflow.registry import Registry
 from reflow.settings import Settings
-from reflow.supervisor import Supervisor, wait_serving
+from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2, inference_pb2_grpc
 from workers.engine import Engine
-from workers.loading import load_directory, resolve_device
-from workers.model import ModelConfig, Transformer, init_weights
+from workers.loading import load_directory
+from workers.models.builtin import ModelConfig, Transformer, init_weights
+from workers.models.byte_tokenizer import ByteTokenizer
+from workers.models.loader import resolve_device
 from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
-from workers.tokenizer import ByteTokenizer
 
 LEVELS = (1, 8, 32, 64)
 

@@ -30,15 +30,17 @@ import grpc
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
-from feedback.broker import tansu_command, wait_listening
-from feedback.ingest import ingest
-from feedback.kafka import ensure_topics, new_consumer, new_producer
-from feedback.publisher import Publisher
-from feedback.store import FeedbackItem, migrate, open_engine
-from gateway.request_ids import RequestIds
+from feedback.bus.broker import tansu_command, wait_listening
+from feedback.bus.kafka import ensure_topics, new_consumer, new_producer
+from feedback.bus.publisher import Publisher
+from feedback.intake.ingest import ingest
 from gateway.tenants import create_tenant
+from reflow.cli.supervisor import Supervisor, wait_serving
+from reflow.request_ids import RequestIds
+from reflow.serving import free_port
 from reflow.settings import Settings
-from reflow.supervisor import Supervisor, free_port, wait_serving
+from reflow.store.database import migrate, open_engine
+from reflow.store.tables import FeedbackItem
 from reflow.v1 import inference_pb2, inference_pb2_grpc
 
 RAW_TOPIC = "bench.raw"

@@ -19,18 +19,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from feedback import arith
-from feedback.bootstrap import evaluate
-from feedback.consumer import store_events
-from feedback.experiments import CHALLENGER
-from feedback.jobs import run_finetune
-from feedback.pretrain import PretrainConfig, train_base_model
-from feedback.registry import Registry
-from feedback.simulate import rated_offline
-from feedback.store import migrate, open_engine
+from feedback.intake.consumer import store_events
+from feedback.tasks import arith
+from feedback.tasks.simulate import rated_offline
+from feedback.training.bootstrap import evaluate
+from feedback.training.job import run_finetune
+from feedback.training.pretrain import PretrainConfig, train_base_model
+from reflow.registry import CHALLENGER, Registry
 from reflow.settings import Settings
-from workers.model import Transformer
-from workers.tokenizer import ByteTokenizer
+from reflow.store.database import migrate, open_engine
+from workers.models.builtin import Transformer
+from workers.models.byte_tokenizer import ByteTokenizer
 
 
 def main() -> None:

@@ -25,13 +25,14 @@ from pathlib import Path
 import grpc
 from decode_throughput import register_random_model  # this script's directory is on sys.path
 
-from feedback.broker import tansu_command, wait_listening
-from feedback.promotion import push_to_workers
-from feedback.registry import Registry
-from feedback.store import migrate, open_engine
+from feedback.bus.broker import tansu_command, wait_listening
+from feedback.experiments.promotion import push_to_workers
 from gateway.tenants import create_tenant
+from reflow.cli.supervisor import Supervisor, wait_serving
+from reflow.registry import Registry
+from reflow.serving import free_port
 from reflow.settings import Settings
-from reflow.supervisor import Supervisor, free_port, wait_serving
+from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 STEADY_S = 8.0

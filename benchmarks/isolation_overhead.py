@@ -29,18 +29,11 @@ import grpc
 from decode_throughput import register_random_model  # this script's directory is on sys.path
 from hot_swap import percentile
 
+from reflow.cgroups import IsolationUnavailable, current_group, join, join_gateway_group, remove_instance
+from reflow.cli.supervisor import Supervisor
 from reflow.settings import Settings
-from reflow.supervisor import Supervisor
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
-from workers.isolation import (
-    DEFAULT_OBJECT,
-    IsolationUnavailable,
-    check_host,
-    current_group,
-    join,
-    join_gateway_group,
-    remove_instance,
-)
+from workers.isolation.host import DEFAULT_OBJECT, check_host
 
 LOCAL_POOL = ("grpc.use_local_subchannel_pool", 1)
 
@@ -115,7 +108,7 @@ def main() -> None:
                 for mode in ("ebpf", "none")
             }  # fmt: skip
             workers = {mode: r["address"] for mode, r in ready.items()}
-            assert join_gateway_group(settings, create=False), "the gateway's cgroup is missing"
+            assert join_gateway_group(settings.data_dir, create=False), "the gateway's cgroup is missing"
             asyncio.run(round_of(workers["none"], 2.0, args.concurrency, False))  # warm-up, both
             asyncio.run(round_of(workers["ebpf"], 2.0, args.concurrency, False))
             for round_number in range(args.rounds):
@@ -133,7 +126,7 @@ def main() -> None:
         finally:
             supervisor.stop()
             join(origin)  # out of the gateway's group, so it can be removed
-            remove_instance(settings)
+            remove_instance(settings.data_dir)
     on, off = (
         [statistics.median(column) for column in zip(*results[m], strict=True)] for m in ("ebpf", "none")
     )

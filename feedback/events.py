@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import datetime
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
@@ -23,7 +23,8 @@ from pydantic import (
     field_validator,
 )
 
-from feedback.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC
+from feedback.bus.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC, Record
+from reflow.request_ids import RequestIds
 
 MAX_ID_CHARS = 128
 MAX_REQUEST_ID_CHARS = 64
@@ -58,14 +59,6 @@ Text = Annotated[str, NoNul]
 Correction = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS), NoNul]
 LabelText = Annotated[str, StringConstraints(max_length=MAX_LABEL_CHARS), NoNul]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-
-
-class Record(NamedTuple):
-    """One Kafka record: its topic, key (orders records of one request) and JSON value."""
-
-    topic: str
-    key: bytes
-    value: bytes
 
 
 class _Event(BaseModel):
@@ -181,6 +174,16 @@ def feedback_event(tenant: str, fields: dict[str, object], time: datetime) -> Fe
     except ValidationError as error:
         raise InvalidFeedback(describe(error)) from None
     return event if given_id else event.model_copy(update={"feedback_id": derive_feedback_id(event)})
+
+
+def require_served(event: FeedbackEvent, request_ids: RequestIds) -> FeedbackEvent:
+    """`event` when it rates a completion served to its tenant; NotYourRequest otherwise."""
+    if not request_ids.served_to(event.request_id, event.tenant):
+        raise NotYourRequest(
+            f"request {event.request_id!r} was not served to this tenant; "
+            "rate only completions your API key received"
+        )
+    return event
 
 
 def decode(topic: str, value: bytes | None) -> InferenceEvent | FeedbackEvent:

@@ -23,7 +23,7 @@ from sqlalchemy import Engine
 from reflow.settings import Settings
 
 if TYPE_CHECKING:
-    from feedback.registry import Registry  # slow import: loaded by the jobs themselves
+    from reflow.registry import Registry  # slow import: loaded by the jobs themselves
 
 logger = logging.getLogger(__name__)
 FINETUNE_JOB = "finetune"
@@ -35,7 +35,7 @@ STOPPING = threading.Event()  # set when the scheduler stops: a running fine-tun
 def finetune_job() -> None:
     """The scheduled fine-tune: runs only when enough new labelled feedback has arrived; stops
     between two training steps when the scheduler is stopping."""
-    from feedback.jobs import Cancelled, run_finetune
+    from feedback.training.job import Cancelled, run_finetune
 
     def stop_when_stopping(_step: int, _total: int, _loss: float) -> None:
         if STOPPING.is_set():
@@ -50,7 +50,7 @@ def finetune_job() -> None:
 
 def evaluate_job() -> None:
     """The scheduled evaluation of running experiments (and opening one for a new challenger)."""
-    from feedback.evaluate import evaluate_experiments
+    from feedback.experiments.job import evaluate_experiments
 
     def run(settings: Settings, engine: Engine, registry: Registry) -> None:
         evaluate_experiments(settings, engine, registry)
@@ -60,8 +60,8 @@ def evaluate_job() -> None:
 
 def _with_store(job: Callable[[Settings, Engine, Registry], None]) -> None:
     """Runs `job` with fresh settings, a store engine and the registry, then closes the engine."""
-    from feedback.registry import Registry
-    from feedback.store import open_engine
+    from reflow.registry import Registry
+    from reflow.store.database import open_engine
 
     settings = Settings()
     engine = open_engine(settings.resolved_database_url)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from workers.metrics import LATENCY_BUCKETS
+from reflow.metrics import LATENCY_BUCKETS
 
 
 class GatewayMetrics:

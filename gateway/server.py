@@ -13,6 +13,8 @@ import grpc
 from kafka.errors import KafkaError
 from pydantic import ValidationError
 
+from feedback.bus.kafka import ensure_topics, resolve_bootstrap
+from feedback.bus.publisher import Publisher
 from feedback.events import (
     InferenceEvent,
     InvalidFeedback,
@@ -20,20 +22,17 @@ from feedback.events import (
     Record,
     TokenUsage,
     feedback_event,
+    require_served,
     storable,
 )
-from feedback.experiments import CHALLENGER
-from feedback.kafka import ensure_topics, resolve_bootstrap
-from feedback.publisher import Publisher
-from feedback.store import open_engine, require_current_schema, utcnow
+from gateway.assignment import Assignment, ExperimentView
 from gateway.auth import Authenticator
-from gateway.experiments import Assignment, ExperimentView
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
-from gateway.request_ids import RequestIds
 from gateway.routing import ModelSpec, WorkerHandle, WorkerPool
 from gateway.tenants import TenantInfo
 from gateway.validation import check_request, worker_request
+from reflow.cgroups import join_gateway_group
 from reflow.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -44,6 +43,8 @@ from reflow.errors import (
     Unavailable,
 )
 from reflow.mtls import channel_credentials
+from reflow.registry import CHALLENGER
+from reflow.request_ids import RequestIds
 from reflow.serving import (
     bind,
     host_port,
@@ -54,9 +55,10 @@ from reflow.serving import (
     write_ready_file,
 )
 from reflow.settings import Settings
+from reflow.store.database import open_engine, require_current_schema
+from reflow.store.tables import utcnow
 from reflow.streaming import Mailbox
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
-from workers.isolation import join_gateway_group
 
 logger = logging.getLogger(__name__)
 FEEDBACK_CHUNK = 500  # SubmitFeedback items handed over to Kafka together
@@ -337,7 +339,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 "correction": item.correction, "user_id": item.user_id, "labels": dict(item.labels),
             }  # fmt: skip
             try:
-                event = self.request_ids.require_served_to(feedback_event(tenant.name, fields, utcnow()))
+                event = require_served(feedback_event(tenant.name, fields, utcnow()), self.request_ids)
             except InvalidFeedback as error:
                 first_error = first_error or error
                 ack.rejected += 1
@@ -495,7 +497,8 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
     """`reflow gateway`: serve until SIGINT/SIGTERM, then drain in-flight streams."""
     if not settings.workers:
         raise ReflowError("no workers configured; set REFLOW_WORKERS=host:port[,host:port]")
-    if join_gateway_group(settings):  # first, so every socket it makes is the gateway's
+    # first, so every socket it makes is the gateway's
+    if settings.isolation != "none" and join_gateway_group(settings.data_dir):
         logger.info("gateway in the cgroup isolated workers admit")
     bootstrap = resolve_bootstrap(settings)
     try:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from feedback.store import Tenant, utcnow
 from reflow.settings import MIN_API_KEY_LENGTH
+from reflow.store.tables import Tenant, utcnow
 
 KEY_PREFIX = "rf_"
 

@@ -1,10 +1,10 @@
-"""Alembic environment: runs migrations on the engine that feedback.store hands over."""
+"""Alembic environment: runs migrations on the engine that reflow.store.database hands over."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from feedback.store import Base
+from reflow.store.tables import Base
 
 engine = context.config.attributes["engine"]
 with engine.begin() as connection:

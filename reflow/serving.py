@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
@@ -68,6 +69,13 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> t
     """Serves `registry` for Prometheus on host:port (0 = free); returns the server and its URL."""
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return server, f"http://{host}:{server.server_port}/metrics"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (for children that cannot report their own)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def write_json_atomically(path: Path, data: object) -> None:

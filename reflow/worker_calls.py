@@ -11,11 +11,11 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from reflow.cgroups import join_gateway_group
+from reflow.endpoints import read_endpoints
 from reflow.mtls import channel_credentials, open_channel
 from reflow.settings import Settings
-from reflow.supervisor import read_endpoints
 from reflow.v1 import worker_pb2_grpc
-from workers.isolation import join_gateway_group
 
 
 def worker_addresses(settings: Settings) -> list[str]:
@@ -34,7 +34,8 @@ def call_workers(settings: Settings, method: str, request: Message, timeout_s: f
     addresses = worker_addresses(settings)
     if not addresses:
         return {}
-    join_gateway_group(settings, create=False)
+    if settings.isolation != "none":
+        join_gateway_group(settings.data_dir, create=False)
     credentials = channel_credentials(settings)
 
     def call(address: str) -> Any:

@@ -18,26 +18,27 @@ import torch
 from kafka.consumer.fetcher import ConsumerRecord
 from sqlalchemy import Engine as SqlEngine
 
-from feedback.broker import tansu_command, wait_listening
-from feedback.consumer import StoreConsumer
-from feedback.kafka import ensure_topics, new_consumer
-from feedback.pretrain import PretrainConfig, train_base_model
-from feedback.publisher import Publisher
-from feedback.registry import Registry, VersionRef
-from feedback.store import migrate, open_engine
+from feedback.bus.broker import tansu_command, wait_listening
+from feedback.bus.kafka import ensure_topics, new_consumer
+from feedback.bus.publisher import Publisher
+from feedback.intake.consumer import StoreConsumer
+from feedback.training.pretrain import PretrainConfig, train_base_model
 from gateway.metrics import GatewayMetrics
 from gateway.routing import WorkerPool
 from gateway.server import create_server as create_gateway
 from gateway.tenants import create_tenant
+from reflow.registry import Registry, VersionRef
+from reflow.serving import free_port
 from reflow.settings import Settings
-from reflow.supervisor import free_port
+from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2_grpc, worker_pb2_grpc
 from workers.engine import Engine, EngineConfig
 from workers.metrics import WorkerMetrics
-from workers.model import ModelConfig, Transformer, init_weights
+from workers.models.builtin import ModelConfig, Transformer, init_weights
+from workers.models.byte_tokenizer import ByteTokenizer
 from workers.server import WorkerServicer
 from workers.server import create_server as create_worker
-from workers.tokenizer import ByteTokenizer
+from workers.versions import Versions
 
 MODEL = "arith"
 
@@ -250,8 +251,11 @@ async def start_worker(
 ) -> WorkerUnderTest:
     """A worker with `arith@alias` loaded, serving on a free port (over mTLS with `credentials`)."""
     registry = Registry.from_settings(settings)
-    servicer = WorkerServicer(Engine(config, WorkerMetrics()), registry, settings, torch.device("cpu"))
-    await servicer.load(MODEL, alias=alias)
+    versions = Versions(
+        Engine(config, WorkerMetrics()), registry, settings.model_cache_dir, torch.device("cpu")
+    )
+    await versions.load(MODEL, alias=alias)
+    servicer = WorkerServicer(versions)
     server, port, _ = await create_worker(servicer, "127.0.0.1", 0, credentials)
     return WorkerUnderTest(server, servicer, f"127.0.0.1:{port}")
 

@@ -14,15 +14,16 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from feedback.bootstrap import evaluate
-from feedback.experiments import aware, experiments
-from feedback.pretrain import PretrainConfig
-from feedback.registry import Registry
-from feedback.store import FinetuneRun, open_engine
+from feedback.experiments.lifecycle import experiments
+from feedback.training.bootstrap import evaluate
+from feedback.training.pretrain import PretrainConfig
 from reflow.client import Client
+from reflow.registry import Registry
+from reflow.store.database import open_engine
+from reflow.store.tables import FinetuneRun, aware
 from tests.conftest import MODEL, save_model
 from tests.test_up import Up
-from workers.model import Transformer
+from workers.models.builtin import Transformer
 
 pytestmark = pytest.mark.slow
 LOOP_TIMEOUT_S = 420  # a turn takes 2-3 minutes on two busy CPU cores

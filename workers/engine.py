@@ -24,7 +24,7 @@ from reflow.streaming import Mailbox
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
 from workers.sampling import make_generator, sample
-from workers.scheduler import Request, Scheduler
+from workers.scheduler import Output, Request, Scheduler
 from workers.sequence import Delta, GenerationParams, Sequence
 
 logger = logging.getLogger(__name__)
@@ -34,8 +34,6 @@ logger = logging.getLogger(__name__)
 # so decode batches are padded to 4: a sequence's greedy tokens are then the same alone or
 # in any batch mix.
 MIN_DECODE_ROWS = 4
-
-Output = tuple[Request, Delta | BaseException]
 
 
 @dataclass(frozen=True)

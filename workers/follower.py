@@ -15,10 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from workers.server import WorkerServicer
+from workers.versions import Versions
 
 logger = logging.getLogger(__name__)
 RETIRE_IDLE_S = 10.0  # well beyond the gateway's status poll (REFLOW_WORKER_POLL_S, 1 s by default)
@@ -29,13 +27,13 @@ class AliasFollower:
 
     def __init__(
         self,
-        servicer: WorkerServicer,
+        versions: Versions,
         name: str,
         aliases: list[str],
         poll_s: float,
         retire_idle_s: float = RETIRE_IDLE_S,
     ):
-        self.servicer = servicer
+        self.versions = versions
         self.name = name
         self.aliases = aliases
         self.poll_s = poll_s
@@ -56,7 +54,7 @@ class AliasFollower:
 
     async def sync(self) -> None:
         """One round: load and move every alias that points elsewhere, unload what is idle."""
-        registry, engine = self.servicer.registry, self.servicer.engine
+        registry, engine = self.versions.registry, self.versions.engine
         if registry is None:
             return
         async with self._lock:
@@ -68,7 +66,7 @@ class AliasFollower:
                 holders = [m for m in engine.loaded() if m.name == self.name and alias in m.aliases]
                 if [m.version for m in holders] == ([target] if target is not None else []):
                     continue  # already where the registry points (or absent on both sides)
-                loaded = await self.servicer.load(self.name, version=target) if target is not None else None
+                loaded = await self.versions.load(self.name, version=target) if target is not None else None
                 for previous in holders:  # the move itself: no await between these lines
                     previous.aliases.discard(alias)
                     if not previous.aliases:
@@ -85,11 +83,11 @@ class AliasFollower:
     def _retire_idle(self) -> None:
         now = time.monotonic()
         for version in sorted(self._released):
-            loaded = self.servicer.engine.find(self.name, version)
+            loaded = self.versions.engine.find(self.name, version)
             if loaded is None or loaded.aliases:
                 self._released.discard(version)
             elif now - loaded.last_request > self.retire_idle_s:
-                self.servicer.engine.remove(self.name, version)
+                self.versions.engine.remove(self.name, version)
                 self._released.discard(version)
                 logger.info(
                     "unloaded %s/%s: no alias and no request for %.0fs",

@@ -8,19 +8,9 @@ from pathlib import Path
 
 import torch
 
-from feedback.registry import Registry, VersionRef
-from workers.model import Transformer
-from workers.tokenizer import ByteTokenizer
-
-
-def resolve_device(setting: str) -> torch.device:
-    """`auto` is the first CUDA device when present, else the CPU; anything else as given."""
-    if setting == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    device = torch.device(setting)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"REFLOW_DEVICE={setting} but torch sees no CUDA device; use cpu or auto")
-    return device
+from reflow.registry import Registry, VersionRef
+from workers.models.builtin import Transformer
+from workers.models.byte_tokenizer import ByteTokenizer
 
 
 @dataclass

@@ -5,17 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from workers.engine import Output
-
-LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256)
+from reflow.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+from workers.scheduler import Output
 
 
 class WorkerMetrics:

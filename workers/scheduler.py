@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from reflow.errors import NotFound, ResourceExhausted
-from workers.sequence import Sequence
+from workers.sequence import Delta, Sequence
 
 
 @dataclass(eq=False)
@@ -32,6 +32,9 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.sequence.prompt_ids)
+
+
+Output = tuple[Request, Delta | BaseException]  # what a step gives one request: a delta or its failure
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from workers.models.byte_tokenizer import ByteTokenizer, IncrementalDecoder
 from workers.sampling import SamplingParams
-from workers.tokenizer import ByteTokenizer, IncrementalDecoder
 
 
 class FinishReason(enum.Enum):

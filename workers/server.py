@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 import torch
 
-from feedback.registry import Registry
-from reflow.errors import FailedPrecondition, InvalidArgument, NotFound
+from reflow.errors import FailedPrecondition, InvalidArgument
 from reflow.mtls import server_credentials
+from reflow.registry import Registry
 from reflow.serving import (
     bind,
     host_port,
@@ -29,10 +29,12 @@ from reflow.v1 import worker_pb2, worker_pb2_grpc
 from workers.engine import Engine, EngineConfig
 from workers.follower import AliasFollower
 from workers.isolation import Isolation, NoIsolation, isolate
-from workers.loading import LoadedModel, load_version, resolve_device
+from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
+from workers.models.loader import resolve_device
 from workers.sampling import SamplingParams
 from workers.sequence import Delta, GenerationParams
+from workers.versions import Versions
 
 logger = logging.getLogger(__name__)
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -92,13 +94,11 @@ def resident_memory_bytes() -> int:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves the versions held by an Engine."""
 
-    def __init__(self, engine: Engine, registry: Registry | None, settings: Settings, device: torch.device):
-        self.engine = engine
-        self.registry = registry
-        self.settings = settings
-        self.device = device
+    def __init__(self, versions: Versions, isolation: Isolation | None = None):
+        self.versions = versions
+        self.engine = versions.engine
         self.follower: AliasFollower | None = None  # None when pinned to one version
-        self.isolation: Isolation = NoIsolation()
+        self.isolation: Isolation = isolation or NoIsolation()
 
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
@@ -128,7 +128,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def status(self) -> worker_pb2.WorkerStatusResponse:
         """Loaded versions, queue depth and memory."""
-        device_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        device = self.versions.device
+        device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         stats = self.isolation.stats()
         return worker_pb2.WorkerStatusResponse(
             loaded=[loaded_to_pb(m) for m in self.engine.loaded()],
@@ -148,32 +149,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.LoadResponse:
         if not request.model or not (request.version or request.alias):
             raise InvalidArgument("Load needs a model and a version or an alias")
-        loaded = await self.load(request.model, version=request.version, alias=request.alias)
+        loaded = await self.versions.load(request.model, version=request.version, alias=request.alias)
         return worker_pb2.LoadResponse(loaded=loaded_to_pb(loaded))
 
     async def Unload(
         self, request: worker_pb2.UnloadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.UnloadResponse:
         return worker_pb2.UnloadResponse(unloaded=self.engine.remove(request.model, request.version))
-
-    async def load(self, name: str, *, version: str = "", alias: str = "") -> LoadedModel:
-        """Resolves, fetches and loads a version off the event loop, then makes it servable."""
-        if self.registry is None:
-            raise NotFound("this worker has no registry to load from")
-        registry = self.registry
-        try:
-            ref = await asyncio.to_thread(registry.resolve, name, version=version, alias=alias)
-        except LookupError as error:
-            raise NotFound(str(error)) from error
-        if (present := self.engine.find(name, ref.version)) is not None:
-            present.aliases |= {alias} if alias else set()
-            return present
-        # Fetch and build on a side thread: running sequences keep decoding meanwhile.
-        cache = self.settings.model_cache_dir
-        loaded = await asyncio.to_thread(load_version, registry, ref, cache, self.device, alias)
-        await asyncio.to_thread(self.engine.add, loaded)  # compiles and warms up first when enabled
-        logger.info("loaded model=%s version=%s alias=%s device=%s", name, ref.version, alias, self.device)
-        return loaded
 
 
 async def create_server(
@@ -216,19 +198,18 @@ async def _serve_isolated(
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     device = resolve_device(settings.device)
-    registry = Registry.from_settings(settings)
     metrics = WorkerMetrics()
     engine = Engine(engine_config(settings, device), metrics)
-    servicer = WorkerServicer(engine, registry, settings, device)
-    servicer.isolation = isolation
+    versions = Versions(engine, Registry.from_settings(settings), settings.model_cache_dir, device)
+    servicer = WorkerServicer(versions, isolation)
     metrics.watch_isolation(isolation.stats)
     follower = None
     if version:  # pinned: serve exactly this version
-        await servicer.load(settings.model_name, version=version)
+        await versions.load(settings.model_name, version=version)
     else:  # the default alias must exist; the others (a challenger) are loaded when they do
-        await servicer.load(settings.model_name, alias=settings.model_alias)
+        await versions.load(settings.model_name, alias=settings.model_alias)
         follower = servicer.follower = AliasFollower(
-            servicer, settings.model_name, settings.worker_aliases, settings.registry_poll_s
+            versions, settings.model_name, settings.worker_aliases, settings.registry_poll_s
         )
         await follower.sync()
     server, port, health_servicer = await create_server(

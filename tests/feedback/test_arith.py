@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from feedback.arith import (
+from feedback.tasks.arith import (
     accuracy,
     format_prompt,
     greedy_answers,
@@ -17,10 +17,10 @@ from feedback.arith import (
     sample_operands,
     training_example,
 )
-from feedback.pretrain import PretrainConfig, train_base_model
+from feedback.training.pretrain import PretrainConfig, train_base_model
 from tests.conftest import reference_greedy
-from workers.model import ModelConfig, Transformer, init_weights
-from workers.tokenizer import ByteTokenizer
+from workers.models.builtin import ModelConfig, Transformer, init_weights
+from workers.models.byte_tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 

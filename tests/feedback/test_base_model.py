@@ -8,14 +8,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from feedback import arith
-from feedback.bootstrap import evaluate
-from feedback.pretrain import PretrainConfig
+from feedback.tasks import arith
+from feedback.training.bootstrap import evaluate
+from feedback.training.pretrain import PretrainConfig
 from workers.engine import Engine
 from workers.loading import LoadedModel
-from workers.model import Transformer
+from workers.models.builtin import Transformer
+from workers.models.byte_tokenizer import ByteTokenizer
 from workers.sequence import Delta, FinishReason, GenerationParams
-from workers.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.slow
 TOK = ByteTokenizer()

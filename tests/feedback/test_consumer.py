@@ -14,11 +14,11 @@ import pytest
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
-from feedback.consumer import StoreConsumer
-from feedback.events import FeedbackEvent, InferenceEvent, Latency, Record, TokenUsage
-from feedback.kafka import DLQ_TOPIC, FEEDBACK_TOPIC, new_producer
-from feedback.stats import kafka_stats, store_counts
-from feedback.store import FeedbackItem, Inference
+from feedback.bus.kafka import DLQ_TOPIC, FEEDBACK_TOPIC, Record, new_producer
+from feedback.events import FeedbackEvent, InferenceEvent, Latency, TokenUsage
+from feedback.intake.consumer import StoreConsumer
+from feedback.intake.stats import kafka_stats, store_counts
+from reflow.store.tables import FeedbackItem, Inference
 from tests.conftest import Broker, consuming
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from feedback.decision import ArmStats, Rules, decide, likelihood_ratio, sample_ratio_p
+from feedback.experiments.decision import ArmStats, Rules, decide, likelihood_ratio, sample_ratio_p
 
 RULES = Rules(alpha=0.05, min_samples=100, traffic=0.5)
 

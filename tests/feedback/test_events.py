@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from feedback.events import InvalidFeedback, NotYourRequest, decode, feedback_event
-from feedback.kafka import INFERENCES_TOPIC
-from feedback.store import migrate, open_engine, utcnow
-from gateway.request_ids import RequestIds
+from feedback.bus.kafka import INFERENCES_TOPIC
+from feedback.events import InvalidFeedback, NotYourRequest, decode, feedback_event, require_served
+from reflow.request_ids import RequestIds
+from reflow.store.database import migrate, open_engine
+from reflow.store.tables import utcnow
 
 
 def event(**fields: object):  # type: ignore[no-untyped-def]
@@ -70,7 +71,7 @@ def test_request_ids_are_signed_for_their_tenant(tmp_path: Path) -> None:
     assert not ids.served_to(forged, "acme")
     assert not ids.served_to("short", "acme")
     assert not ids.served_to("é" * 48, "acme")  # refused, not an error
-    assert ids.require_served_to(event(request_id=request_id)).request_id == request_id
+    assert require_served(event(request_id=request_id), ids).request_id == request_id
     with pytest.raises(NotYourRequest, match="not served to this tenant"):
-        ids.require_served_to(event(request_id=ids.new("globex")))
+        require_served(event(request_id=ids.new("globex")), ids)
     assert not RequestIds(b"another key").served_to(request_id, "acme")

@@ -17,25 +17,17 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from feedback.consumer import store_events
-from feedback.decision import decide
-from feedback.evaluate import Evaluation, evaluate_experiments, rules
 from feedback.events import FeedbackEvent, InferenceEvent, Latency, TokenUsage
-from feedback.experiments import (
-    CHALLENGER,
-    CHAMPION,
-    RunningExperiment,
-    arm_stats,
-    assigned_arm,
-    history,
-    reconcile,
-    record,
-    running_experiment,
-)
-from feedback.jobs import run_finetune
-from feedback.registry import Registry
-from feedback.store import Experiment, ExperimentDecision, utcnow
+from feedback.experiments.decision import decide
+from feedback.experiments.job import Evaluation, evaluate_experiments, rules
+from feedback.experiments.lifecycle import arm_stats, history, reconcile, record
+from feedback.intake.consumer import store_events
+from feedback.training.job import run_finetune
+from gateway.assignment import assigned_arm
+from reflow.registry import CHALLENGER, CHAMPION, Registry
 from reflow.settings import Settings
+from reflow.store.experiments import RunningExperiment, running_experiment
+from reflow.store.tables import Experiment, ExperimentDecision, utcnow
 from tests.conftest import MODEL, local_registry, save_model, tiny_model
 
 

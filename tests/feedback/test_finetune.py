@@ -13,17 +13,17 @@ import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from feedback import arith
-from feedback.consumer import store_events
-from feedback.dataset import count_new
-from feedback.experiments import CHALLENGER
-from feedback.jobs import Cancelled, run_finetune
-from feedback.registry import Registry
-from feedback.simulate import rated_offline
-from feedback.store import FinetuneRun, migrate, open_engine
+from feedback.intake.consumer import store_events
+from feedback.tasks import arith
+from feedback.tasks.simulate import rated_offline
+from feedback.training.dataset import count_new
+from feedback.training.job import Cancelled, run_finetune
+from reflow.registry import CHALLENGER, Registry
 from reflow.settings import Settings
+from reflow.store.database import migrate, open_engine
+from reflow.store.tables import FinetuneRun
 from tests.conftest import MODEL, local_registry, save_model
-from workers.model import Transformer
+from workers.models.builtin import Transformer
 
 pytestmark = pytest.mark.slow
 

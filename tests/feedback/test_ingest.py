@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from feedback.stats import kafka_stats, store_counts
-from feedback.store import migrate, open_engine
-from gateway.request_ids import RequestIds
+from feedback.intake.stats import kafka_stats, store_counts
 from gateway.tenants import create_tenant
+from reflow.request_ids import RequestIds
 from reflow.settings import Settings
+from reflow.store.database import migrate, open_engine
 from tests.conftest import Broker, consuming
 from tests.feedback.test_consumer import wait_for
 

@@ -6,7 +6,14 @@ import time
 
 from kafka.structs import TopicPartition
 
-from feedback.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC, TOPICS, ensure_topics, new_admin, new_consumer
+from feedback.bus.kafka import (
+    FEEDBACK_TOPIC,
+    INFERENCES_TOPIC,
+    TOPICS,
+    ensure_topics,
+    new_admin,
+    new_consumer,
+)
 from tests.conftest import Broker
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from feedback.kto import kto_loss, sequence_logps
+from feedback.training.kto import kto_loss, sequence_logps
 from tests.conftest import tiny_model
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from feedback.experiments import history, reconcile
-from feedback.registry import Registry
-from feedback.store import migrate, open_engine
+from feedback.experiments.lifecycle import history, reconcile
+from reflow.registry import Registry
+from reflow.store.database import migrate, open_engine
 from tests.conftest import MODEL, local_registry, save_model, tiny_model
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from feedback.events import Record
-from feedback.kafka import FEEDBACK_TOPIC
-from feedback.publisher import Publisher
+from feedback.bus.kafka import FEEDBACK_TOPIC, Record
+from feedback.bus.publisher import Publisher
 from tests.conftest import Broker
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from feedback.registry import MODEL_FILES
+from reflow.registry import MODEL_FILES
 from tests.conftest import local_registry, save_model, tiny_model
 
 

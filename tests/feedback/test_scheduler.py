@@ -12,9 +12,10 @@ from apscheduler.triggers.interval import IntervalTrigger
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from feedback.jobs import STALE_AFTER, claim_run
 from feedback.scheduler import FINETUNE_JOB, ensure_finetune_job, finetune_job, new_scheduler
-from feedback.store import FeedbackItem, FinetuneRun, migrate, open_engine, utcnow
+from feedback.training.job import STALE_AFTER, claim_run
+from reflow.store.database import migrate, open_engine
+from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
 
 
 def store(tmp_path: Path):  # type: ignore[no-untyped-def]

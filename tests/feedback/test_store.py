@@ -7,7 +7,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
-from feedback.store import Base, downgrade, migrate, open_engine, require_current_schema, schema_is_current
+from reflow.store.database import downgrade, migrate, open_engine, require_current_schema, schema_is_current
+from reflow.store.tables import Base
 
 
 def test_migrations_upgrade_and_downgrade(database_url: str) -> None:

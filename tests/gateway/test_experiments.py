@@ -8,11 +8,13 @@ import asyncio
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from feedback.experiments import CHALLENGER, CHAMPION, assigned_arm, reconcile
-from feedback.promotion import push_to_workers
-from feedback.registry import Registry
-from feedback.store import Inference, open_engine
+from feedback.experiments.lifecycle import reconcile
+from feedback.experiments.promotion import push_to_workers
+from gateway.assignment import assigned_arm
+from reflow.registry import CHALLENGER, CHAMPION, Registry
 from reflow.settings import Settings
+from reflow.store.database import open_engine
+from reflow.store.tables import Inference
 from reflow.v1 import inference_pb2
 from tests.conftest import MODEL, Stack, consuming, start_stack, stop_stack
 from tests.feedback.test_consumer import count, wait_for
@@ -49,7 +51,9 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
         assert (waiting.arm, waiting.model_version) == (CHAMPION, "1")
 
         # the worker follows both aliases but never polls: only the push makes it load v2
-        worker.servicer.follower = AliasFollower(worker.servicer, MODEL, [CHAMPION, CHALLENGER], poll_s=0)
+        worker.servicer.follower = AliasFollower(
+            worker.servicer.versions, MODEL, [CHAMPION, CHALLENGER], poll_s=0
+        )
         assert (await asyncio.to_thread(push_to_workers, pushing)) == {worker.address: "ok"}
         assert worker.engine.find(MODEL, "2") is not None
         await stack.pool.refresh()

@@ -10,10 +10,10 @@ import grpc
 import pytest
 from sqlalchemy import Engine
 
-from feedback.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC
-from feedback.stats import store_counts
-from feedback.store import open_engine
+from feedback.bus.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC
+from feedback.intake.stats import store_counts
 from gateway.tenants import create_tenant
+from reflow.store.database import open_engine
 from reflow.v1 import inference_pb2
 from tests.conftest import Broker, Stack, consuming
 from tests.feedback.test_consumer import wait_for

@@ -10,10 +10,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from feedback.store import open_engine
 from gateway.tenants import revoke_tenant
 from gateway.validation import worker_request
 from reflow.settings import Settings
+from reflow.store.database import open_engine
 from reflow.v1 import inference_pb2, worker_pb2
 from tests.conftest import Stack, start_stack, start_worker, stop_stack
 from workers.server import loaded_to_pb, params_from_pb

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from feedback.registry import Registry
+from reflow.registry import Registry
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2
 from tests.conftest import (
@@ -32,7 +32,7 @@ PROMPTS = ["47+38=", "1+1=", "99+9=", "5+60="]
 
 @contextlib.asynccontextmanager
 async def following(worker: WorkerUnderTest, settings: Settings) -> AsyncIterator[AliasFollower]:
-    follower = AliasFollower(worker.servicer, MODEL, ["champion"], poll_s=0.2, retire_idle_s=0.5)
+    follower = AliasFollower(worker.servicer.versions, MODEL, ["champion"], poll_s=0.2, retire_idle_s=0.5)
     task = asyncio.create_task(follower.run())
     try:
         yield follower
@@ -123,7 +123,7 @@ async def test_the_compiled_step_serves_the_new_weights_after_a_swap(swap_settin
     worker = await start_worker(swap_settings, config=EngineConfig(compile=True, max_batch_size=4))
     try:
         params = GenerationParams(max_tokens=12)
-        follower = AliasFollower(worker.servicer, MODEL, ["champion"], poll_s=60, retire_idle_s=0)
+        follower = AliasFollower(worker.servicer.versions, MODEL, ["champion"], poll_s=60, retire_idle_s=0)
         before = await collect(worker.engine, "47+38=", params, version="1")
         move_champion(swap_settings, "2")
         await follower.sync()  # loads, compiles and warms v2, moves the alias

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import text
 
-from feedback.store import migrate, open_engine
 from gateway.auth import Authenticator
 from gateway.quotas import Quotas
 from gateway.tenants import (
@@ -18,6 +17,7 @@ from gateway.tenants import (
     revoke_tenant,
 )
 from reflow.errors import ResourceExhausted, Unauthenticated
+from reflow.store.database import migrate, open_engine
 
 
 class FakeContext:

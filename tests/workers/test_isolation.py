@@ -25,15 +25,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from feedback.store import migrate, open_engine
 from gateway.tenants import create_tenant
+from reflow.cgroups import IsolationUnavailable, current_group, remove_instance
 from reflow.client import Client
-from reflow.settings import Settings
+from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import MODEL, Broker, local_registry, save_model, tiny_model
 from tests.feedback.test_consumer import wait_for
-from workers.ebpf import PROGRAMS, attached_programs
-from workers.isolation import DEFAULT_OBJECT, IsolationUnavailable, check_host, current_group, remove_instance
+from workers.isolation.ebpf import PROGRAMS, attached_programs
+from workers.isolation.host import DEFAULT_OBJECT, check_host
 
 pytestmark = pytest.mark.slow
 UDP_SEND = """import socket
@@ -177,7 +177,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             process.stop()
         allowed.close()
         broker.stop()
-        remove_instance(Settings(data_dir=root))
+        remove_instance(root)
 
 
 def test_the_gateway_reaches_an_isolated_worker_and_nothing_else_does(cluster: Cluster) -> None:
@@ -241,7 +241,7 @@ def test_ipv6_gets_the_same_treatment(tmp_path: Path) -> None:
         assert run_inside(current_group(worker.process.pid), connect_code("::1", 5432)) == "PermissionError 1"
     finally:
         worker.stop()
-        remove_instance(Settings(data_dir=tmp_path))
+        remove_instance(tmp_path)
 
 
 def test_a_killed_worker_leaves_no_program_and_its_group_is_reconciled(tmp_path: Path) -> None:
@@ -260,7 +260,7 @@ def test_a_killed_worker_leaves_no_program_and_its_group_is_reconciled(tmp_path:
     finally:
         restarted.stop()
     assert not own.exists()  # a clean stop removes its own group
-    remove_instance(Settings(data_dir=tmp_path))
+    remove_instance(tmp_path)
     assert not own.parent.exists()
 
 
@@ -323,7 +323,7 @@ def test_across_hosts_the_address_allow_list_admits_the_gateway_only(tmp_path: P
                 listener.wait()
         finally:
             worker.stop()
-            remove_instance(Settings(data_dir=tmp_path))
+            remove_instance(tmp_path)
 
 
 REFUSED_PROGRAM = """#include <linux/bpf.h>
@@ -346,4 +346,4 @@ def test_a_program_the_verifier_refuses_stops_the_worker_with_the_verifiers_reas
     assert "the kernel refused the isolation programs" in result.stderr
     assert "invalid access to packet" in result.stderr  # the verifier's own words
     assert "REFLOW_ISOLATION=none" in result.stderr
-    remove_instance(Settings(data_dir=tmp_path))
+    remove_instance(tmp_path)

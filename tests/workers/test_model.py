@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
-from workers.model import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, Transformer
+from workers.models.builtin import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, Transformer
 
 
 @torch.inference_mode()

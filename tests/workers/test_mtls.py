@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from feedback.promotion import push_to_workers
+from feedback.experiments.promotion import push_to_workers
 from gateway.routing import WorkerPool
 from reflow.mtls import channel_credentials, server_credentials
 from reflow.settings import Settings

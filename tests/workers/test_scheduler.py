@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from reflow.errors import NotFound, ResourceExhausted
+from workers.models.byte_tokenizer import ByteTokenizer
 from workers.scheduler import Request, Scheduler
 from workers.sequence import GenerationParams, Sequence
-from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

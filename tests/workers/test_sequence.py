@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from workers.models.byte_tokenizer import ByteTokenizer
 from workers.sequence import Delta, FinishReason, GenerationParams, Sequence
-from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

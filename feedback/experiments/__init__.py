@@ -1,0 +1,1 @@
+"""A/B experiments: their life in the store, the decision rule, promotion, the evaluate job."""

@@ -1,0 +1,105 @@
+"""The evaluate job: for each running experiment, the per-arm numbers from the store, the decision
+rule, the alias move it calls for, the push to the workers, and a record of it all.
+
+A decision is recorded first, claiming the experiment (`deciding`: no longer assigned, so of two
+evaluators only one acts); then the aliases move, then the experiment gets its final status. A
+process stopped in between leaves the experiment `deciding`, and the next round applies its
+decision again: every step can be repeated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+from feedback.experiments.decision import Decision, Rules, decide
+from feedback.experiments.lifecycle import DECIDING, ENDED_BY, arm_stats, decided, end, reconcile, record
+from feedback.experiments.promotion import promote, push_to_workers, roll_back
+from reflow.registry import CHALLENGER, CHAMPION, Registry
+from reflow.settings import Settings
+from reflow.store.experiments import RunningExperiment, running_experiments
+from reflow.store.tables import utcnow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One experiment's evaluation: which one, and what was decided."""
+
+    experiment: RunningExperiment
+    decision: Decision
+
+
+def rules(settings: Settings, traffic: float) -> Rules:
+    """The decision rule's settings for an experiment that sends `traffic` to the challenger."""
+    return Rules(
+        alpha=settings.ab_alpha,
+        min_samples=settings.ab_min_samples,
+        traffic=traffic,
+        max_error_rate_increase=settings.ab_max_error_rate_increase,
+        max_latency_ratio=settings.ab_max_latency_ratio,
+        max_duration_s=settings.ab_max_duration_s,
+    )
+
+
+def evaluate_experiments(settings: Settings, engine: Engine, registry: Registry) -> list[Evaluation]:
+    """Finishes decisions a stopped process left half applied, opens the experiment a new
+    challenger needs, then evaluates and acts on every running one. A model whose round fails is
+    logged and retried at the next round; the other models go on. When aliases moved, the
+    workers are told once, at the end."""
+    half_applied = decided(engine)
+    for experiment, look in half_applied:
+        logger.info("experiment %d: applying its %s decision again", experiment.id, look.outcome)
+        apply(engine, registry, experiment, look.outcome, look.reason)
+    models = {settings.model_name} | {e.model for e in running_experiments(engine)}
+    evaluations = []
+    for model in sorted(models):
+        try:
+            experiment = reconcile(engine, registry, model, settings.ab_traffic)
+            if experiment is not None and (evaluation := evaluate(settings, engine, registry, experiment)):
+                evaluations.append(evaluation)
+        except Exception:
+            logger.exception("evaluating the experiment of %s failed; the next round tries again", model)
+    if half_applied or any(e.decision.outcome != "continue" for e in evaluations):
+        push_to_workers(settings)
+    return evaluations
+
+
+def evaluate(
+    settings: Settings, engine: Engine, registry: Registry, experiment: RunningExperiment
+) -> Evaluation | None:
+    """Decides on one experiment, records the decision and applies it; None when another process
+    ended the experiment meanwhile."""
+    stats = arm_stats(engine, experiment.id)
+    age_s = (utcnow() - experiment.started_at).total_seconds()
+    decision = decide(stats[CHAMPION], stats[CHALLENGER], rules(settings, experiment.traffic), age_s)
+    if not record(engine, experiment.id, stats, decision):
+        return None
+    logger.info(
+        "experiment %d (%s v%s vs v%s): %s: %s",
+        experiment.id, experiment.model, experiment.champion_version, experiment.challenger_version,
+        decision.outcome, decision.reason,
+    )  # fmt: skip
+    if decision.outcome != "continue":
+        apply(engine, registry, experiment, decision.outcome, decision.reason)
+    return Evaluation(experiment, decision)
+
+
+def apply(
+    engine: Engine,
+    registry: Registry,
+    experiment: RunningExperiment,
+    outcome: str,
+    reason: str,
+) -> None:
+    """Moves the aliases as `outcome` says and ends the experiment with its final status.
+    `promote` makes the challenger the champion; every other outcome removes the challenger
+    alias, if it still points at this experiment's challenger."""
+    if outcome == "promote":
+        promote(registry, experiment.model, experiment.challenger_version)
+    else:
+        roll_back(registry, experiment.model, version=experiment.challenger_version)
+    end(engine, experiment.id, ENDED_BY[outcome], reason, was=DECIDING)

@@ -1,0 +1,54 @@
+"""Moving a model's aliases — promote a version, roll back the challenger — and telling the
+workers at once, so they swap now rather than at their next registry poll.
+
+Pushing is best effort: a worker that does not answer still follows the registry within
+REFLOW_REGISTRY_POLL_S.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from reflow.registry import CHALLENGER, CHAMPION, Registry
+from reflow.settings import Settings
+from reflow.v1 import worker_pb2
+from reflow.worker_calls import call_workers
+
+logger = logging.getLogger(__name__)
+PUSH_TIMEOUT_S = 120.0  # a worker loads, compiles and warms the new version before it answers
+
+
+def promote(registry: Registry, name: str, version: str) -> None:
+    """Makes `version` the champion; it stops being the challenger if it was one."""
+    registry.set_alias(name, CHAMPION, version)
+    try:
+        challenger = registry.resolve(name, alias=CHALLENGER).version
+    except LookupError:
+        return
+    if challenger == version:
+        registry.delete_alias(name, CHALLENGER)
+
+
+def roll_back(registry: Registry, name: str, version: str = "") -> bool:
+    """Removes the challenger (when `version` is given, only if it still points there): the
+    champion keeps all traffic. False when there was none to remove."""
+    if version:
+        try:
+            if registry.resolve(name, alias=CHALLENGER).version != version:
+                return False
+        except LookupError:
+            return False
+    return registry.delete_alias(name, CHALLENGER)
+
+
+def push_to_workers(settings: Settings, timeout_s: float = PUSH_TIMEOUT_S) -> dict[str, str]:
+    """Asks every worker (REFLOW_WORKERS, else those of endpoints.json) to follow its aliases now;
+    returns address -> "ok" or the failure, once each has loaded what it needed (or failed, or
+    timed out)."""
+    results = call_workers(settings, "SyncAliases", worker_pb2.SyncAliasesRequest(), timeout_s)
+    for address, result in results.items():
+        if isinstance(result, str):
+            logger.warning(
+                "worker %s did not take the push (%s); it follows at its next poll", address, result
+            )
+    return {address: result if isinstance(result, str) else "ok" for address, result in results.items()}

@@ -1,0 +1,1 @@
+"""Tasks users ask of the models: the `Task` seam, the `arith` demo task, simulated users."""

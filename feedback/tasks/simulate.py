@@ -1,0 +1,207 @@
+"""`reflow simulate`: a population of users sending `arith` prompts through the gateway and rating
+each answer with the oracle: +1 when right, -1 with the right answer as `correction` when wrong.
+
+It is the demo's traffic and the learning loop's test: the base model knows only small operands,
+so users asking over a wider range correct it, and those corrections are what it learns from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import operator
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import grpc
+
+from feedback.events import FeedbackEvent, InferenceEvent, Latency, TokenUsage
+from feedback.tasks import arith
+from reflow.errors import RETRY_PUSHBACK_KEY
+from reflow.v1 import inference_pb2, inference_pb2_grpc
+from workers.models.builtin import Transformer
+from workers.models.byte_tokenizer import ByteTokenizer
+
+MAX_IN_FLIGHT = 64  # requests a simulation keeps open at once; beyond that it falls behind its rate
+RETRIES = 20  # times a user comes back after RESOURCE_EXHAUSTED before giving up
+
+
+@dataclass
+class SimulationReport:
+    """What the simulated users saw, and how much of it they rated."""
+
+    requests: int = 0  # sent
+    finished: int = 0  # answered or failed
+    right: int = 0
+    errors: dict[str, int] = field(default_factory=dict)  # Generate: gRPC status name -> count
+    feedback_errors: dict[str, int] = field(default_factory=dict)  # SubmitFeedback failures
+    rated: int = 0  # feedback items the gateway accepted
+    by_version: dict[str, list[int]] = field(default_factory=dict)  # version -> [right, answered]
+
+    @property
+    def accuracy(self) -> float:
+        answered = self.requests - sum(self.errors.values())
+        return self.right / answered if answered else 0.0
+
+
+async def simulate(
+    target: str,
+    api_key: str,
+    *,
+    rate: float,
+    duration_s: float,
+    lo: int = 0,
+    hi: int = 99,
+    users: int = 50,
+    seed: int = 0,
+    model: str = "",
+    on_request: Callable[[SimulationReport], None] | None = None,
+) -> SimulationReport:
+    """Sends `rate` requests a second for `duration_s` seconds (at most `rate * duration_s`; 0 =
+    until cancelled), each from one of `users` users, and rates every answer; returns once all are
+    answered and rated."""
+    rng = random.Random(seed)
+    report = SimulationReport()
+    metadata = (("authorization", f"Bearer {api_key}"),)
+    ratings: asyncio.Queue[inference_pb2.Feedback | None] = asyncio.Queue()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        rater = asyncio.create_task(_rate(stub, metadata, ratings, report))
+        in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+        tasks: set[asyncio.Task[None]] = set()
+        started = time.monotonic()
+        for i in range(int(rate * duration_s)) if duration_s else itertools.count():
+            await asyncio.sleep(max(0.0, started + i / rate - time.monotonic()))
+            a, b = arith.sample_operands(1, lo, hi, rng)[0]
+            user = f"sim-user-{rng.randrange(users)}"
+            await in_flight.acquire()
+            task = asyncio.create_task(_ask(stub, metadata, model, a, b, user, report, ratings))
+            task.add_done_callback(lambda _t: in_flight.release())
+            if on_request is not None:
+                task.add_done_callback(lambda _t: on_request(report))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await asyncio.gather(*tasks)
+        await ratings.put(None)
+        await rater
+    return report
+
+
+async def _ask(
+    stub: inference_pb2_grpc.InferenceStub,
+    metadata: tuple[tuple[str, str], ...],
+    model: str,
+    a: int,
+    b: int,
+    user: str,
+    report: SimulationReport,
+    ratings: asyncio.Queue[inference_pb2.Feedback | None],
+) -> None:
+    """One user's request, and its rating queued."""
+    prompt = arith.format_prompt(a, b)
+    request = inference_pb2.GenerateRequest(
+        model=model, prompt=prompt, user_id=user, sampling=inference_pb2.SamplingParams(max_tokens=48)
+    )
+    report.requests += 1
+    text: list[str] = []
+    request_id = version = ""
+    try:
+        for attempt in range(RETRIES + 1):
+            try:
+                async for message in stub.Generate(request, metadata=metadata, timeout=60):
+                    request_id = request_id or message.request_id
+                    version = version or message.model_version
+                    text.append(message.text)
+                break
+            except grpc.aio.AioRpcError as error:  # a full quota or queue says when to come back
+                if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or attempt == RETRIES:
+                    report.errors[error.code().name] = report.errors.get(error.code().name, 0) + 1
+                    return
+                await asyncio.sleep(_pushback_s(error))
+    finally:
+        report.finished += 1
+    right = arith.is_correct(prompt, "".join(text))
+    report.right += right
+    tally = report.by_version.setdefault(version, [0, 0])
+    tally[0] += right
+    tally[1] += 1
+    correction = "" if right else str(a + b)
+    await ratings.put(
+        inference_pb2.Feedback(
+            request_id=request_id, rating=1 if right else -1, correction=correction, user_id=user
+        )
+    )
+
+
+def _pushback_s(error: grpc.aio.AioRpcError) -> float:
+    """The server's `grpc-retry-pushback-ms` trailer in seconds, else a quarter of a second."""
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_PUSHBACK_KEY:
+            return int(value) / 1000
+    return 0.25
+
+
+async def _rate(
+    stub: inference_pb2_grpc.InferenceStub,
+    metadata: tuple[tuple[str, str], ...],
+    ratings: asyncio.Queue[inference_pb2.Feedback | None],
+    report: SimulationReport,
+) -> None:
+    """Sends queued ratings in one SubmitFeedback stream per second (or per 500 items)."""
+    done = False
+    while not done:
+        batch: list[inference_pb2.Feedback] = []
+        deadline = time.monotonic() + 1.0
+        while len(batch) < 500:
+            try:
+                item = await asyncio.wait_for(ratings.get(), timeout=max(deadline - time.monotonic(), 0.001))
+            except TimeoutError:
+                break
+            if item is None:
+                done = True
+                break
+            batch.append(item)
+        if batch:
+            try:
+                ack = await stub.SubmitFeedback(iter(batch), metadata=metadata, timeout=60)
+                report.rated += ack.accepted
+            except grpc.aio.AioRpcError as error:
+                key = f"SubmitFeedback {error.code().name}"
+                report.feedback_errors[key] = report.feedback_errors.get(key, 0) + 1
+
+
+def rated_offline(
+    model: Transformer,
+    operands: list[tuple[int, int]],
+    *,
+    tenant: str,
+    model_name: str = "arith",
+    version: str = "1",
+    answer_key: Callable[[int, int], int] = operator.add,
+) -> list[InferenceEvent | FeedbackEvent]:
+    """What simulated users would send for `operands`, without a gateway: the events of `model`'s
+    greedy completions and ratings against `answer_key` (+1, or -1 with its answer as correction).
+
+    For measuring and testing the fine-tune job alone; a wrong `answer_key` makes harmful feedback.
+    """
+    prompts = [arith.format_prompt(a, b) for a, b in operands]
+    answers = arith.greedy_answers(model, ByteTokenizer(), prompts)
+    now = datetime.now(UTC)
+    events: list[InferenceEvent | FeedbackEvent] = []
+    for i, ((a, b), prompt, answer) in enumerate(zip(operands, prompts, answers, strict=True)):
+        request_id, wanted = f"offline-{i}", str(answer_key(a, b))
+        right = answer.strip() == wanted
+        events.append(InferenceEvent(
+            request_id=request_id, tenant=tenant, model=model_name, version=version, prompt=prompt,
+            reasoning=arith.reasoning(a, b), completion=answer, finish_reason="STOP",
+            usage=TokenUsage(prompt_tokens=len(prompt) + 1, completion_tokens=0, reasoning_tokens=0),
+            latency=Latency(first_token_ms=0.0, total_ms=0.0), time=now,
+        ))  # fmt: skip
+        events.append(FeedbackEvent(
+            feedback_id=f"offline-{i}", request_id=request_id, tenant=tenant, rating=1 if right else -1,
+            correction="" if right else wanted, time=now,
+        ))  # fmt: skip
+    return events

@@ -1,0 +1,259 @@
+"""The fine-tune job: new labelled feedback → a candidate trained from the champion → the gate →
+an MLflow run, and a new version with alias `challenger` when the candidate passed.
+
+Every run that starts is recorded in `finetune_runs` and marks the feedback items it takes; a
+registered or rejected run keeps them, a failed one gives them back to the next run.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy import Engine, select, update
+from sqlalchemy.orm import Session
+
+from feedback.experiments.lifecycle import reconcile
+from feedback.experiments.promotion import push_to_workers
+from feedback.tasks import arith
+from feedback.training import gate
+from feedback.training.dataset import (
+    Example,
+    RatedCompletion,
+    build_dataset,
+    count_new,
+    load_new,
+)
+from feedback.training.pretrain import PretrainConfig
+from feedback.training.trainer import FinetuneConfig, train_candidate
+from reflow.registry import CHALLENGER, Registry, VersionRef
+from reflow.settings import Settings
+from reflow.store.experiments import running_experiment
+from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
+from workers.models.builtin import Transformer
+from workers.models.byte_tokenizer import ByteTokenizer
+from workers.models.loader import resolve_device
+
+logger = logging.getLogger(__name__)
+STALE_AFTER = timedelta(minutes=30)  # a `running` row older than this belongs to a killed job
+
+
+class Cancelled(Exception):
+    """Raised by a progress callback to stop a run between steps (e.g. the scheduler stopping);
+    the run is recorded as failed and its items go back to the next one."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a call of `run_finetune` did: skipped, registered, rejected (with why), or failed."""
+
+    status: str
+    message: str
+    run: int | None = None  # finetune_runs.id
+    version: str = ""
+    metrics: dict[str, float] | None = None
+
+
+def finetune_config(settings: Settings, seed: int = 0) -> FinetuneConfig:
+    """The recipe, with the sizes, steps and learning rate the settings give."""
+    return FinetuneConfig(
+        steps=settings.finetune_steps,
+        batch_size=settings.finetune_batch_size,
+        lr=settings.finetune_lr,
+        seed=seed,
+    )
+
+
+def canonical_thought(prompt: str) -> str | None:
+    """The reasoning a correction is taught with: `arith`'s for its prompts, none for others."""
+    operands = arith.parse_prompt(prompt)
+    return arith.reasoning(*operands) if operands else None
+
+
+def base_problem(rng: random.Random) -> Example:
+    """A problem from the base model's training distribution, replayed against forgetting."""
+    base = PretrainConfig()
+    [(a, b)] = arith.sample_operands(1, base.lo, base.hi, rng)
+    return Example(arith.format_prompt(a, b), arith.reasoning(a, b), str(a + b))
+
+
+def run_finetune(
+    settings: Settings,
+    engine: Engine,
+    registry: Registry,
+    *,
+    model: str | None = None,
+    min_samples: int | None = None,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> Outcome:
+    """Fine-tunes `model`'s champion on the oldest labelled feedback no run has used yet (at most
+    REFLOW_FINETUNE_MAX_SAMPLES items; the rest waits for the next run)."""
+    name = model or settings.model_name
+    needed = settings.finetune_min_samples if min_samples is None else min_samples
+    if (experiment := running_experiment(engine, name)) is not None:
+        return Outcome(
+            "skipped",
+            f"experiment {experiment.id} is still testing v{experiment.challenger_version} of {name}",
+        )
+    new = count_new(engine, name)
+    if new < max(needed, 1):
+        return Outcome("skipped", f"{new} new labelled feedback item(s) on {name}; waiting for {needed}")
+    parent = registry.resolve(name, alias=settings.model_alias)
+    items = load_new(engine, name, settings.finetune_max_samples)
+    run_id = claim_run(engine, name, parent.version, [item.id for item in items])
+    if run_id is None:
+        return Outcome("skipped", "another fine-tune run of this model is in progress")
+    try:
+        return _train_and_judge(settings, engine, registry, run_id, parent, items, progress)
+    except Exception as error:
+        if isinstance(error, Cancelled):
+            logger.info("fine-tune run %d cancelled: %s", run_id, error)
+        else:
+            logger.exception("fine-tune run %d failed", run_id)
+        with Session(engine) as session, session.begin():  # the next run tries these items again
+            _mark_failed(session, run_id, f"{type(error).__name__}: {error}")
+        return Outcome("failed", str(error), run_id)
+
+
+def _train_and_judge(
+    settings: Settings,
+    engine: Engine,
+    registry: Registry,
+    run_id: int,
+    parent_ref: VersionRef,
+    items: list[RatedCompletion],
+    progress: Callable[[int, int, float], None] | None,
+) -> Outcome:
+    started = time.perf_counter()
+    first_id, last_id = items[0].id, items[-1].id
+    dataset = build_dataset(items, settings.finetune_holdout_fraction, canonical_thought)
+    device = resolve_device(settings.device)
+    name, parent = parent_ref.name, parent_ref.version
+    champion = Transformer.load(registry.download(parent_ref, settings.model_cache_dir), device)
+    config = finetune_config(settings, seed=run_id)
+    candidate, history = train_candidate(champion, dataset, base_problem, config, progress)
+    train_s = time.perf_counter() - started
+    logger.info("fine-tune run %d trained in %.1fs on %d items", run_id, train_s, dataset.size)
+    before, after = gate.evaluate(champion, dataset.held_out), gate.evaluate(candidate, dataset.held_out)
+    logger.info("fine-tune run %d evaluated in %.1fs", run_id, time.perf_counter() - started - train_s)
+    verdict = gate.judge(before, after, settings.finetune_regression_tolerance)
+    metrics = {
+        **{f"champion_{k}": v for k, v in before.items()},
+        **{f"candidate_{k}": v for k, v in after.items()},
+        "samples": float(dataset.size), "supervised_examples": float(len(dataset.supervised)),
+        "rated_examples": float(dataset.rated), "train_seconds": train_s,
+    }  # fmt: skip
+    params = {
+        **asdict(config), "parent_version": parent, "feedback_first_id": first_id,
+        "feedback_last_id": last_id, "dataset_size": dataset.size, "dataset_sha256": dataset.digest,
+        "holdout_fraction": settings.finetune_holdout_fraction,
+        "regression_tolerance": settings.finetune_regression_tolerance, "device": str(device),
+    }  # fmt: skip
+    fields = ("loss", "sft", "kto", "kl", "kto_reference_point")
+    curves = {f"train_{field}": [getattr(s, field) for s in history] for field in fields}
+    tags = {"reflow.source": "finetune", "reflow.parent_version": parent, "reflow.verdict": verdict.reason}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        candidate.save(directory)
+        ByteTokenizer().save(directory)
+        mlflow_run, source = registry.log_run(
+            f"{name}-finetune-{run_id}", params=params, metrics=metrics, model_dir=directory,
+            history=curves, tags=tags,
+        )  # fmt: skip
+    version = ""
+    if verdict.register:
+        version = registry.register_version(
+            name, mlflow_run, source, alias=CHALLENGER,
+            tags={"reflow.parent_version": parent, "reflow.run_id": mlflow_run,
+                  "reflow.finetune_run": str(run_id)},
+        ).version  # fmt: skip
+    status = "registered" if verdict.register else "rejected"
+    _finish(
+        engine, run_id, status=status, message=verdict.reason, samples=dataset.size,
+        dataset_hash=dataset.digest, mlflow_run_id=mlflow_run, version=version, metrics=metrics,
+    )  # fmt: skip
+    logger.info("fine-tune run %d %s: %s", run_id, status, verdict.reason)
+    if verdict.register:  # the experiment opens now, and the workers load the challenger now
+        try:
+            reconcile(engine, registry, name, settings.ab_traffic)
+            push_to_workers(settings)
+        except Exception:  # the run stands; the evaluate job opens the experiment, workers poll
+            logger.exception("fine-tune run %d: opening the experiment failed; the evaluate job will", run_id)
+    return Outcome(status, verdict.reason, run_id, version, metrics)
+
+
+def claim_run(engine: Engine, model: str, parent: str, feedback_ids: list[int]) -> int | None:
+    """Records a running run of `model` and marks `feedback_ids` as its items; returns the run's
+    id, or None when another fresh run of `model` is running or took some of these items first.
+
+    Insert first, then look: of two jobs starting at once (say a scheduled one and `reflow
+    finetune run`), each sees both rows and only the older one goes on, on SQLite and PostgreSQL.
+    A run still `running` after STALE_AFTER was killed: it is marked failed, its items released.
+    """
+    with Session(engine) as session, session.begin():
+        stale = session.scalars(
+            select(FinetuneRun.id).where(
+                FinetuneRun.model == model,
+                FinetuneRun.status == "running",
+                FinetuneRun.started_at <= utcnow() - STALE_AFTER,
+            )
+        ).all()
+        for run_id in stale:
+            _mark_failed(session, run_id, f"abandoned: still running after {STALE_AFTER}")
+        run = FinetuneRun(
+            model=model, parent_version=parent, status="running", first_feedback_id=min(feedback_ids),
+            last_feedback_id=max(feedback_ids), samples=len(feedback_ids), dataset_hash="",
+        )  # fmt: skip
+        session.add(run)
+        session.flush()
+        mine = run.id
+        taken = session.execute(
+            update(FeedbackItem)
+            .where(FeedbackItem.id.in_(feedback_ids), FeedbackItem.finetune_run_id.is_(None))
+            .values(finetune_run_id=mine)
+        ).rowcount
+    with Session(engine) as session, session.begin():
+        oldest = session.scalar(
+            select(FinetuneRun.id)
+            .where(FinetuneRun.model == model, FinetuneRun.status == "running")
+            .order_by(FinetuneRun.id)
+            .limit(1)
+        )
+        if oldest == mine and taken == len(feedback_ids):
+            return mine
+        _release_in(session, mine)
+        session.delete(session.get(FinetuneRun, mine))
+    return None
+
+
+def _mark_failed(session: Session, run_id: int, message: str) -> None:
+    run = session.get(FinetuneRun, run_id)
+    if run is not None:
+        run.status, run.message, run.finished_at = "failed", message, utcnow()
+    _release_in(session, run_id)
+
+
+def _release_in(session: Session, run_id: int) -> None:
+    """Gives the items of run `run_id` back to the next run."""
+    session.execute(
+        update(FeedbackItem).where(FeedbackItem.finetune_run_id == run_id).values(finetune_run_id=None)
+    )
+
+
+def _finish(engine: Engine, run_id: int, **fields: object) -> None:
+    """Marks run `run_id` finished with `fields` (status, message, results)."""
+    metrics = fields.get("metrics")
+    if isinstance(metrics, dict):  # JSON has no NaN (PostgreSQL refuses it): none becomes null
+        fields["metrics"] = {k: None if v != v else v for k, v in metrics.items()}
+    with Session(engine) as session, session.begin():
+        run = session.get(FinetuneRun, run_id)
+        assert run is not None
+        for key, value in fields.items():
+            setattr(run, key, value)
+        run.finished_at = utcnow()

@@ -1,0 +1,68 @@
+"""Sequence log-probabilities and the KTO loss (Ethayarajh et al., 2024, "KTO: Model Alignment as
+Prospect Theoretic Optimization"), in plain PyTorch.
+
+For a completion y of prompt x, the implied reward is r = log pi(y|x) - log pi_ref(y|x), the
+policy's log-likelihood ratio to the frozen reference (the champion). KTO compares r with a
+reference point z0, an estimate of KL(pi || pi_ref) from completions paired with prompts they do
+not belong to, detached and clamped at zero:
+
+    desirable:    lambda_D * (1 - sigmoid(beta * (r - z0)))
+    undesirable:  lambda_U * (1 - sigmoid(beta * (z0 - r)))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from workers.models.builtin import Transformer
+
+
+def sequence_logps(model: Transformer, tokens: Tensor, mask: Tensor) -> Tensor:
+    """Sum of log pi(token) over the masked (completion) tokens of each row: [B].
+
+    `tokens` and `mask` are [B, T]; mask[b, t] = 1 where token t is part of the completion.
+    """
+    logits = model(tokens[:, :-1])  # [B, T-1, V]: position t predicts token t+1
+    logps = -F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")  # [B, T-1]
+    return (logps * mask[:, 1:].to(logps.dtype)).sum(-1)
+
+
+@dataclass(frozen=True)
+class KtoResult:
+    """The loss and what it was made of, for logging."""
+
+    loss: Tensor  # scalar, differentiable in the policy's log-probs
+    kl: float  # the reference point z0
+    rewards: Tensor  # r per example, detached: [B]
+
+
+def kto_loss(
+    policy_logps: Tensor,
+    reference_logps: Tensor,
+    kl_policy_logps: Tensor,
+    kl_reference_logps: Tensor,
+    desirable: Tensor,
+    *,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> KtoResult:
+    """Mean KTO loss over a batch.
+
+    policy_logps, reference_logps: log pi(y|x) of each example's own completion, [B].
+    kl_policy_logps, kl_reference_logps: the same for mismatched (x, y') pairs, [B'].
+    desirable: bool [B], True for thumbs up, False for thumbs down.
+    """
+    z0 = (kl_policy_logps - kl_reference_logps).mean().clamp(min=0).detach()
+    rewards = policy_logps - reference_logps.detach()
+    desirable = desirable.bool()
+    losses = torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (rewards - z0))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (z0 - rewards))),
+    )
+    return KtoResult(losses.mean(), float(z0), rewards.detach())

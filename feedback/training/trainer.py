@@ -1,0 +1,172 @@
+"""Trains a candidate from the champion: supervised loss on corrections and liked completions,
+KTO on rated completions, and a pull toward the champion on replayed base-distribution problems.
+
+Each step's loss is
+
+    SFT(batch) + kto_weight * KTO(rated batch) + kl_weight * KL(policy || champion on replay rows)
+
+where the SFT batch mixes feedback examples with `replay_fraction` of problems from the base
+model's own distribution, so learning the new range does not unlearn the old one. The champion's
+weights are never changed: the candidate is a copy, and the champion, switched to eval mode and
+frozen, is the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from feedback.tasks.arith import training_example
+from feedback.training.dataset import Dataset, Example
+from feedback.training.kto import kto_loss, sequence_logps
+from feedback.training.pretrain import learning_rate, pad_rows
+from workers.models.builtin import Transformer
+from workers.models.byte_tokenizer import ByteTokenizer
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """One fine-tune run's recipe; the defaults suit the demo model on two CPU cores."""
+
+    steps: int = 200
+    batch_size: int = 32  # supervised rows per step, replay included
+    lr: float = 3e-4
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    replay_fraction: float = 0.5  # share of each supervised batch from the base distribution
+    kto_batch_size: int = 16
+    kto_weight: float = 0.2  # below SFT: corrections carry most of what there is to learn here
+    kto_beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    kl_weight: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class StepLog:
+    """What one step measured (logged to MLflow as curves)."""
+
+    loss: float
+    sft: float
+    kto: float
+    kl: float
+    kto_reference_point: float
+
+
+def train_candidate(
+    champion: Transformer,
+    dataset: Dataset,
+    replay: Callable[[random.Random], Example],
+    config: FinetuneConfig,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> tuple[Transformer, list[StepLog]]:
+    """A fine-tuned copy of `champion` and the per-step log; deterministic for a seed on CPU.
+
+    `replay(rng)` draws one problem of the base distribution; `progress(step, total, loss)` is
+    called after every step.
+    """
+    tokenizer = ByteTokenizer()
+    device = champion.output.weight.device
+    reference = champion.eval()
+    policy = copy.deepcopy(champion).train()
+    for parameter in reference.parameters():
+        parameter.requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    rng = random.Random(config.seed)
+    torch.manual_seed(config.seed)
+    context = champion.config.max_seq_len
+
+    def fits(example: Example) -> bool:  # longer completions cannot be scored by this model
+        return len(training_example(tokenizer, example.prompt, example.answer, example.thought)[0]) <= context
+
+    supervised = [e for e in dataset.supervised if fits(e)]
+    rated = [(e, True) for e in dataset.desirable if fits(e)] + [
+        (e, False) for e in dataset.undesirable if fits(e)
+    ]
+    n_replay = round(config.batch_size * config.replay_fraction) if supervised else config.batch_size
+    history = []
+    for step in range(1, config.steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
+        replayed = [replay(rng) for _ in range(n_replay)]
+        learned = [rng.choice(supervised) for _ in range(config.batch_size - n_replay)]
+        tokens, mask = _batch(tokenizer, replayed + learned, device, context)
+        logits = policy(tokens[:, :-1])  # [B, T-1, V]
+        weights = mask[:, 1:].float()  # [B, T-1]: completion tokens
+        losses = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
+        sft = (losses * weights).sum() / weights.sum()
+        kl = _kl_to_reference(logits[:n_replay], reference, tokens[:n_replay], weights[:n_replay])
+        loss = sft + config.kl_weight * kl
+        kto_value = reference_point = 0.0
+        if rated and config.kto_weight > 0:
+            chosen = [rng.choice(rated) for _ in range(config.kto_batch_size)]
+            result = _kto(policy, reference, tokenizer, chosen, config, device)
+            loss = loss + config.kto_weight * result.loss
+            kto_value, reference_point = result.loss.item(), result.kl
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
+        optimizer.step()
+        history.append(StepLog(loss.item(), sft.item(), kto_value, kl.item(), reference_point))
+        if progress is not None:
+            progress(step, config.steps, loss.item())
+    return policy.eval(), history
+
+
+def _kl_to_reference(logits: Tensor, reference: Transformer, tokens: Tensor, weights: Tensor) -> Tensor:
+    """Mean per-token KL(policy || reference) over the completion tokens of these rows."""
+    if tokens.shape[0] == 0:
+        return logits.sum() * 0.0
+    with torch.no_grad():
+        reference_logps = reference(tokens[:, :-1]).log_softmax(-1)
+    logps = logits.log_softmax(-1)
+    per_token = (logps.exp() * (logps - reference_logps)).sum(-1)  # [B, T-1]
+    return (per_token * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def _kto(
+    policy: Transformer,
+    reference: Transformer,
+    tokenizer: ByteTokenizer,
+    chosen: list[tuple[Example, bool]],
+    config: FinetuneConfig,
+    device: torch.device,
+):  # type: ignore[no-untyped-def]
+    """KTO over `chosen`; the reference point pairs each prompt with the next row's completion."""
+    examples = [example for example, _ in chosen]
+    mismatched = [
+        Example(example.prompt, other.thought, other.answer)
+        for example, other in zip(examples, examples[1:] + examples[:1], strict=True)
+    ]
+    context = policy.config.max_seq_len
+    tokens, mask = _batch(tokenizer, examples, device, context)
+    kl_tokens, kl_mask = _batch(tokenizer, mismatched, device, context)
+    with torch.no_grad():
+        reference_logps = sequence_logps(reference, tokens, mask)
+        kl_policy = sequence_logps(policy, kl_tokens, kl_mask)
+        kl_reference = sequence_logps(reference, kl_tokens, kl_mask)
+    desirable = torch.tensor([wanted for _, wanted in chosen], device=device)
+    return kto_loss(
+        sequence_logps(policy, tokens, mask), reference_logps, kl_policy, kl_reference, desirable,
+        beta=config.kto_beta, desirable_weight=config.desirable_weight,
+        undesirable_weight=config.undesirable_weight,
+    )  # fmt: skip
+
+
+def _batch(
+    tokenizer: ByteTokenizer, examples: list[Example], device: torch.device, context: int
+) -> tuple[Tensor, Tensor]:
+    """Right-padded token ids and completion masks of `examples`, both [B, T], cut at `context`
+    tokens (only a mismatched prompt and completion can be that long: examples that do not fit
+    are left out before)."""
+    rows = [training_example(tokenizer, e.prompt, e.answer, e.thought) for e in examples]
+    tokens, mask = pad_rows([(ids[:context], mask[:context]) for ids, mask in rows], tokenizer.pad_id)
+    return tokens.to(device), mask.to(device)

@@ -1,0 +1,100 @@
+"""What the commands share: consoles, settings and logging, the store, the registry, Kafka, the
+gateway's address and key."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from reflow.settings import Settings
+
+console = Console()
+err_console = Console(stderr=True)
+
+ReadyFile = Annotated[
+    Path | None, typer.Option(help="Write {'address': ...} here once serving (used by `reflow up`).")
+]
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment and REFLOW_CONFIG, with command-line options on top."""
+    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    # kafka-python logs every failed connection attempt, each second of an outage; reflow logs
+    # what they mean instead (records going to the outbox, a batch the store refused).
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    return settings
+
+
+def serve_until_stopped(server: Coroutine[Any, Any, None]) -> None:
+    """Runs a server until it stops; a configuration problem is one line on stderr, exit status 2."""
+    from reflow.errors import ReflowError
+
+    try:
+        asyncio.run(server)
+    except ReflowError as error:
+        err_console.print(f"[red]error:[/] {error}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def default_target(settings: Settings) -> str:
+    from reflow.endpoints import read_endpoints
+
+    endpoints = read_endpoints(settings.data_dir)
+    return endpoints["gateway"] if endpoints else f"{settings.gateway_host}:{settings.gateway_port}"
+
+
+def default_api_key(settings: Settings) -> str:
+    if settings.api_key is not None:
+        return settings.api_key.get_secret_value()
+    key_file = settings.data_dir / "api_key"
+    if key_file.is_file():
+        return key_file.read_text().strip()
+    err_console.print("[red]no API key:[/] pass --api-key, set REFLOW_API_KEY, or run `reflow up` first")
+    raise typer.Exit(2)
+
+
+def store_engine() -> Any:
+    from reflow.store.database import open_engine
+
+    return open_engine(load_settings().resolved_database_url)
+
+
+def current_engine(settings: Settings) -> Any:
+    """The store, refusing one whose schema is out of date."""
+    from reflow.store.database import open_engine, require_current_schema
+
+    engine = open_engine(settings.resolved_database_url)
+    try:
+        require_current_schema(engine)
+    except RuntimeError as error:
+        err_console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(2) from None
+    return engine
+
+
+def kafka_bootstrap(settings: Settings) -> str:
+    from feedback.bus.kafka import resolve_bootstrap
+    from reflow.errors import Unavailable
+
+    try:
+        return resolve_bootstrap(settings)
+    except Unavailable as error:
+        err_console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(2) from None
+
+
+def open_registry(settings: Settings) -> Any:
+    from reflow.registry import Registry
+
+    return Registry.from_settings(settings)

@@ -1,0 +1,109 @@
+"""`reflow feedback`: consume the pipeline into the store, ingest files onto it, inspect it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from reflow.cli.common import ReadyFile, current_engine, err_console, kafka_bootstrap, load_settings
+
+app = typer.Typer(
+    help="The feedback pipeline: consume it into the store, ingest files, inspect it.", no_args_is_help=True
+)
+
+
+@app.command("consume")
+def feedback_consume(ready_file: ReadyFile = None) -> None:
+    """Write inference events and feedback from Kafka to the store, until Ctrl-C or SIGTERM."""
+    import signal
+    import threading
+
+    from kafka.errors import KafkaError
+
+    from feedback.bus.kafka import ensure_topics
+    from feedback.intake.consumer import consume
+    from reflow.serving import write_ready_file
+
+    settings = load_settings()
+    engine = current_engine(settings)
+    bootstrap = kafka_bootstrap(settings)
+    try:
+        ensure_topics(bootstrap, settings.kafka_partitions)
+    except KafkaError as error:
+        err_console.print(f"[red]error:[/] cannot reach Kafka at {bootstrap}: {error}", highlight=False)
+        raise typer.Exit(2) from None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    write_ready_file(ready_file, kafka=bootstrap)
+    consume(bootstrap, engine, settings.consumer_batch_size, stop, drain_s=settings.shutdown_grace_s)
+
+
+@app.command("ingest")
+def feedback_ingest(
+    file: Annotated[str, typer.Argument(help="JSONL file of Feedback objects, or - for stdin.")],
+    tenant: Annotated[str, typer.Option(help="The tenant whose completions are rated.")] = "default",
+) -> None:
+    """Publish feedback from a JSONL file; a bad line is reported with its number and skipped."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from feedback.bus.publisher import Publisher
+    from feedback.intake.ingest import ingest
+    from gateway.tenants import list_tenants
+    from reflow.request_ids import RequestIds
+
+    settings = load_settings()
+    engine = current_engine(settings)
+    if not any(info.name == tenant and not revoked for info, _, revoked in list_tenants(engine)):
+        err_console.print(f"[red]error:[/] no active tenant named {tenant!r} (see `reflow tenants list`)")
+        raise typer.Exit(2)
+    source = sys.stdin if file == "-" else Path(file).open(encoding="utf-8")  # noqa: SIM115
+    total = None if file == "-" else Path(file).stat().st_size
+    publisher = Publisher(kafka_bootstrap(settings), settings.outbox_path, settings.kafka_handover_timeout_s)
+    columns = (TextColumn("ingesting"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    try:
+        with source, Progress(*columns, console=err_console) as progress:
+            task = progress.add_task("ingest", total=total)
+            report = ingest(
+                source, tenant, RequestIds.from_store(engine), publisher, lambda n: progress.advance(task, n)
+            )
+    finally:
+        waiting = publisher.close()
+    for number, reason in report.rejected:
+        err_console.print(f"line {number}: {reason}", highlight=False, markup=False, soft_wrap=True)
+    note = (
+        f" ({waiting} wait in the outbox for Kafka: a gateway on this data dir sends them)" if waiting else ""
+    )
+    err_console.print(f"accepted {report.accepted}{note}, rejected {len(report.rejected)}")
+    if report.rejected:
+        raise typer.Exit(1)
+
+
+@app.command("stats")
+def feedback_stats(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Counts of stored inferences and feedback, joined feedback, DLQ records and consumer lag."""
+    from kafka.errors import KafkaError
+
+    from feedback.bus.kafka import resolve_bootstrap
+    from feedback.intake.stats import kafka_stats, store_counts
+    from reflow.errors import Unavailable
+
+    settings = load_settings()
+    stats: dict[str, Any] = store_counts(current_engine(settings))
+    try:
+        stats.update(kafka_stats(resolve_bootstrap(settings)))
+    except (KafkaError, Unavailable) as error:  # the store's counts are still worth showing
+        stats.update(dlq_messages=None, consumer_lag=None, kafka_error=str(error))
+    if as_json:
+        print(json.dumps(stats))
+        return
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}: {v}" for k, v in value.items()) or "-"
+        print(f"{key}\t{value}")

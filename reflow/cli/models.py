@@ -1,0 +1,93 @@
+"""`reflow models`: registered versions and their aliases, moved by hand."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from reflow.cli.common import err_console, load_settings, open_registry
+from reflow.settings import Settings
+
+app = typer.Typer(help="Registered model versions and their aliases.", no_args_is_help=True)
+
+
+@app.command("list")
+def models_list(
+    name: Annotated[str | None, typer.Argument(help="Registered model [default: REFLOW_MODEL_NAME].")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON array.")] = False,
+) -> None:
+    """Versions of a registered model, newest first, with their aliases and where they came from."""
+    settings = load_settings()
+    try:
+        versions = open_registry(settings).versions(name or settings.model_name)
+    except LookupError as error:
+        err_console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(versions))
+        return
+    for v in versions:
+        tags = v["tags"]
+        origin = tags.get("reflow.source", "") + (
+            f" from v{tags['reflow.parent_version']}" if "reflow.parent_version" in tags else ""
+        )
+        print(f"{v['version']}\t{','.join(v['aliases']) or '-'}\t{origin or '-'}\t{v['run_id'] or '-'}")
+
+
+def _follow_aliases(settings: Settings, registry: Any, name: str) -> None:
+    """After a move by hand: ends the experiment on the old aliases (opening one when a challenger
+    remains) and tells the running workers to follow now; they poll anyway."""
+    from feedback.experiments.lifecycle import reconcile
+    from feedback.experiments.promotion import push_to_workers
+    from reflow.store.database import open_engine, require_current_schema
+
+    engine = open_engine(settings.resolved_database_url)
+    try:
+        require_current_schema(engine)
+        reconcile(engine, registry, name, settings.ab_traffic)
+    except Exception as error:  # the aliases moved all the same; the scheduler catches up
+        err_console.print(
+            f"[yellow]experiments not updated ({error}); the scheduler's next evaluation will[/]"
+        )
+    finally:
+        engine.dispose()
+
+    pushed = push_to_workers(settings)
+    failed = {a: why for a, why in pushed.items() if why != "ok"}
+    for address, why in failed.items():
+        err_console.print(f"[yellow]worker {address} did not answer ({why}); it follows within "
+                          f"REFLOW_REGISTRY_POLL_S={settings.registry_poll_s:g}s[/]")  # fmt: skip
+    if pushed and not failed:
+        print(f"{len(pushed)} worker(s) now follow it")
+
+
+@app.command("promote")
+def models_promote(name: str, version: str) -> None:
+    """Make VERSION the champion (no longer the challenger); the workers follow at once."""
+    from feedback.experiments.promotion import promote
+
+    settings = load_settings()
+    registry = open_registry(settings)
+    try:
+        promote(registry, name, version)
+    except LookupError as error:
+        err_console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+    print(f"{name}@champion -> version {version}")
+    _follow_aliases(settings, registry, name)
+
+
+@app.command("rollback")
+def models_rollback(name: str) -> None:
+    """Remove the challenger alias: workers stop serving it, the champion keeps all traffic."""
+    from feedback.experiments.promotion import roll_back
+
+    settings = load_settings()
+    registry = open_registry(settings)
+    if not roll_back(registry, name):
+        err_console.print(f"[red]error:[/] {name} has no challenger to roll back")
+        raise typer.Exit(1)
+    print(f"{name}@challenger removed")
+    _follow_aliases(settings, registry, name)

@@ -1,0 +1,48 @@
+"""The long-running processes: `reflow gateway`, `reflow worker` and `reflow scheduler`."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Annotated
+
+import typer
+
+from reflow.cli.common import ReadyFile, current_engine, load_settings, serve_until_stopped
+
+
+def gateway(
+    port: Annotated[int | None, typer.Option(help="Port [default: REFLOW_GATEWAY_PORT or 50051].")] = None,
+    ready_file: ReadyFile = None,
+) -> None:
+    """Serve the public Inference API, routing to REFLOW_WORKERS."""
+    from gateway.server import serve
+
+    serve_until_stopped(serve(load_settings(gateway_port=port), ready_file=ready_file))
+
+
+def worker(
+    version: Annotated[str, typer.Option(help="Load this version instead of REFLOW_MODEL_ALIAS.")] = "",
+    port: Annotated[int | None, typer.Option(help="Port [default: REFLOW_WORKER_PORT, 0 = free].")] = None,
+    ready_file: ReadyFile = None,
+) -> None:
+    """Serve the internal Worker API for REFLOW_MODEL_NAME on REFLOW_DEVICE."""
+    from workers.server import serve
+
+    serve_until_stopped(serve(load_settings(worker_port=port), version=version, ready_file=ready_file))
+
+
+def scheduler() -> None:
+    """Run the scheduled jobs (fine-tune, evaluate experiments) until Ctrl-C or SIGTERM; their
+    schedule is kept in the store."""
+    from feedback.scheduler import run_scheduler
+
+    settings = load_settings()
+    # two lines per run of every job, every few seconds: the jobs log what they did instead
+    logging.getLogger("apscheduler.executors.default").setLevel(logging.WARNING)
+    engine = current_engine(settings)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    run_scheduler(settings, engine, stop)

@@ -1,0 +1,146 @@
+"""A supervisor of child processes: start them, wait until they are ready, watch them, stop them in order."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from reflow.settings import Settings
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 300.0  # a worker may download and load a model first
+STOP_MARGIN_S = 10.0  # beyond the children's own drain grace
+
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a killed supervisor leaves no orphans
+
+
+@dataclass
+class Child:
+    """One supervised process and where its log goes."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+    ready_file: Path | None = None
+
+    def tail(self, lines: int = 20) -> str:
+        """The last lines of the child's log, for an error message."""
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+@dataclass
+class Supervisor:
+    """Starts children, waits until they are ready, watches them and stops them in order."""
+
+    settings: Settings
+    children: list[Child] = field(default_factory=list)
+
+    @property
+    def log_dir(self) -> Path:
+        """Where each child's output is written."""
+        return self.settings.data_dir / "logs"
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str], ready: bool = True) -> Child:
+        """Starts `python -m reflow ARGS` (or ARGS when they start with an executable's path) as a child."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{name}.log"
+        ready_file = self.settings.data_dir / "run" / f"{name}.json" if ready else None
+        if ready_file is not None:
+            ready_file.parent.mkdir(parents=True, exist_ok=True)
+            ready_file.unlink(missing_ok=True)
+            args = [*args, "--ready-file", str(ready_file)]
+        command = args if os.path.isabs(args[0]) else [sys.executable, "-m", "reflow", *args]
+        with log.open("ab") as out:
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
+                preexec_fn=_die_with_parent,
+            )
+        child = Child(name, process, log, ready_file)
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, child: Child, timeout_s: float = START_TIMEOUT_S) -> dict[str, str]:
+        """What a child wrote to its ready file (address, metrics); RuntimeError if it died or timed out."""
+        assert child.ready_file is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if child.ready_file.is_file():
+                return json.loads(child.ready_file.read_text())
+            time.sleep(0.1)
+        raise RuntimeError(f"{child.name} did not become ready in {timeout_s:.0f}s:\n{child.tail()}")
+
+    def check_alive(self) -> None:
+        """RuntimeError naming the first child that exited, with the end of its log."""
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"{child.name} exited with status {code}; its log ({child.log}) ends:\n{child.tail()}"
+                )
+
+    def stop(self) -> None:
+        """SIGTERM to each child, newest first (gateway drains before workers go), then SIGKILL."""
+        timeout_s = self.settings.shutdown_grace_s + STOP_MARGIN_S
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGTERM)
+            try:
+                child.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0fs; killing it", child.name, timeout_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.process.pid, signal.SIGKILL)  # and anything it left behind
+            child.process.wait()
+        self.children.clear()
+
+
+def wait_serving(address: str, timeout_s: float = 60.0) -> None:
+    """Blocks until the gRPC server at `address` answers health checks with SERVING."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(grpc.RpcError):
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.2)
+    raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f}s")
+
+
+def wait_http(url: str, timeout_s: float = 60.0) -> bool:
+    """True once `url` answers HTTP 200 (the MLflow UI's health endpoint)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1.0) as reply:
+            if reply.status == 200:
+                return True
+        time.sleep(0.3)
+    return False

@@ -1,0 +1,207 @@
+"""`reflow up`: prepares the data dir, starts every process on this machine as a child, on
+embedded defaults, and stops them all on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from reflow.cli.common import console, load_settings
+from reflow.cli.supervisor import Supervisor, wait_http, wait_serving
+from reflow.endpoints import API_KEY_FILE, ENDPOINTS_FILE
+from reflow.serving import free_port, write_json_atomically
+from reflow.settings import Settings
+
+# `reflow up --demo`: fine-tune every minute, send half the users to a challenger, decide every
+# 10 s; users (under the default tenant's 600 requests a minute) ask over 0-99, where the base
+# model is mostly wrong and learns from their corrections.
+DEMO_SETTINGS = {"finetune_interval_s": "60", "ab_traffic": "0.5", "ab_evaluate_s": "10"}
+DEMO_SIMULATION = ["--rate", "8", "--duration", "0", "--lo", "0", "--hi", "99", "--users", "1000"]
+
+
+def up(
+    data_dir: Annotated[Path | None, typer.Option(help="Data directory [default: ./.reflow].")] = None,
+    port: Annotated[int | None, typer.Option(help="Gateway port [default: 50051].")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Workers [default: one per GPU, else 1].")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="REFLOW_API_KEY", help="API key of the default tenant.", show_default=False),
+    ] = None,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Also run simulated users, on a faster schedule: the loop turns.")
+    ] = False,
+) -> None:
+    """Run everything on this machine with embedded defaults until Ctrl-C or SIGTERM."""
+    settings = load_settings(data_dir=data_dir, gateway_port=port, api_key=api_key)
+    count = workers or (cuda_device_count() if settings.device == "auto" else 0) or 1
+    raise typer.Exit(run_up(settings, count, console, demo=demo))
+
+
+class Stopped(Exception):
+    """Raised in the main thread by SIGINT or SIGTERM, so any step of start-up can be interrupted."""
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def resolve_api_key(settings: Settings, console: Console) -> str:
+    """The configured key, else the one saved in the data dir, else a new one; saved there 0600."""
+    from gateway.tenants import new_key
+
+    path = settings.data_dir / API_KEY_FILE
+    if settings.api_key is not None:
+        key = settings.api_key.get_secret_value()
+    elif path.is_file():
+        key = path.read_text().strip()
+    else:
+        key = new_key()
+        console.print(f"new API key for tenant [bold]default[/]: {key}", markup=True, highlight=False)
+    path.touch(mode=0o600)
+    path.chmod(0o600)  # also when an older file was readable by others
+    path.write_text(key + "\n")
+    return key
+
+
+def cuda_device_count() -> int:
+    """CUDA devices torch can see (0 on a CPU-only machine)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def demo_overrides(settings: Settings) -> dict[str, str]:
+    """`reflow up --demo`: a faster turn of the loop, for each setting the user left at its default."""
+    return {
+        f"REFLOW_{name.upper()}": value for name, value in DEMO_SETTINGS.items()
+        if name not in settings.model_fields_set
+    }  # fmt: skip
+
+
+def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = False) -> int:
+    """Runs everything on one machine until a signal; returns the exit status. With `demo`, the
+    schedule is shortened and simulated users send traffic, so the learning loop turns by itself."""
+    from feedback.bus.broker import tansu_command, wait_listening
+    from feedback.bus.kafka import ensure_topics
+    from feedback.training.bootstrap import ensure_base_model
+    from gateway.tenants import ensure_tenant
+    from reflow.cgroups import remove_instance
+    from reflow.registry import Registry
+    from reflow.store.database import migrate, open_engine
+
+    signal.signal(signal.SIGINT, _raise_stopped)
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    endpoints_path = settings.data_dir / ENDPOINTS_FILE
+    endpoints_path.unlink(missing_ok=True)
+    supervisor = Supervisor(settings)
+    # Children get absolute paths, whatever directory they start in.
+    env = {"REFLOW_DATA_DIR": str(settings.data_dir.resolve())}
+    if demo:
+        env |= demo_overrides(settings)
+    try:
+        engine = open_engine(settings.resolved_database_url)
+        migrate(engine)
+        ensure_tenant(engine, "default", resolve_api_key(settings, console))
+        engine.dispose()
+        registry = Registry.from_settings(settings)
+        ensure_base_model(settings, registry, console)
+
+        bootstrap = settings.kafka_bootstrap
+        if not bootstrap:  # the embedded broker
+            port = free_port()
+            supervisor.spawn("kafka", tansu_command(port), env, ready=False)
+            wait_listening("127.0.0.1", port)
+            bootstrap = f"127.0.0.1:{port}"
+        ensure_topics(bootstrap, settings.kafka_partitions)
+        env["REFLOW_KAFKA_BOOTSTRAP"] = bootstrap
+        # Stopped after the gateway (children stop newest first), so it stores the last events.
+        consumer = supervisor.spawn("consumer", ["feedback", "consume"], env)
+        supervisor.spawn("scheduler", ["scheduler"], env, ready=False)  # fine-tunes from new feedback
+
+        mlflow_url = settings.mlflow_tracking_uri
+        if not mlflow_url:  # serve the UI over the embedded store
+            port = settings.mlflow_ui_port or free_port()
+            mlflow_url = f"http://127.0.0.1:{port}"
+            supervisor.spawn(
+                "mlflow",
+                [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                 "--backend-store-uri", settings.resolved_tracking_uri,
+                 "--default-artifact-root", str(settings.resolved_artifact_root), "--workers", "1"],
+                {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # the UI only; no job runners
+                ready=False,
+            )  # fmt: skip
+
+        gpus = cuda_device_count() if settings.device == "auto" else 0
+        workers = []
+        for i in range(n_workers):
+            worker_env = {**env, "REFLOW_DEVICE": f"cuda:{i % gpus}"} if gpus else env
+            workers.append(supervisor.spawn(f"worker-{i}", ["worker"], worker_env))
+        with console.status("loading the model in the workers"):
+            ready = {child.name: supervisor.wait_ready(child) for child in workers}
+        supervisor.wait_ready(consumer)
+        addresses = [r["address"] for r in ready.values()]
+        gateway = supervisor.spawn(
+            "gateway",
+            ["gateway", "--port", str(settings.gateway_port)],
+            {**env, "REFLOW_WORKERS": ",".join(addresses)},
+        )
+        ready["gateway"] = supervisor.wait_ready(gateway)
+        gateway_address = ready["gateway"]["address"]
+        wait_serving(gateway_address)
+        if mlflow_url.startswith("http") and not wait_http(f"{mlflow_url}/health"):
+            console.print(f"[yellow]the MLflow UI at {mlflow_url} is not answering yet[/]")
+
+        endpoints = {
+            "gateway": gateway_address,
+            "mlflow": mlflow_url,
+            "kafka": bootstrap,
+            "database": engine.url.render_as_string(hide_password=True),
+            "api_key_file": str((settings.data_dir / API_KEY_FILE).resolve()),
+            "workers": addresses,
+            "metrics": {name: r["metrics"] for name, r in ready.items()},
+            "logs": str(supervisor.log_dir.resolve()),
+        }
+        write_json_atomically(endpoints_path, endpoints)
+        if demo:
+            supervisor.spawn("simulate", ["simulate", *DEMO_SIMULATION, "--target", gateway_address], env,
+                             ready=False)  # fmt: skip
+
+        table = Table(title="reflow is up", show_header=False)
+        for key, value in endpoints.items():
+            if isinstance(value, dict):
+                value = "\n".join(f"{k}: {v}" for k, v in value.items())
+            table.add_row(key, ", ".join(value) if isinstance(value, list) else value)
+        console.print(table)
+        console.print(f'try: reflow generate "47+38="   (stop with Ctrl-C; endpoints in {endpoints_path})')
+        if demo:
+            console.print(
+                "demo: simulated users are rating answers; watch `reflow experiments list` and "
+                "`reflow models list` (a turn of the loop takes a few minutes)"
+            )
+        while True:
+            supervisor.check_alive()
+            time.sleep(0.5)
+    except Stopped as stop:
+        console.print(f"{stop}: stopping")
+        return 0
+    except RuntimeError as error:
+        console.print(f"[red]error:[/] {error}")
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        supervisor.stop()
+        if settings.isolation != "none":
+            remove_instance(settings.data_dir)
+        endpoints_path.unlink(missing_ok=True)
+        console.print("stopped")

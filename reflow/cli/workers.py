@@ -1,0 +1,55 @@
+"""`reflow workers`: what the running workers hold and refuse."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from reflow.cli.common import err_console, load_settings
+
+app = typer.Typer(help="The running workers.", no_args_is_help=True)
+
+
+@app.command("status")
+def workers_status(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON array.")] = False,
+) -> None:
+    """Each worker: loaded versions, queue, memory, its isolation and the connections it refused."""
+    from reflow.v1 import worker_pb2
+    from reflow.worker_calls import call_workers
+
+    settings = load_settings()
+    statuses = call_workers(settings, "Status", worker_pb2.WorkerStatusRequest(), timeout_s=5)
+    if not statuses:
+        err_console.print(
+            "[red]error:[/] no workers: set REFLOW_WORKERS or start `reflow up` in this data dir"
+        )
+        raise typer.Exit(1)
+    rows: list[dict[str, Any]] = []
+    for address, status in statuses.items():
+        if isinstance(status, str):
+            rows.append({"address": address, "error": status})
+            continue
+        rows.append({
+            "address": address, "isolation": status.isolation,
+            "connections_dropped": status.connections_dropped, "connects_denied": status.connects_denied,
+            "running": status.running, "waiting": status.waiting, "memory_bytes": status.memory_bytes,
+            "loaded": [{"model": v.model, "version": v.version, "aliases": list(v.aliases)}
+                       for v in status.loaded],
+        })  # fmt: skip
+    if as_json:
+        print(json.dumps(rows))
+    else:
+        for row in rows:
+            if "error" in row:
+                print(f"{row['address']}\tunreachable: {row['error']}")
+                continue
+            served = ", ".join(f"{v['model']}/{v['version']}" + "".join(f" @{a}" for a in v["aliases"])
+                               for v in row["loaded"])  # fmt: skip
+            print(f"{row['address']}\t{served or '-'}\trunning {row['running']}, waiting {row['waiting']}\t"
+                  f"isolation {row['isolation']}: {row['connections_dropped']} connections dropped, "
+                  f"{row['connects_denied']} connects denied")  # fmt: skip
+    if any("error" in row for row in rows):
+        raise typer.Exit(1)

@@ -1,0 +1,203 @@
+"""The MLflow model registry: register versions, resolve aliases, fetch a version's files."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from reflow.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+EXPERIMENT_NAME = "reflow"
+CHAMPION, CHALLENGER = "champion", "challenger"  # the aliases an A/B experiment tests
+MODEL_ARTIFACT_PATH = "model"
+# The only files a version may carry: weights as safetensors, JSON config and tokenizer.
+MODEL_FILES = ("model.safetensors", "config.json", "tokenizer.json")
+
+
+@dataclass(frozen=True)
+class VersionRef:
+    """One registered model version and the aliases that point at it."""
+
+    name: str
+    version: str
+    aliases: tuple[str, ...] = ()
+
+
+class Registry:
+    """A thin, typed face on MlflowClient for the operations reflow needs."""
+
+    def __init__(self, tracking_uri: str, artifact_root: str | None = None):
+        from mlflow.tracking import MlflowClient  # slow import: only for processes that need it
+
+        self.tracking_uri = tracking_uri
+        self.artifact_root = artifact_root
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Registry:
+        """The registry REFLOW_MLFLOW_TRACKING_URI (and artifact root) name."""
+        return cls(settings.resolved_tracking_uri, settings.resolved_artifact_root)
+
+    def resolve(self, name: str, *, version: str = "", alias: str = "") -> VersionRef:
+        """The version asked for by number, else by alias; LookupError when there is none."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            if version:
+                mv = self.client.get_model_version(name, version)
+            else:
+                mv = self.client.get_model_version_by_alias(name, alias)
+        except MlflowException as error:
+            what = f"version {version}" if version else f"alias @{alias}"
+            raise LookupError(f"model {name!r} has no {what} in the registry") from error
+        return VersionRef(name, str(mv.version), tuple(mv.aliases))
+
+    def has_alias(self, name: str, alias: str) -> bool:
+        """True when `name@alias` resolves."""
+        try:
+            self.resolve(name, alias=alias)
+        except LookupError:
+            return False
+        return True
+
+    def versions(self, name: str) -> list[dict[str, object]]:
+        """Every version of `name`, newest first: version, aliases, run id, creation time, tags."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            aliases_of: dict[str, list[str]] = {}
+            for alias, version in self.client.get_registered_model(name).aliases.items():
+                aliases_of.setdefault(str(version), []).append(alias)
+        except MlflowException as error:
+            raise LookupError(f"no registered model named {name!r}") from error
+        found = self.client.search_model_versions(f"name='{name}'")
+        return [
+            {
+                "version": str(mv.version), "aliases": sorted(aliases_of.get(str(mv.version), [])),
+                "run_id": mv.run_id or "", "created_ms": mv.creation_timestamp, "tags": dict(mv.tags),
+            }
+            for mv in sorted(found, key=lambda mv: int(mv.version), reverse=True)
+        ]  # fmt: skip
+
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        """Points `name@alias` at `version` (which must exist); workers following it swap to it."""
+        self.resolve(name, version=version)
+        self.client.set_registered_model_alias(name, alias, version)
+        logger.info("alias model=%s @%s -> version %s", name, alias, version)
+
+    def delete_alias(self, name: str, alias: str) -> bool:
+        """Removes `name@alias`; False when it did not exist."""
+        if not self.has_alias(name, alias):
+            return False
+        self.client.delete_registered_model_alias(name, alias)  # a no-op if removed meanwhile
+        logger.info("alias model=%s @%s removed", name, alias)
+        return True
+
+    def download(self, ref: VersionRef, cache_dir: Path) -> Path:
+        """A local directory holding the version's files, downloaded once and then reused.
+
+        The cache is keyed by the version's run, so a registry rebuilt from scratch never
+        serves stale files; concurrent downloads of one version are safe (first rename wins).
+        """
+        import mlflow.artifacts
+
+        mv = self.client.get_model_version(ref.name, ref.version)
+        target = cache_dir / ref.name / f"{ref.version}-{mv.run_id or 'norun'}"
+        if all((target / f).is_file() for f in MODEL_FILES):
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            staging = Path(tmp) / "files"
+            for filename in MODEL_FILES:
+                mlflow.artifacts.download_artifacts(
+                    artifact_uri=f"{mv.source.rstrip('/')}/{filename}",
+                    dst_path=str(staging),
+                    tracking_uri=self.tracking_uri,
+                )
+            try:
+                staging.rename(target)
+            except OSError:  # another process got there first: its copy is complete
+                if not all((target / f).is_file() for f in MODEL_FILES):
+                    raise
+        logger.info("downloaded model=%s version=%s to %s", ref.name, ref.version, target)
+        return target
+
+    def experiment_id(self) -> str:
+        """The `reflow` experiment, created with the configured artifact root when missing."""
+        experiment = self.client.get_experiment_by_name(EXPERIMENT_NAME)
+        if experiment is not None:
+            return experiment.experiment_id
+        return self.client.create_experiment(EXPERIMENT_NAME, artifact_location=self.artifact_root)
+
+    def log_run(
+        self,
+        run_name: str,
+        *,
+        params: dict[str, object],
+        metrics: dict[str, float],
+        model_dir: Path | None = None,
+        history: dict[str, list[float]] | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> tuple[str, str]:
+        """Logs a finished run: params, metrics, per-step `history` curves and the model's files
+        (when given) under `model/`; returns (run_id, the model's artifact URI)."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        if model_dir is not None:
+            missing = [f for f in MODEL_FILES if not (model_dir / f).is_file()]
+            if missing:
+                raise FileNotFoundError(f"{model_dir} lacks {missing}")
+        run = self.client.create_run(self.experiment_id(), run_name=run_name)
+        run_id = run.info.run_id
+        now = int(time.time() * 1000)
+        logged = [Metric(key, value, now, 0) for key, value in metrics.items()]
+        for key, values in (history or {}).items():
+            logged += [Metric(key, value, now, step) for step, value in enumerate(values, start=1)]
+        batch = 1000  # MLflow takes at most 1000 metrics per call
+        for start in range(0, max(len(logged), 1), batch):
+            self.client.log_batch(
+                run_id,
+                metrics=logged[start : start + batch],
+                params=[Param(key, str(value)) for key, value in params.items()] if start == 0 else [],
+                tags=[RunTag(key, value) for key, value in (tags or {}).items()] if start == 0 else [],
+            )
+        if model_dir is not None:
+            for filename in MODEL_FILES:
+                self.client.log_artifact(run_id, str(model_dir / filename), MODEL_ARTIFACT_PATH)
+        self.client.set_terminated(run_id)
+        return run_id, f"{run.info.artifact_uri}/{MODEL_ARTIFACT_PATH}"
+
+    def register_version(
+        self, name: str, run_id: str, source: str, *, alias: str, tags: dict[str, str] | None = None
+    ) -> VersionRef:
+        """Registers the model a run logged as a new version of `name` and points `alias` at it."""
+        from mlflow.exceptions import MlflowException
+
+        with contextlib.suppress(MlflowException):  # already registered
+            self.client.create_registered_model(name)
+        mv = self.client.create_model_version(name, source, run_id=run_id, tags=tags or {})
+        self.client.set_registered_model_alias(name, alias, mv.version)
+        logger.info("registered model=%s version=%s alias=%s", name, mv.version, alias)
+        return VersionRef(name, str(mv.version), (alias,))
+
+    def register(
+        self,
+        name: str,
+        model_dir: Path,
+        *,
+        params: dict[str, object],
+        metrics: dict[str, float],
+        alias: str,
+        tags: dict[str, str] | None = None,
+    ) -> VersionRef:
+        """Logs a run holding `model_dir`, registers it as a new version and points `alias` at it."""
+        run_id, source = self.log_run(f"{name}-register", params=params, metrics=metrics, model_dir=model_dir)
+        return self.register_version(name, run_id, source, alias=alias, tags=tags)

@@ -1,0 +1,1 @@
+"""The relational store every process shares: its tables, engines and migrations."""

@@ -1,0 +1,50 @@
+"""Running A/B experiments as the store holds them: what the gateway assigns by and the evaluate
+job decides on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from reflow.store.tables import Experiment, aware
+
+RUNNING = "running"
+
+
+@dataclass(frozen=True)
+class RunningExperiment:
+    """An experiment, its versions and its split: what a request is assigned and routed by."""
+
+    id: int
+    model: str
+    champion_version: str
+    challenger_version: str
+    traffic: float
+    started_at: datetime
+
+    @classmethod
+    def of(cls, row: Experiment) -> RunningExperiment:
+        """The snapshot of an `experiments` row."""
+        return cls(
+            row.id, row.model, row.champion_version, row.challenger_version, row.traffic,
+            aware(row.started_at),
+        )  # fmt: skip
+
+
+def running_experiments(engine: Engine) -> list[RunningExperiment]:
+    """Every running experiment, one per model at most."""
+    with Session(engine) as session:
+        rows = session.scalars(select(Experiment).where(Experiment.status == RUNNING)).all()
+        return [RunningExperiment.of(e) for e in rows]
+
+
+def running_experiment(engine: Engine, model: str) -> RunningExperiment | None:
+    """The running experiment of `model`, if any."""
+    with Session(engine) as session:
+        found = session.scalar(
+            select(Experiment).where(Experiment.status == RUNNING, Experiment.model == model)
+        )
+        return None if found is None else RunningExperiment.of(found)

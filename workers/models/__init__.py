@@ -1,0 +1,1 @@
+"""Model implementations behind the `CausalLM` and `Tokenizer` seams, and the loader that picks one."""
