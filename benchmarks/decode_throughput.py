@@ -34,9 +34,8 @@ from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2, inference_pb2_grpc
 from workers.engine import Engine
 from workers.loading import load_directory
-from workers.models.builtin import ModelConfig, Transformer, init_weights
-from workers.models.byte_tokenizer import ByteTokenizer
-from workers.models.loader import resolve_device
+from workers.models.builtin import TOKENIZER, new_model
+from workers.models.loader import resolve_device, save_checkpoint
 from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
 
@@ -84,7 +83,7 @@ async def bounded(concurrency: int, jobs: list) -> None:  # type: ignore[type-ar
 
 
 async def engine_run(engine: Engine, requests: list[tuple[str, int, int]], concurrency: int) -> Run:
-    run, tokenizer = Run(), ByteTokenizer()
+    run, tokenizer = Run(), TOKENIZER
 
     async def one(prompt: str, max_tokens: int, seed: int) -> None:
         params = GenerationParams(max_tokens, SamplingParams(temperature=1.0, seed=seed))
@@ -138,11 +137,8 @@ def summarize(runs: list[Run]) -> tuple[float, float, float, float, float]:
 
 def register_random_model(settings: Settings, preset: str, seed: int = 0, alias: str = "champion") -> Path:
     """Registers a randomly initialised `preset` model (throughput does not depend on the weights)."""
-    model = Transformer(ModelConfig.from_name(preset))
-    init_weights(model, seed)
-    directory = settings.data_dir / f"random-model-{seed}"
-    model.save(directory)
-    ByteTokenizer().save(directory)
+    model, tokenizer = new_model(preset, seed)
+    directory = save_checkpoint(model, tokenizer, settings.data_dir / f"random-model-{seed}")
     registry = Registry.from_settings(settings)
     registry.register(settings.model_name, directory, params={"preset": preset}, metrics={}, alias=alias)
     return directory

@@ -20,16 +20,15 @@ import time
 from pathlib import Path
 
 from feedback.intake.consumer import store_events
-from feedback.tasks import arith
+from feedback.tasks.arith import Arith
 from feedback.tasks.simulate import rated_offline
-from feedback.training.bootstrap import evaluate
-from feedback.training.job import run_finetune
+from feedback.training.evaluation import base_model_metrics
+from feedback.training.job import FinetuneJob, run_finetune
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from reflow.registry import CHALLENGER, Registry
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
-from workers.models.builtin import Transformer
-from workers.models.byte_tokenizer import ByteTokenizer
+from workers.models.loader import load_checkpoint, save_checkpoint
 
 
 def main() -> None:
@@ -41,34 +40,34 @@ def main() -> None:
     args = parser.parse_args()
 
     started = time.perf_counter()
-    base = train_base_model(PretrainConfig())
+    task = Arith()
+    base, tokenizer = train_base_model(PretrainConfig(), task)
     print(f"base model trained in {time.perf_counter() - started:.0f}s", flush=True)
-    before = evaluate(base, PretrainConfig())
+    before = base_model_metrics(base, tokenizer, task)
     rows = []
     for seed in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
             directory = Path(tmp)
             registry = Registry(f"sqlite:///{directory / 'mlflow.db'}", (directory / "mlartifacts").as_uri())
-            base.save(directory / "base")
-            ByteTokenizer().save(directory / "base")
-            registry.register("arith", directory / "base", params={}, metrics={}, alias="champion")
+            checkpoint = save_checkpoint(base, tokenizer, directory / "base")
+            registry.register("arith", checkpoint, params={}, metrics={}, alias="champion")
             settings = Settings(data_dir=directory, mlflow_tracking_uri=registry.tracking_uri,
                                 mlflow_artifact_root=registry.artifact_root or "", device="cpu")  # fmt: skip
             engine = open_engine(settings.resolved_database_url)
             migrate(engine)
-            operands = arith.sample_operands(args.items, 0, 99, random.Random(100 + seed))
+            prompts = task.traffic_prompts(args.items, random.Random(100 + seed))
             with engine.begin() as connection:
-                store_events(connection, rated_offline(base, operands, tenant="bench"))
+                store_events(connection, rated_offline(base, tokenizer, task, prompts, tenant="bench"))
             job_started = time.perf_counter()
-            outcome = run_finetune(settings, engine, registry, min_samples=1)
+            outcome = run_finetune(FinetuneJob.from_settings(settings), engine, registry, min_samples=1)
             job_s = time.perf_counter() - job_started
             if outcome.status != "registered":
                 print(f"run {seed + 1}: {outcome.status}: {outcome.message}")
                 continue
-            candidate = Transformer.load(
+            candidate, _ = load_checkpoint(
                 registry.download(registry.resolve("arith", alias=CHALLENGER), settings.model_cache_dir)
             )
-            after = evaluate(candidate, PretrainConfig())
+            after = base_model_metrics(candidate, tokenizer, task)
             engine.dispose()
         train_s = (outcome.metrics or {})["train_seconds"]
         rows.append((after["accuracy_in_range"], after["accuracy_wide_range"], train_s, job_s))

@@ -34,6 +34,7 @@ from reflow.serving import free_port
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+from reflow.worker_calls import WorkerTargets
 
 STEADY_S = 8.0
 
@@ -98,7 +99,7 @@ async def run_once(
     swap_at = time.perf_counter()
     await asyncio.to_thread(registry.set_alias, "arith", "champion", target)
     if push:
-        await asyncio.to_thread(push_to_workers, Settings(workers=workers))
+        await asyncio.to_thread(push_to_workers, WorkerTargets(tuple(workers)))
     while not await serving(workers, target, alone=False):  # noqa: ASYNC110 (polling other processes)
         await asyncio.sleep(0.05)
     moved_at = time.perf_counter()

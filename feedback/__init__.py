@@ -1,1 +1,2 @@
-"""feedback: Kafka intake, the SQLAlchemy store, the demo task, training and the MLflow registry."""
+"""feedback: the learning loop — event schemas, the Kafka bus, intake into the store, tasks, training,
+experiments and the scheduler that runs their jobs."""

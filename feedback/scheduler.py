@@ -35,14 +35,16 @@ STOPPING = threading.Event()  # set when the scheduler stops: a running fine-tun
 def finetune_job() -> None:
     """The scheduled fine-tune: runs only when enough new labelled feedback has arrived; stops
     between two training steps when the scheduler is stopping."""
-    from feedback.training.job import Cancelled, run_finetune
+    from feedback.training.job import Cancelled, FinetuneJob, run_finetune
 
     def stop_when_stopping(_step: int, _total: int, _loss: float) -> None:
         if STOPPING.is_set():
             raise Cancelled("the scheduler is stopping")
 
     def run(settings: Settings, engine: Engine, registry: Registry) -> None:
-        outcome = run_finetune(settings, engine, registry, progress=stop_when_stopping)
+        outcome = run_finetune(
+            FinetuneJob.from_settings(settings), engine, registry, progress=stop_when_stopping
+        )
         logger.info("fine-tune job: %s (%s)", outcome.status, outcome.message)
 
     _with_store(run)
@@ -50,10 +52,10 @@ def finetune_job() -> None:
 
 def evaluate_job() -> None:
     """The scheduled evaluation of running experiments (and opening one for a new challenger)."""
-    from feedback.experiments.job import evaluate_experiments
+    from feedback.experiments.job import EvaluateJob, evaluate_experiments
 
     def run(settings: Settings, engine: Engine, registry: Registry) -> None:
-        evaluate_experiments(settings, engine, registry)
+        evaluate_experiments(EvaluateJob.from_settings(settings), engine, registry)
 
     _with_store(run)
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from feedback.events import MAX_USER_ID_CHARS
 from reflow.errors import InvalidArgument
-from reflow.settings import Settings
 from reflow.v1 import inference_pb2, worker_pb2
 
 MIN_TEMPERATURE = 0.01  # below it logits / temperature overflows; use 0 for greedy
@@ -16,13 +16,22 @@ MAX_LABELS = 32
 MAX_LABEL_CHARS = 256
 
 
-def check_request(request: inference_pb2.GenerateRequest, settings: Settings) -> None:
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the gateway accepts of a request, and the default it fills in."""
+
+    max_prompt_chars: int
+    default_max_tokens: int  # max_tokens of a request that leaves it 0
+    max_stop_strings: int
+
+
+def check_request(request: inference_pb2.GenerateRequest, limits: RequestLimits) -> None:
     """Raises InvalidArgument, with what to change, for anything a worker should never see."""
     if not request.prompt:
         raise InvalidArgument("prompt is empty; send the text to complete, e.g. '47+38='")
-    if len(request.prompt) > settings.max_prompt_chars:
+    if len(request.prompt) > limits.max_prompt_chars:
         raise InvalidArgument(
-            f"prompt is {len(request.prompt)} characters; the limit is {settings.max_prompt_chars}"
+            f"prompt is {len(request.prompt)} characters; the limit is {limits.max_prompt_chars}"
         )
     s = request.sampling
     if not math.isfinite(s.temperature) or not (
@@ -34,8 +43,8 @@ def check_request(request: inference_pb2.GenerateRequest, settings: Settings) ->
         )
     if not math.isfinite(s.top_p) or not 0.0 <= s.top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p must be in [0, 1] (0 = off), got {s.top_p}")
-    if len(s.stop) > settings.max_stop_strings:
-        raise InvalidArgument(f"at most {settings.max_stop_strings} stop strings, got {len(s.stop)}")
+    if len(s.stop) > limits.max_stop_strings:
+        raise InvalidArgument(f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}")
     if any(not stop or len(stop) > MAX_STOP_CHARS for stop in s.stop):
         raise InvalidArgument(f"stop strings must be 1 to {MAX_STOP_CHARS} characters")
     if len(request.user_id) > MAX_USER_ID_CHARS:
@@ -48,14 +57,14 @@ def check_request(request: inference_pb2.GenerateRequest, settings: Settings) ->
 
 def worker_request(
     request: inference_pb2.GenerateRequest,
-    settings: Settings,
+    limits: RequestLimits,
     *,
     request_id: str,
     loaded: worker_pb2.LoadedVersion,
 ) -> worker_pb2.WorkerGenerateRequest:
     """The request for the worker serving `loaded`, with max_tokens defaulted and bounded."""
     limit = loaded.max_sequence_length - 1
-    max_tokens = request.sampling.max_tokens or min(settings.default_max_tokens, limit)
+    max_tokens = request.sampling.max_tokens or min(limits.default_max_tokens, limit)
     if max_tokens > limit:
         raise InvalidArgument(
             f"sampling.max_tokens must be between 1 and {limit} for {loaded.model}/{loaded.version}, "

@@ -8,6 +8,7 @@ files unset the channel is plaintext, for one machine.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,29 +17,41 @@ import grpc
 from reflow.settings import Settings
 
 
-def _read(path: str) -> bytes:
-    return Path(path).read_bytes()
+@dataclass(frozen=True)
+class TlsFiles:
+    """The CA that signs gateway and worker certificates, and this process's certificate and key."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TlsFiles | None:
+        """REFLOW_TLS_CA_FILE, _CERT_FILE and _KEY_FILE; None (plaintext) when they are unset."""
+        if not settings.tls:
+            return None
+        return cls(Path(settings.tls_ca_file), Path(settings.tls_cert_file), Path(settings.tls_key_file))
 
 
-def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+def server_credentials(tls: TlsFiles | None) -> grpc.ServerCredentials | None:
     """A worker's credentials: its certificate, and client certificates required."""
-    if not settings.tls:
+    if tls is None:
         return None
     return grpc.ssl_server_credentials(
-        [(_read(settings.tls_key_file), _read(settings.tls_cert_file))],
-        root_certificates=_read(settings.tls_ca_file),
+        [(tls.key.read_bytes(), tls.cert.read_bytes())],
+        root_certificates=tls.ca.read_bytes(),
         require_client_auth=True,
     )
 
 
-def channel_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
+def channel_credentials(tls: TlsFiles | None) -> grpc.ChannelCredentials | None:
     """A client's credentials toward workers: the CA to trust and its own certificate."""
-    if not settings.tls:
+    if tls is None:
         return None
     return grpc.ssl_channel_credentials(
-        root_certificates=_read(settings.tls_ca_file),
-        private_key=_read(settings.tls_key_file),
-        certificate_chain=_read(settings.tls_cert_file),
+        root_certificates=tls.ca.read_bytes(),
+        private_key=tls.key.read_bytes(),
+        certificate_chain=tls.cert.read_bytes(),
     )
 
 

@@ -65,6 +65,10 @@ class Settings(BaseSettings):
         10.0, ge=0, description="How often a worker re-reads the aliases it follows; 0 = never."
     )
     model_preset: str = Field("arith-small", description="Preset of the base model bootstrap trains.")
+    task: Literal["arith"] = Field(
+        "arith",
+        description="Task the base model learns, the fine-tune job scores and simulated users ask.",
+    )
     bootstrap_steps: int = Field(0, ge=0, description="Training steps of the base model; 0 = the recipe's.")
     device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, cuda:N.")
     torch_threads: int = Field(0, ge=0, description="Intra-op threads per worker; 0 = torch default.")

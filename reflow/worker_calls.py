@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -13,30 +15,42 @@ from google.protobuf.message import Message
 
 from reflow.cgroups import join_gateway_group
 from reflow.endpoints import read_endpoints
-from reflow.mtls import channel_credentials, open_channel
+from reflow.mtls import TlsFiles, channel_credentials, open_channel
 from reflow.settings import Settings
 from reflow.v1 import worker_pb2_grpc
 
 
-def worker_addresses(settings: Settings) -> list[str]:
-    """REFLOW_WORKERS, else the workers of a running `reflow up` in this data dir."""
-    if settings.workers:
-        return settings.workers
-    try:
-        return list((read_endpoints(settings.data_dir) or {}).get("workers", []))
-    except (OSError, ValueError):
-        return []
+@dataclass(frozen=True)
+class WorkerTargets:
+    """The running workers a command calls, and how: mTLS files, and the instance whose gateway
+    cgroup isolated workers admit (None where isolation is off)."""
+
+    addresses: tuple[str, ...]
+    tls: TlsFiles | None = None
+    instance: Path | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> WorkerTargets:
+        """REFLOW_WORKERS, else the workers of a running `reflow up` in this data dir."""
+        addresses = settings.workers
+        if not addresses:
+            try:
+                addresses = list((read_endpoints(settings.data_dir) or {}).get("workers", []))
+            except (OSError, ValueError):
+                addresses = []
+        instance = settings.data_dir if settings.isolation != "none" else None
+        return cls(tuple(addresses), TlsFiles.from_settings(settings), instance)
 
 
-def call_workers(settings: Settings, method: str, request: Message, timeout_s: float) -> dict[str, Any]:
+def call_workers(targets: WorkerTargets, method: str, request: Message, timeout_s: float) -> dict[str, Any]:
     """Calls Worker.`method` on every worker in parallel; address -> the response, or the failure
     as "CODE: details" (a str)."""
-    addresses = worker_addresses(settings)
+    addresses = targets.addresses
     if not addresses:
         return {}
-    if settings.isolation != "none":
-        join_gateway_group(settings.data_dir, create=False)
-    credentials = channel_credentials(settings)
+    if targets.instance is not None:
+        join_gateway_group(targets.instance, create=False)
+    credentials = channel_credentials(targets.tls)
 
     def call(address: str) -> Any:
         with open_channel(address, credentials) as channel:

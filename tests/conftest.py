@@ -22,6 +22,7 @@ from feedback.bus.broker import tansu_command, wait_listening
 from feedback.bus.kafka import ensure_topics, new_consumer
 from feedback.bus.publisher import Publisher
 from feedback.intake.consumer import StoreConsumer
+from feedback.tasks.arith import Arith
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from gateway.metrics import GatewayMetrics
 from gateway.routing import WorkerPool
@@ -34,8 +35,9 @@ from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2_grpc, worker_pb2_grpc
 from workers.engine import Engine, EngineConfig
 from workers.metrics import WorkerMetrics
-from workers.models.builtin import ModelConfig, Transformer, init_weights
-from workers.models.byte_tokenizer import ByteTokenizer
+from workers.models.builtin import TOKENIZER, new_model
+from workers.models.interface import CausalLM
+from workers.models.loader import save_checkpoint
 from workers.server import WorkerServicer
 from workers.server import create_server as create_worker
 from workers.versions import Versions
@@ -43,18 +45,17 @@ from workers.versions import Versions
 MODEL = "arith"
 
 
-def tiny_model(seed: int = 0) -> Transformer:
+def tiny_model(seed: int = 0) -> CausalLM:
     """A randomly initialised `tiny` model: deterministic for a seed, fast on any CPU."""
-    model = Transformer(ModelConfig.from_name("tiny"))
-    init_weights(model, seed)
+    model, _ = new_model("tiny", seed)
     return model.eval()
 
 
-def reference_greedy(model: Transformer, prompt: str, max_new_tokens: int) -> list[int]:
+def reference_greedy(model: CausalLM, prompt: str, max_new_tokens: int) -> list[int]:
     """Greedy decoding by full causal passes, no cache: the ground truth for every cached path."""
-    tokenizer = ByteTokenizer()
+    tokenizer = TOKENIZER
     ids = tokenizer.encode(prompt)
-    banned = tokenizer.never_generated(model.config.vocab_size)
+    banned = tokenizer.never_generated(model.vocab_size)
     generated: list[int] = []
     with torch.inference_mode():
         for _ in range(max_new_tokens):
@@ -62,22 +63,20 @@ def reference_greedy(model: Transformer, prompt: str, max_new_tokens: int) -> li
             logits[banned] = float("-inf")
             token = int(logits.argmax())
             generated.append(token)
-            if token == tokenizer.eos_id:
+            if token in tokenizer.eos_ids:
                 break
     return generated
 
 
-def save_model(model: Transformer, directory: Path) -> Path:
+def save_model(model: CausalLM, directory: Path) -> Path:
     """Writes weights, config and tokenizer as a registered version carries them."""
-    model.save(directory)
-    ByteTokenizer().save(directory)
-    return directory
+    return save_checkpoint(model, TOKENIZER, directory)
 
 
 @pytest.fixture(scope="session")
-def base_model() -> Transformer:
+def base_model() -> CausalLM:
     """The demo base model, trained once per session with the default recipe (about a minute)."""
-    return train_base_model(PretrainConfig())
+    return train_base_model(PretrainConfig(), Arith())[0]
 
 
 @dataclass(frozen=True)

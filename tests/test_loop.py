@@ -15,15 +15,16 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from feedback.experiments.lifecycle import experiments
-from feedback.training.bootstrap import evaluate
-from feedback.training.pretrain import PretrainConfig
+from feedback.tasks.arith import Arith
+from feedback.training.evaluation import base_model_metrics
 from reflow.client import Client
 from reflow.registry import Registry
 from reflow.store.database import open_engine
 from reflow.store.tables import FinetuneRun, aware
 from tests.conftest import MODEL, save_model
 from tests.test_up import Up
-from workers.models.builtin import Transformer
+from workers.models.interface import CausalLM
+from workers.models.loader import load_checkpoint
 
 pytestmark = pytest.mark.slow
 LOOP_TIMEOUT_S = 420  # a turn takes 2-3 minutes on two busy CPU cores
@@ -35,9 +36,7 @@ FAST_LOOP = {  # on top of --demo's schedule: fine-tune as soon as enough feedba
 }
 
 
-def test_the_loop_turns_by_itself_and_the_champion_gets_better(
-    tmp_path: Path, base_model: Transformer
-) -> None:
+def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, base_model: CausalLM) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     registry = Registry(f"sqlite:///{data_dir / 'mlflow.db'}", (data_dir / "mlartifacts").as_uri())
@@ -90,10 +89,11 @@ def test_the_loop_turns_by_itself_and_the_champion_gets_better(
     assert len(registry.client.get_metric_history(version.run_id, "train_loss")) == 200
     artifacts = {a.path for a in registry.client.list_artifacts(version.run_id, "model")}
     assert artifacts == {"model/model.safetensors", "model/config.json", "model/tokenizer.json"}
-    promoted = Transformer.load(
+    promoted, tokenizer = load_checkpoint(
         registry.download(registry.resolve(MODEL, version=champion), tmp_path / "cache")
     )
-    before, after = evaluate(base_model, PretrainConfig()), evaluate(promoted, PretrainConfig())
+    before = base_model_metrics(base_model, tokenizer, Arith())
+    after = base_model_metrics(promoted, tokenizer, Arith())
     assert after["accuracy_wide_range"] - before["accuracy_wide_range"] >= 0.20, (before, after)
     assert before["accuracy_in_range"] - after["accuracy_in_range"] <= 0.02, (before, after)
     finetune_s = (aware(run.finished_at) - aware(run.started_at)).total_seconds()  # type: ignore[arg-type]

@@ -1,4 +1,5 @@
-"""workers: the model runtime — built-in model, tokenizer, decoding, engine and Worker server."""
+"""workers: the model runtime — models behind their seams, decoding, scheduler, engine, the Worker
+server, hot-swap and isolation."""
 
 import os
 

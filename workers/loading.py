@@ -1,4 +1,4 @@
-"""Builds a servable model from a registered version: pick the device, fetch files, load weights."""
+"""A version in memory: the model and tokenizer of a registered version, fetched and loaded on a device."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from reflow.registry import Registry, VersionRef
-from workers.models.builtin import Transformer
-from workers.models.byte_tokenizer import ByteTokenizer
+from workers.models.interface import CausalLM, Tokenizer
+from workers.models.loader import load_checkpoint
 
 
 @dataclass
@@ -19,8 +19,8 @@ class LoadedModel:
 
     name: str
     version: str
-    model: Transformer
-    tokenizer: ByteTokenizer
+    model: CausalLM
+    tokenizer: Tokenizer
     device: torch.device
     aliases: set[str] = field(default_factory=set)
     last_request: float = field(default_factory=time.monotonic)  # when a Generate last asked for it
@@ -28,7 +28,7 @@ class LoadedModel:
     banned_tokens: torch.Tensor = field(init=False)  # [V] bool
 
     def __post_init__(self) -> None:
-        vocab_size = self.model.config.vocab_size
+        vocab_size = self.model.vocab_size
         banned = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
         banned[self.tokenizer.never_generated(vocab_size)] = True
         self.banned_tokens = banned
@@ -36,15 +36,15 @@ class LoadedModel:
     @property
     def max_len(self) -> int:
         """Longest prompt plus completion, in tokens."""
-        return self.model.config.max_seq_len
+        return self.model.max_seq_len
 
 
 def load_directory(
     directory: Path, name: str, version: str, device: torch.device, aliases: set[str] | None = None
 ) -> LoadedModel:
-    """Loads safetensors weights, JSON config and tokenizer from a local directory."""
-    model = Transformer.load(directory, device)
-    return LoadedModel(name, version, model, ByteTokenizer.load(directory), device, aliases or set())
+    """Loads the checkpoint in a local directory (safetensors weights, JSON config, tokenizer)."""
+    model, tokenizer = load_checkpoint(directory, device)
+    return LoadedModel(name, version, model, tokenizer, device, aliases or set())
 
 
 def load_version(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from workers.models.byte_tokenizer import ByteTokenizer, IncrementalDecoder
+from workers.models.interface import Tokenizer
 from workers.sampling import SamplingParams
 
 
@@ -71,7 +71,7 @@ class Sequence:
         self,
         prompt_ids: list[int],
         params: GenerationParams,
-        tokenizer: ByteTokenizer,
+        tokenizer: Tokenizer,
         max_len: int,
     ):
         self.prompt_ids = prompt_ids
@@ -82,7 +82,9 @@ class Sequence:
         self.reasoning_tokens = 0
         self.phase = Phase.START
         self.finish_reason: FinishReason | None = None
-        self._decoder = IncrementalDecoder()
+        self._decoder = tokenizer.decoder()
+        # the ids of `<think>` and `</think>`; None for models that do not reason
+        self._opens, self._closes = tokenizer.reasoning_markers or (None, None)
         self._held = ""  # answer text that may be the start of a stop string
 
     @property
@@ -94,7 +96,7 @@ class Sequence:
         """A token the worker must emit instead of sampling: `</think>` once the budget is spent."""
         budget = self.params.reasoning_budget
         if self.phase is Phase.REASONING and budget and self.reasoning_tokens >= budget:
-            return self.tokenizer.end_think_id
+            return self._closes
         return None
 
     def append(self, token_id: int) -> Delta:
@@ -102,11 +104,11 @@ class Sequence:
         tok = self.tokenizer
         self.output_ids.append(token_id)
         delta = Delta(token_ids=[token_id])
-        if token_id == tok.eos_id:
+        if token_id in tok.eos_ids:
             return self._finish(delta, FinishReason.STOP)
-        if token_id == tok.think_id and self.phase is Phase.START:
+        if token_id == self._opens and self.phase is Phase.START:
             self.phase = Phase.REASONING
-        elif token_id == tok.end_think_id and self.phase is Phase.REASONING:
+        elif token_id == self._closes and self.phase is Phase.REASONING:
             delta.reasoning_text = self._decoder.flush()
             self.phase = Phase.ANSWER
         elif self.phase is Phase.REASONING:

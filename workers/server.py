@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from reflow.errors import FailedPrecondition, InvalidArgument
-from reflow.mtls import server_credentials
+from reflow.mtls import TlsFiles, server_credentials
 from reflow.registry import Registry
 from reflow.serving import (
     bind,
@@ -28,7 +28,7 @@ from reflow.settings import Settings
 from reflow.v1 import worker_pb2, worker_pb2_grpc
 from workers.engine import Engine, EngineConfig
 from workers.follower import AliasFollower
-from workers.isolation import Isolation, NoIsolation, isolate
+from workers.isolation import Isolation, IsolationConfig, NoIsolation, isolate
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
 from workers.models.loader import resolve_device
@@ -185,7 +185,9 @@ def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
 
 async def serve(settings: Settings, *, version: str = "", ready_file: Path | None = None) -> None:
     """`reflow worker`: isolate, load the configured version, serve until SIGINT/SIGTERM, drain."""
-    isolation = isolate(settings)  # before the first socket: sockets keep the cgroup they were made in
+    isolation = isolate(
+        IsolationConfig.from_settings(settings)
+    )  # before the first socket: sockets keep the cgroup they were made in
     try:
         await _serve_isolated(settings, isolation, version, ready_file)
     finally:
@@ -213,7 +215,10 @@ async def _serve_isolated(
         )
         await follower.sync()
     server, port, health_servicer = await create_server(
-        servicer, settings.worker_host, settings.worker_port, server_credentials(settings)
+        servicer,
+        settings.worker_host,
+        settings.worker_port,
+        server_credentials(TlsFiles.from_settings(settings)),
     )
     metrics_server, metrics_url = start_metrics_server(
         metrics.registry, settings.worker_host, settings.worker_metrics_port

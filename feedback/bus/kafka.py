@@ -4,6 +4,7 @@ Apache Kafka and the embedded Tansu broker, and topic creation."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
@@ -12,7 +13,6 @@ from kafka.errors import TopicAlreadyExistsError
 
 from reflow.endpoints import read_endpoints
 from reflow.errors import Unavailable
-from reflow.settings import Settings
 
 
 class Record(NamedTuple):
@@ -39,16 +39,17 @@ HEARTBEAT_INTERVAL_MS = 1_000
 RECONNECT_BACKOFF_MAX_MS = 1_000  # find a restarted broker within a second, not 30
 
 
-def resolve_bootstrap(settings: Settings) -> str:
-    """REFLOW_KAFKA_BOOTSTRAP, else the embedded broker of a running `reflow up` (endpoints.json)."""
-    if settings.kafka_bootstrap:
-        return settings.kafka_bootstrap
-    bootstrap = (read_endpoints(settings.data_dir) or {}).get("kafka")
+def resolve_bootstrap(configured: str, data_dir: Path) -> str:
+    """The configured bootstrap servers (REFLOW_KAFKA_BOOTSTRAP), else the embedded broker of a
+    running `reflow up` in `data_dir` (its endpoints.json)."""
+    if configured:
+        return configured
+    bootstrap = (read_endpoints(data_dir) or {}).get("kafka")
     if bootstrap:
         return str(bootstrap)
     raise Unavailable(
         "no Kafka broker: set REFLOW_KAFKA_BOOTSTRAP=host:port, or start `reflow up` "
-        f"with this data dir ({settings.data_dir}) to use its embedded broker"
+        f"with this data dir ({data_dir}) to use its embedded broker"
     )
 
 

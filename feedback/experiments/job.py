@@ -10,7 +10,7 @@ decision again: every step can be repeated.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import Engine
 
@@ -21,6 +21,7 @@ from reflow.registry import CHALLENGER, CHAMPION, Registry
 from reflow.settings import Settings
 from reflow.store.experiments import RunningExperiment, running_experiments
 from reflow.store.tables import utcnow
+from reflow.worker_calls import WorkerTargets
 
 logger = logging.getLogger(__name__)
 
@@ -33,19 +34,28 @@ class Evaluation:
     decision: Decision
 
 
-def rules(settings: Settings, traffic: float) -> Rules:
-    """The decision rule's settings for an experiment that sends `traffic` to the challenger."""
-    return Rules(
-        alpha=settings.ab_alpha,
-        min_samples=settings.ab_min_samples,
-        traffic=traffic,
-        max_error_rate_increase=settings.ab_max_error_rate_increase,
-        max_latency_ratio=settings.ab_max_latency_ratio,
-        max_duration_s=settings.ab_max_duration_s,
-    )
+@dataclass(frozen=True)
+class EvaluateJob:
+    """What an evaluation round needs: the model that always gets a look, the split a new
+    experiment gets, the decision rule, and the workers to tell when aliases move."""
+
+    model: str
+    traffic: float
+    rules: Rules  # its traffic is each experiment's own
+    workers: WorkerTargets
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> EvaluateJob:
+        """The round REFLOW_MODEL_NAME and REFLOW_AB_* describe."""
+        rules = Rules(
+            alpha=settings.ab_alpha, min_samples=settings.ab_min_samples, traffic=settings.ab_traffic,
+            max_error_rate_increase=settings.ab_max_error_rate_increase,
+            max_latency_ratio=settings.ab_max_latency_ratio, max_duration_s=settings.ab_max_duration_s,
+        )  # fmt: skip
+        return cls(settings.model_name, settings.ab_traffic, rules, WorkerTargets.from_settings(settings))
 
 
-def evaluate_experiments(settings: Settings, engine: Engine, registry: Registry) -> list[Evaluation]:
+def evaluate_experiments(job: EvaluateJob, engine: Engine, registry: Registry) -> list[Evaluation]:
     """Finishes decisions a stopped process left half applied, opens the experiment a new
     challenger needs, then evaluates and acts on every running one. A model whose round fails is
     logged and retried at the next round; the other models go on. When aliases moved, the
@@ -54,28 +64,29 @@ def evaluate_experiments(settings: Settings, engine: Engine, registry: Registry)
     for experiment, look in half_applied:
         logger.info("experiment %d: applying its %s decision again", experiment.id, look.outcome)
         apply(engine, registry, experiment, look.outcome, look.reason)
-    models = {settings.model_name} | {e.model for e in running_experiments(engine)}
+    models = {job.model} | {e.model for e in running_experiments(engine)}
     evaluations = []
     for model in sorted(models):
         try:
-            experiment = reconcile(engine, registry, model, settings.ab_traffic)
-            if experiment is not None and (evaluation := evaluate(settings, engine, registry, experiment)):
+            experiment = reconcile(engine, registry, model, job.traffic)
+            if experiment is not None and (evaluation := evaluate_one(job, engine, registry, experiment)):
                 evaluations.append(evaluation)
         except Exception:
             logger.exception("evaluating the experiment of %s failed; the next round tries again", model)
     if half_applied or any(e.decision.outcome != "continue" for e in evaluations):
-        push_to_workers(settings)
+        push_to_workers(job.workers)
     return evaluations
 
 
-def evaluate(
-    settings: Settings, engine: Engine, registry: Registry, experiment: RunningExperiment
+def evaluate_one(
+    job: EvaluateJob, engine: Engine, registry: Registry, experiment: RunningExperiment
 ) -> Evaluation | None:
     """Decides on one experiment, records the decision and applies it; None when another process
     ended the experiment meanwhile."""
     stats = arm_stats(engine, experiment.id)
     age_s = (utcnow() - experiment.started_at).total_seconds()
-    decision = decide(stats[CHAMPION], stats[CHALLENGER], rules(settings, experiment.traffic), age_s)
+    rules = replace(job.rules, traffic=experiment.traffic)
+    decision = decide(stats[CHAMPION], stats[CHALLENGER], rules, age_s)
     if not record(engine, experiment.id, stats, decision):
         return None
     logger.info(

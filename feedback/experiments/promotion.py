@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 
 from reflow.registry import CHALLENGER, CHAMPION, Registry
-from reflow.settings import Settings
 from reflow.v1 import worker_pb2
-from reflow.worker_calls import call_workers
+from reflow.worker_calls import WorkerTargets, call_workers
 
 logger = logging.getLogger(__name__)
 PUSH_TIMEOUT_S = 120.0  # a worker loads, compiles and warms the new version before it answers
@@ -41,11 +40,11 @@ def roll_back(registry: Registry, name: str, version: str = "") -> bool:
     return registry.delete_alias(name, CHALLENGER)
 
 
-def push_to_workers(settings: Settings, timeout_s: float = PUSH_TIMEOUT_S) -> dict[str, str]:
+def push_to_workers(targets: WorkerTargets, timeout_s: float = PUSH_TIMEOUT_S) -> dict[str, str]:
     """Asks every worker (REFLOW_WORKERS, else those of endpoints.json) to follow its aliases now;
     returns address -> "ok" or the failure, once each has loaded what it needed (or failed, or
     timed out)."""
-    results = call_workers(settings, "SyncAliases", worker_pb2.SyncAliasesRequest(), timeout_s)
+    results = call_workers(targets, "SyncAliases", worker_pb2.SyncAliasesRequest(), timeout_s)
     for address, result in results.items():
         if isinstance(result, str):
             logger.warning(

@@ -1,14 +1,14 @@
-"""The `arith` demo task: prompts, canonical reasoning, the oracle, datasets and greedy accuracy."""
+"""The `arith` demo task: prompts `"A+B="`, canonical reasoning, the oracle, its two distributions.
+
+The base model learns operands 0-49; live traffic asks over 0-99, where the base model is mostly
+wrong: the material for the learning loop.
+"""
 
 from __future__ import annotations
 
 import random
 import re
-
-import torch
-
-from workers.models.builtin import Transformer
-from workers.models.byte_tokenizer import ByteTokenizer
+from dataclasses import dataclass
 
 # Canonical operands only ("7+38=", not "07+38=" or " 7+38="), so format and parse are inverses.
 _PROMPT = re.compile(r"(0|[1-9][0-9]*)\+(0|[1-9][0-9]*)=")
@@ -64,109 +64,27 @@ def sample_operands(n: int, lo: int, hi: int, rng: random.Random) -> list[tuple[
     return [(rng.randint(lo, hi), rng.randint(lo, hi)) for _ in range(n)]
 
 
-def training_example(
-    tokenizer: ByteTokenizer, prompt: str, answer: str, thought: str | None
-) -> tuple[list[int], list[int]]:
-    """Token ids of `<bos>prompt<think>thought</think>answer<eos>` and its loss mask.
+@dataclass(frozen=True)
+class Arith:
+    """The `arith` task, with the operand ranges of the base model's training and of live traffic."""
 
-    The mask is 1 on the completion (everything the model generates, the
-    special tokens included) and 0 on `<bos>` and the prompt. Without a
-    thought the completion is `answer<eos>`, with no think tags.
-    """
-    prompt_ids = tokenizer.encode(prompt)
-    completion = [*tokenizer.encode(answer, bos=False), tokenizer.eos_id]
-    if thought is not None:
-        thought_ids = tokenizer.encode(thought, bos=False)
-        completion = [tokenizer.think_id, *thought_ids, tokenizer.end_think_id, *completion]
-    return prompt_ids + completion, [0] * len(prompt_ids) + [1] * len(completion)
+    base: tuple[int, int] = (0, 49)
+    traffic: tuple[int, int] = (0, 99)
+    name: str = "arith"
 
+    def base_prompts(self, n: int, rng: random.Random) -> list[str]:
+        return [format_prompt(a, b) for a, b in sample_operands(n, *self.base, rng)]
 
-def greedy_answers(
-    model: Transformer,
-    tokenizer: ByteTokenizer,
-    prompts: list[str],
-    *,
-    max_new_tokens: int = 48,
-    batch_size: int = 256,
-) -> list[str]:
-    """Greedy answer text for each prompt, decoded `batch_size` prompts at a time with the KV cache.
+    def traffic_prompts(self, n: int, rng: random.Random) -> list[str]:
+        return [format_prompt(a, b) for a, b in sample_operands(n, *self.traffic, rng)]
 
-    The answer is the text after `</think>` (after the prompt when the model does not
-    think) up to `<eos>`; it is empty when a thought is never closed.
-    """
-    answers: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        for generated in _greedy_tokens(model, tokenizer, chunk, max_new_tokens):
-            answers.append(_answer_text(tokenizer, generated))
-    return answers
+    def answer(self, prompt: str) -> str | None:
+        operands = parse_prompt(prompt)
+        return None if operands is None else str(sum(operands))
 
+    def is_correct(self, prompt: str, answer: str) -> bool:
+        return is_correct(prompt, answer)
 
-def accuracy(
-    model: Transformer,
-    tokenizer: ByteTokenizer,
-    operands: list[tuple[int, int]],
-    **kw: int,
-) -> float:
-    """Share of `operands` whose greedy answer is correct; `kw` goes to `greedy_answers`."""
-    prompts = [format_prompt(a, b) for a, b in operands]
-    answers = greedy_answers(model, tokenizer, prompts, **kw)
-    return sum(is_correct(p, t) for p, t in zip(prompts, answers, strict=True)) / len(prompts)
-
-
-@torch.inference_mode()
-def _greedy_tokens(
-    model: Transformer, tokenizer: ByteTokenizer, prompts: list[str], max_new_tokens: int
-) -> list[list[int]]:
-    """Greedy continuations of one batch of prompts, each ending at `<eos>` or a length limit."""
-    device = model.output.weight.device
-    encoded = [tokenizer.encode(p) for p in prompts]
-    n = len(encoded)
-    lengths = torch.tensor([len(ids) for ids in encoded], device=device)  # [B]
-    max_len = int(lengths.max())
-    limit = model.config.max_seq_len
-    if max_len > limit:
-        raise ValueError(f"an arith prompt of {max_len} tokens exceeds max_seq_len={limit}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    tokens = torch.full((n, max_len), tokenizer.pad_id, dtype=torch.long)
-    for i, ids in enumerate(encoded):
-        tokens[i, : len(ids)] = torch.tensor(ids)
-    tokens = tokens.to(device)  # [B, T], right-padded
-    cache = model.new_cache(n)
-    slots = torch.arange(n, device=device)  # [B]
-    positions = torch.arange(max_len, device=device).expand(n, max_len)  # [B, T]
-    # Padding is written past each row's prompt, then overwritten by its generated
-    # tokens before any query can attend to it (the mask keeps key_pos <= query_pos).
-    banned = tokenizer.never_generated(model.config.vocab_size)
-    logits = model(tokens, positions, cache, slots)  # [B, T, V]
-    logits[..., banned] = float("-inf")  # as the serving engine does
-    next_ids = logits[slots, lengths - 1].argmax(-1)  # [B]
-    next_pos = lengths.clone()  # [B]: where each row's next token goes
-    # A token at position p is fed back only if the one it predicts is still allowed.
-    feed_below = (lengths + max_new_tokens - 1).clamp(max=limit)  # [B]
-    generated: list[list[int]] = [[] for _ in range(n)]
-    active = slots
-    while True:
-        for row, token in zip(active.tolist(), next_ids.tolist(), strict=True):
-            generated[row].append(token)
-        keep = (next_ids != tokenizer.eos_id) & (next_pos[active] < feed_below[active])
-        active, next_ids = active[keep], next_ids[keep]
-        if active.numel() == 0:
-            break
-        logits = model(next_ids[:, None], next_pos[active, None], cache, active)  # [b, 1, V]
-        logits[..., banned] = float("-inf")
-        next_pos[active] += 1
-        next_ids = logits[:, -1].argmax(-1)  # [b]
-    return generated
-
-
-def _answer_text(tokenizer: ByteTokenizer, generated: list[int]) -> str:
-    """The answer part of a continuation: after `</think>` if the model thought, up to `<eos>`."""
-    if tokenizer.eos_id in generated:
-        generated = generated[: generated.index(tokenizer.eos_id)]
-    if generated and generated[0] == tokenizer.think_id:
-        if tokenizer.end_think_id not in generated:
-            return ""
-        generated = generated[generated.index(tokenizer.end_think_id) + 1 :]
-    return tokenizer.decode(generated)
+    def thought(self, prompt: str) -> str | None:
+        operands = parse_prompt(prompt)
+        return None if operands is None else reasoning(*operands)

@@ -1,15 +1,16 @@
-"""`reflow simulate`: a population of users sending `arith` prompts through the gateway and rating
-each answer with the oracle: +1 when right, -1 with the right answer as `correction` when wrong.
+"""`reflow simulate`: a population of users sending a task's prompts through the gateway and rating
+each answer with the task's oracle: +1 when right, -1 with the right answer as `correction` when
+wrong.
 
-It is the demo's traffic and the learning loop's test: the base model knows only small operands,
-so users asking over a wider range correct it, and those corrections are what it learns from.
+It is the demo's traffic and the learning loop's test: the base model knows only its base
+distribution, so users asking as live traffic does correct it, and those corrections are what it
+learns from.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import operator
 import random
 import time
 from collections.abc import Callable
@@ -19,11 +20,11 @@ from datetime import UTC, datetime
 import grpc
 
 from feedback.events import FeedbackEvent, InferenceEvent, Latency, TokenUsage
-from feedback.tasks import arith
+from feedback.tasks.task import Task
 from reflow.errors import RETRY_PUSHBACK_KEY
 from reflow.v1 import inference_pb2, inference_pb2_grpc
-from workers.models.builtin import Transformer
-from workers.models.byte_tokenizer import ByteTokenizer
+from workers.models.greedy import greedy_answers
+from workers.models.interface import CausalLM, Tokenizer
 
 MAX_IN_FLIGHT = 64  # requests a simulation keeps open at once; beyond that it falls behind its rate
 RETRIES = 20  # times a user comes back after RESOURCE_EXHAUSTED before giving up
@@ -51,18 +52,17 @@ async def simulate(
     target: str,
     api_key: str,
     *,
+    task: Task,
     rate: float,
     duration_s: float,
-    lo: int = 0,
-    hi: int = 99,
     users: int = 50,
     seed: int = 0,
     model: str = "",
     on_request: Callable[[SimulationReport], None] | None = None,
 ) -> SimulationReport:
-    """Sends `rate` requests a second for `duration_s` seconds (at most `rate * duration_s`; 0 =
-    until cancelled), each from one of `users` users, and rates every answer; returns once all are
-    answered and rated."""
+    """Sends `rate` of `task`'s live-traffic prompts a second for `duration_s` seconds (at most
+    `rate * duration_s`; 0 = until cancelled), each from one of `users` users, and rates every
+    answer; returns once all are answered and rated."""
     rng = random.Random(seed)
     report = SimulationReport()
     metadata = (("authorization", f"Bearer {api_key}"),)
@@ -71,20 +71,20 @@ async def simulate(
         stub = inference_pb2_grpc.InferenceStub(channel)
         rater = asyncio.create_task(_rate(stub, metadata, ratings, report))
         in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
-        tasks: set[asyncio.Task[None]] = set()
+        asked: set[asyncio.Task[None]] = set()  # requests in flight
         started = time.monotonic()
         for i in range(int(rate * duration_s)) if duration_s else itertools.count():
             await asyncio.sleep(max(0.0, started + i / rate - time.monotonic()))
-            a, b = arith.sample_operands(1, lo, hi, rng)[0]
+            [prompt] = task.traffic_prompts(1, rng)
             user = f"sim-user-{rng.randrange(users)}"
             await in_flight.acquire()
-            task = asyncio.create_task(_ask(stub, metadata, model, a, b, user, report, ratings))
-            task.add_done_callback(lambda _t: in_flight.release())
+            asking = asyncio.create_task(_ask(stub, metadata, model, task, prompt, user, report, ratings))
+            asking.add_done_callback(lambda _t: in_flight.release())
             if on_request is not None:
-                task.add_done_callback(lambda _t: on_request(report))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        await asyncio.gather(*tasks)
+                asking.add_done_callback(lambda _t: on_request(report))
+            asked.add(asking)
+            asking.add_done_callback(asked.discard)
+        await asyncio.gather(*asked)
         await ratings.put(None)
         await rater
     return report
@@ -94,14 +94,13 @@ async def _ask(
     stub: inference_pb2_grpc.InferenceStub,
     metadata: tuple[tuple[str, str], ...],
     model: str,
-    a: int,
-    b: int,
+    task: Task,
+    prompt: str,
     user: str,
     report: SimulationReport,
     ratings: asyncio.Queue[inference_pb2.Feedback | None],
 ) -> None:
     """One user's request, and its rating queued."""
-    prompt = arith.format_prompt(a, b)
     request = inference_pb2.GenerateRequest(
         model=model, prompt=prompt, user_id=user, sampling=inference_pb2.SamplingParams(max_tokens=48)
     )
@@ -123,12 +122,12 @@ async def _ask(
                 await asyncio.sleep(_pushback_s(error))
     finally:
         report.finished += 1
-    right = arith.is_correct(prompt, "".join(text))
+    right = task.is_correct(prompt, "".join(text))
     report.right += right
     tally = report.by_version.setdefault(version, [0, 0])
     tally[0] += right
     tally[1] += 1
-    correction = "" if right else str(a + b)
+    correction = "" if right else task.answer(prompt) or ""
     await ratings.put(
         inference_pb2.Feedback(
             request_id=request_id, rating=1 if right else -1, correction=correction, user_id=user
@@ -174,30 +173,34 @@ async def _rate(
 
 
 def rated_offline(
-    model: Transformer,
-    operands: list[tuple[int, int]],
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    task: Task,
+    prompts: list[str],
     *,
     tenant: str,
     model_name: str = "arith",
     version: str = "1",
-    answer_key: Callable[[int, int], int] = operator.add,
+    answer_key: Callable[[str], str | None] | None = None,
 ) -> list[InferenceEvent | FeedbackEvent]:
-    """What simulated users would send for `operands`, without a gateway: the events of `model`'s
-    greedy completions and ratings against `answer_key` (+1, or -1 with its answer as correction).
+    """What simulated users would send for `prompts`, without a gateway: the events of `model`'s
+    greedy completions and ratings against `answer_key` (+1, or -1 with its answer as correction),
+    the task's own answers by default.
 
     For measuring and testing the fine-tune job alone; a wrong `answer_key` makes harmful feedback.
     """
-    prompts = [arith.format_prompt(a, b) for a, b in operands]
-    answers = arith.greedy_answers(model, ByteTokenizer(), prompts)
+    answers = greedy_answers(model, tokenizer, prompts)
     now = datetime.now(UTC)
     events: list[InferenceEvent | FeedbackEvent] = []
-    for i, ((a, b), prompt, answer) in enumerate(zip(operands, prompts, answers, strict=True)):
-        request_id, wanted = f"offline-{i}", str(answer_key(a, b))
+    for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+        request_id, wanted = f"offline-{i}", (answer_key or task.answer)(prompt) or ""
         right = answer.strip() == wanted
         events.append(InferenceEvent(
             request_id=request_id, tenant=tenant, model=model_name, version=version, prompt=prompt,
-            reasoning=arith.reasoning(a, b), completion=answer, finish_reason="STOP",
-            usage=TokenUsage(prompt_tokens=len(prompt) + 1, completion_tokens=0, reasoning_tokens=0),
+            reasoning=task.thought(prompt) or "", completion=answer, finish_reason="STOP",
+            usage=TokenUsage(
+                prompt_tokens=len(tokenizer.encode(prompt)), completion_tokens=0, reasoning_tokens=0
+            ),
             latency=Latency(first_token_ms=0.0, total_ms=0.0), time=now,
         ))  # fmt: skip
         events.append(FeedbackEvent(

@@ -3,77 +3,73 @@
 from __future__ import annotations
 
 import logging
-import random
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from feedback.tasks import arith
+from feedback.tasks import get_task
+from feedback.training.evaluation import base_model_metrics
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from reflow.registry import Registry, VersionRef
 from reflow.settings import Settings
-from workers.models.builtin import Transformer
-from workers.models.byte_tokenizer import ByteTokenizer
-from workers.models.loader import resolve_device
+from workers.models.loader import resolve_device, save_checkpoint
 
 logger = logging.getLogger(__name__)
-EVAL_PROBLEMS = 500
-EVAL_SEED = 1234
-WIDE_RANGE = (0, 99)
 
 
-def evaluate(model: Transformer, config: PretrainConfig) -> dict[str, float]:
-    """Greedy accuracy on seeded in-range and wide-range (0-99) problems."""
-    tokenizer = ByteTokenizer()
-    in_range = arith.sample_operands(EVAL_PROBLEMS, config.lo, config.hi, random.Random(EVAL_SEED))
-    wide = arith.sample_operands(EVAL_PROBLEMS, *WIDE_RANGE, random.Random(EVAL_SEED + 1))
-    return {
-        "accuracy_in_range": arith.accuracy(model, tokenizer, in_range),
-        "accuracy_wide_range": arith.accuracy(model, tokenizer, wide),
-    }
+@dataclass(frozen=True)
+class BaseModel:
+    """The model an empty registry gets: its name and alias, the task it learns, the recipe, where."""
+
+    model: str
+    alias: str
+    task: str
+    recipe: PretrainConfig
+    device: str
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> BaseModel:
+        """REFLOW_MODEL_NAME@REFLOW_MODEL_ALIAS, trained on REFLOW_TASK with the recipe's defaults but
+        REFLOW_MODEL_PRESET and REFLOW_BOOTSTRAP_STEPS."""
+        recipe = replace(PretrainConfig(), preset=settings.model_preset)
+        if settings.bootstrap_steps:
+            recipe = replace(recipe, steps=settings.bootstrap_steps)
+        return cls(settings.model_name, settings.model_alias, settings.task, recipe, settings.device)
 
 
-def pretrain_config(settings: Settings) -> PretrainConfig:
-    """The base model's training recipe: the defaults, with the settings' preset and step count."""
-    config = replace(PretrainConfig(), preset=settings.model_preset)
-    return replace(config, steps=settings.bootstrap_steps) if settings.bootstrap_steps else config
-
-
-def ensure_base_model(settings: Settings, registry: Registry, console: Console) -> VersionRef:
+def ensure_base_model(base: BaseModel, registry: Registry, console: Console) -> VersionRef:
     """The version behind the serving alias; trains and registers the base model when there is none."""
-    name, alias = settings.model_name, settings.model_alias
+    name, alias = base.model, base.alias
     if registry.has_alias(name, alias):
         return registry.resolve(name, alias=alias)
-    config = pretrain_config(settings)
-    device = resolve_device(settings.device)
+    config = base.recipe
+    task = get_task(base.task)
+    device = resolve_device(base.device)
     columns = (
         TextColumn("[bold]training base model"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn(),
     )  # fmt: skip
     started = time.perf_counter()
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("train", total=config.steps, loss=float("nan"))
-        model = train_base_model(
-            config, device, lambda step, _total, loss: progress.update(task, completed=step, loss=loss)
+        bar = progress.add_task("train", total=config.steps, loss=float("nan"))
+        model, tokenizer = train_base_model(
+            config, task, device, lambda step, _total, loss: progress.update(bar, completed=step, loss=loss)
         )
     train_s = time.perf_counter() - started
     with console.status("evaluating the base model"):
-        metrics = {**evaluate(model, config), "train_seconds": train_s}
+        metrics = {**base_model_metrics(model, tokenizer, task), "train_seconds": train_s}
     console.print(
-        f"base model: in-range accuracy {metrics['accuracy_in_range']:.1%}, wide-range (0-99) "
-        f"{metrics['accuracy_wide_range']:.1%}, trained in {train_s:.0f}s"
+        f"base model: {task.name} accuracy {metrics['accuracy_in_range']:.1%} on its training range, "
+        f"{metrics['accuracy_wide_range']:.1%} on live traffic's, trained in {train_s:.0f}s"
     )
     with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
-        model.save(directory)
-        ByteTokenizer().save(directory)
         return registry.register(
             name,
-            directory,
+            save_checkpoint(model, tokenizer, Path(tmp)),
             params={**asdict(config), "device": str(device)},
             metrics=metrics,
             alias=alias,

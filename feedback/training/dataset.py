@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine, func, or_, select
 from sqlalchemy.orm import Session
 
+from feedback.tasks.task import Example
 from reflow.store.tables import RATES, FeedbackItem, Inference
 
 
@@ -30,15 +31,6 @@ class RatedCompletion:
     completion: str
     rating: int
     correction: str
-
-
-@dataclass(frozen=True)
-class Example:
-    """A completion of a prompt: an optional thought, then the answer."""
-
-    prompt: str
-    thought: str | None
-    answer: str
 
 
 @dataclass

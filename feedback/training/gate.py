@@ -1,9 +1,9 @@
 """The gate a candidate passes before it is registered: better on held-out feedback, no worse (within
-a tolerance) on a fixed regression set from the base distribution.
+a tolerance) on a fixed regression set from the task's base distribution.
 
 Accuracy is exact-answer accuracy under greedy decoding: on held-out items, the answer the user
-wanted (their correction, or the completion they rated +1); on the regression set and the
-wide-range set (reported, not gated on), the `arith` oracle.
+wanted (their correction, or the completion they rated +1); on the regression set and on a set of
+live traffic's prompts (reported, not gated on), the task's oracle.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from feedback.tasks import arith
-from feedback.training.bootstrap import EVAL_SEED, WIDE_RANGE
-from feedback.training.pretrain import PretrainConfig
-from workers.models.builtin import Transformer
-from workers.models.byte_tokenizer import ByteTokenizer
+from feedback.tasks.task import Task
+from feedback.training.evaluation import EVAL_SEED, accuracy
+from workers.models.greedy import greedy_answers
+from workers.models.interface import CausalLM, Tokenizer
 
 REGRESSION_PROBLEMS = 300
 WIDE_PROBLEMS = 300
+ANSWER_ROOM = 8  # tokens of context a held-out prompt must leave for its answer
 
 
 @dataclass(frozen=True)
@@ -29,27 +29,19 @@ class Verdict:
     reason: str
 
 
-def regression_set() -> list[tuple[int, int]]:
-    """Fixed problems from the base model's training distribution."""
-    base = PretrainConfig()
-    return arith.sample_operands(REGRESSION_PROBLEMS, base.lo, base.hi, random.Random(EVAL_SEED + 7))
-
-
-def wide_set() -> list[tuple[int, int]]:
-    """Fixed problems over the wide operand range that live traffic uses."""
-    return arith.sample_operands(WIDE_PROBLEMS, *WIDE_RANGE, random.Random(EVAL_SEED + 8))
-
-
-def evaluate(model: Transformer, held_out: list[tuple[str, str]]) -> dict[str, float]:
+def measure(
+    model: CausalLM, tokenizer: Tokenizer, task: Task, held_out: list[tuple[str, str]]
+) -> dict[str, float]:
     """held_out, regression and wide-range accuracy of `model` (held_out is NaN without items)."""
-    tokenizer = ByteTokenizer()
-    fits = [(p, a) for p, a in held_out if len(tokenizer.encode(p)) < model.config.max_seq_len - 8]
-    answers = arith.greedy_answers(model, tokenizer, [p for p, _ in fits]) if fits else []
+    fits = [(p, a) for p, a in held_out if len(tokenizer.encode(p)) < model.max_seq_len - ANSWER_ROOM]
+    answers = greedy_answers(model, tokenizer, [p for p, _ in fits]) if fits else []
     right = sum(answer.strip() == wanted for answer, (_, wanted) in zip(answers, fits, strict=True))
+    regression = task.base_prompts(REGRESSION_PROBLEMS, random.Random(EVAL_SEED + 7))
+    wide = task.traffic_prompts(WIDE_PROBLEMS, random.Random(EVAL_SEED + 8))
     return {
         "held_out_accuracy": right / len(fits) if fits else float("nan"),
-        "regression_accuracy": arith.accuracy(model, tokenizer, regression_set()),
-        "wide_range_accuracy": arith.accuracy(model, tokenizer, wide_set()),
+        "regression_accuracy": accuracy(model, tokenizer, task, regression),
+        "wide_range_accuracy": accuracy(model, tokenizer, task, wide),
         "held_out_items": float(len(fits)),
     }
 

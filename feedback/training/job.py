@@ -8,12 +8,12 @@ registered or rejected run keeps them, a failed one gives them back to the next 
 from __future__ import annotations
 
 import logging
-import random
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 from sqlalchemy import Engine, select, update
@@ -21,24 +21,17 @@ from sqlalchemy.orm import Session
 
 from feedback.experiments.lifecycle import reconcile
 from feedback.experiments.promotion import push_to_workers
-from feedback.tasks import arith
+from feedback.tasks import get_task
+from feedback.tasks.task import replay_example
 from feedback.training import gate
-from feedback.training.dataset import (
-    Example,
-    RatedCompletion,
-    build_dataset,
-    count_new,
-    load_new,
-)
-from feedback.training.pretrain import PretrainConfig
+from feedback.training.dataset import RatedCompletion, build_dataset, count_new, load_new
 from feedback.training.trainer import FinetuneConfig, train_candidate
 from reflow.registry import CHALLENGER, Registry, VersionRef
 from reflow.settings import Settings
 from reflow.store.experiments import running_experiment
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
-from workers.models.builtin import Transformer
-from workers.models.byte_tokenizer import ByteTokenizer
-from workers.models.loader import resolve_device
+from reflow.worker_calls import WorkerTargets
+from workers.models.loader import load_checkpoint, resolve_device, save_checkpoint
 
 logger = logging.getLogger(__name__)
 STALE_AFTER = timedelta(minutes=30)  # a `running` row older than this belongs to a killed job
@@ -60,31 +53,42 @@ class Outcome:
     metrics: dict[str, float] | None = None
 
 
-def finetune_config(settings: Settings, seed: int = 0) -> FinetuneConfig:
-    """The recipe, with the sizes, steps and learning rate the settings give."""
-    return FinetuneConfig(
-        steps=settings.finetune_steps,
-        batch_size=settings.finetune_batch_size,
-        lr=settings.finetune_lr,
-        seed=seed,
-    )
+@dataclass(frozen=True)
+class FinetuneJob:
+    """What a fine-tune run needs: whose champion, how much feedback, the recipe, the gate, where it
+    runs, and what to tell once a challenger is registered."""
 
+    model: str
+    champion_alias: str
+    task: str
+    min_samples: int  # new labelled items a scheduled run waits for
+    max_samples: int  # most items one run takes
+    holdout_fraction: float
+    regression_tolerance: float
+    recipe: FinetuneConfig  # its seed is set per run
+    device: str
+    cache_dir: Path  # local copies of downloaded versions
+    traffic: float  # the challenger's share in the experiment it opens
+    workers: WorkerTargets  # told to load the challenger at once
 
-def canonical_thought(prompt: str) -> str | None:
-    """The reasoning a correction is taught with: `arith`'s for its prompts, none for others."""
-    operands = arith.parse_prompt(prompt)
-    return arith.reasoning(*operands) if operands else None
-
-
-def base_problem(rng: random.Random) -> Example:
-    """A problem from the base model's training distribution, replayed against forgetting."""
-    base = PretrainConfig()
-    [(a, b)] = arith.sample_operands(1, base.lo, base.hi, rng)
-    return Example(arith.format_prompt(a, b), arith.reasoning(a, b), str(a + b))
+    @classmethod
+    def from_settings(cls, settings: Settings) -> FinetuneJob:
+        """The job REFLOW_MODEL_NAME, REFLOW_FINETUNE_* and REFLOW_AB_TRAFFIC describe."""
+        recipe = FinetuneConfig(
+            steps=settings.finetune_steps, batch_size=settings.finetune_batch_size, lr=settings.finetune_lr
+        )
+        return cls(
+            model=settings.model_name, champion_alias=settings.model_alias, task=settings.task,
+            min_samples=settings.finetune_min_samples, max_samples=settings.finetune_max_samples,
+            holdout_fraction=settings.finetune_holdout_fraction,
+            regression_tolerance=settings.finetune_regression_tolerance, recipe=recipe,
+            device=settings.device, cache_dir=settings.model_cache_dir, traffic=settings.ab_traffic,
+            workers=WorkerTargets.from_settings(settings),
+        )  # fmt: skip
 
 
 def run_finetune(
-    settings: Settings,
+    job: FinetuneJob,
     engine: Engine,
     registry: Registry,
     *,
@@ -92,10 +96,10 @@ def run_finetune(
     min_samples: int | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Outcome:
-    """Fine-tunes `model`'s champion on the oldest labelled feedback no run has used yet (at most
-    REFLOW_FINETUNE_MAX_SAMPLES items; the rest waits for the next run)."""
-    name = model or settings.model_name
-    needed = settings.finetune_min_samples if min_samples is None else min_samples
+    """Fine-tunes `model`'s champion (the job's by default) on the oldest labelled feedback no run
+    has used yet (at most `job.max_samples` items; the rest waits for the next run)."""
+    name = model or job.model
+    needed = job.min_samples if min_samples is None else min_samples
     if (experiment := running_experiment(engine, name)) is not None:
         return Outcome(
             "skipped",
@@ -104,13 +108,13 @@ def run_finetune(
     new = count_new(engine, name)
     if new < max(needed, 1):
         return Outcome("skipped", f"{new} new labelled feedback item(s) on {name}; waiting for {needed}")
-    parent = registry.resolve(name, alias=settings.model_alias)
-    items = load_new(engine, name, settings.finetune_max_samples)
+    parent = registry.resolve(name, alias=job.champion_alias)
+    items = load_new(engine, name, job.max_samples)
     run_id = claim_run(engine, name, parent.version, [item.id for item in items])
     if run_id is None:
         return Outcome("skipped", "another fine-tune run of this model is in progress")
     try:
-        return _train_and_judge(settings, engine, registry, run_id, parent, items, progress)
+        return _train_and_judge(job, engine, registry, run_id, parent, items, progress)
     except Exception as error:
         if isinstance(error, Cancelled):
             logger.info("fine-tune run %d cancelled: %s", run_id, error)
@@ -122,7 +126,7 @@ def run_finetune(
 
 
 def _train_and_judge(
-    settings: Settings,
+    job: FinetuneJob,
     engine: Engine,
     registry: Registry,
     run_id: int,
@@ -132,17 +136,20 @@ def _train_and_judge(
 ) -> Outcome:
     started = time.perf_counter()
     first_id, last_id = items[0].id, items[-1].id
-    dataset = build_dataset(items, settings.finetune_holdout_fraction, canonical_thought)
-    device = resolve_device(settings.device)
+    task = get_task(job.task)
+    dataset = build_dataset(items, job.holdout_fraction, task.thought)
+    device = resolve_device(job.device)
     name, parent = parent_ref.name, parent_ref.version
-    champion = Transformer.load(registry.download(parent_ref, settings.model_cache_dir), device)
-    config = finetune_config(settings, seed=run_id)
-    candidate, history = train_candidate(champion, dataset, base_problem, config, progress)
+    champion, tokenizer = load_checkpoint(registry.download(parent_ref, job.cache_dir), device)
+    config = replace(job.recipe, seed=run_id)
+    replay = partial(replay_example, task)
+    candidate, history = train_candidate(champion, tokenizer, dataset, replay, config, progress)
     train_s = time.perf_counter() - started
     logger.info("fine-tune run %d trained in %.1fs on %d items", run_id, train_s, dataset.size)
-    before, after = gate.evaluate(champion, dataset.held_out), gate.evaluate(candidate, dataset.held_out)
+    before = gate.measure(champion, tokenizer, task, dataset.held_out)
+    after = gate.measure(candidate, tokenizer, task, dataset.held_out)
     logger.info("fine-tune run %d evaluated in %.1fs", run_id, time.perf_counter() - started - train_s)
-    verdict = gate.judge(before, after, settings.finetune_regression_tolerance)
+    verdict = gate.judge(before, after, job.regression_tolerance)
     metrics = {
         **{f"champion_{k}": v for k, v in before.items()},
         **{f"candidate_{k}": v for k, v in after.items()},
@@ -152,18 +159,16 @@ def _train_and_judge(
     params = {
         **asdict(config), "parent_version": parent, "feedback_first_id": first_id,
         "feedback_last_id": last_id, "dataset_size": dataset.size, "dataset_sha256": dataset.digest,
-        "holdout_fraction": settings.finetune_holdout_fraction,
-        "regression_tolerance": settings.finetune_regression_tolerance, "device": str(device),
+        "holdout_fraction": job.holdout_fraction, "regression_tolerance": job.regression_tolerance,
+        "device": str(device),
     }  # fmt: skip
     fields = ("loss", "sft", "kto", "kl", "kto_reference_point")
     curves = {f"train_{field}": [getattr(s, field) for s in history] for field in fields}
     tags = {"reflow.source": "finetune", "reflow.parent_version": parent, "reflow.verdict": verdict.reason}
     with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
-        candidate.save(directory)
-        ByteTokenizer().save(directory)
         mlflow_run, source = registry.log_run(
-            f"{name}-finetune-{run_id}", params=params, metrics=metrics, model_dir=directory,
+            f"{name}-finetune-{run_id}", params=params, metrics=metrics,
+            model_dir=save_checkpoint(candidate, tokenizer, Path(tmp)),
             history=curves, tags=tags,
         )  # fmt: skip
     version = ""
@@ -181,8 +186,8 @@ def _train_and_judge(
     logger.info("fine-tune run %d %s: %s", run_id, status, verdict.reason)
     if verdict.register:  # the experiment opens now, and the workers load the challenger now
         try:
-            reconcile(engine, registry, name, settings.ab_traffic)
-            push_to_workers(settings)
+            reconcile(engine, registry, name, job.traffic)
+            push_to_workers(job.workers)
         except Exception:  # the run stands; the evaluate job opens the experiment, workers poll
             logger.exception("fine-tune run %d: opening the experiment failed; the evaluate job will", run_id)
     return Outcome(status, verdict.reason, run_id, version, metrics)

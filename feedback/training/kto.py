@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.models.builtin import Transformer
+from workers.models.interface import CausalLM
 
 
-def sequence_logps(model: Transformer, tokens: Tensor, mask: Tensor) -> Tensor:
+def sequence_logps(model: CausalLM, tokens: Tensor, mask: Tensor) -> Tensor:
     """Sum of log pi(token) over the masked (completion) tokens of each row: [B].
 
     `tokens` and `mask` are [B, T]; mask[b, t] = 1 where token t is part of the completion.

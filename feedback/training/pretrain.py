@@ -1,32 +1,29 @@
-"""Trains the demo base model on in-range `arith` problems."""
+"""Trains the demo base model, the built-in model from scratch, on a task's base distribution."""
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from feedback.tasks.arith import format_prompt, reasoning, sample_operands, training_example
-from workers.models.builtin import ModelConfig, Transformer, init_weights
-from workers.models.byte_tokenizer import ByteTokenizer
+from feedback.tasks.task import Task, reference_example
+from feedback.training.examples import learning_rate, pad_rows, training_example
+from workers.models.builtin import new_model
+from workers.models.interface import CausalLM, Tokenizer
 
 
 @dataclass(frozen=True)
 class PretrainConfig:
     """Base-model training run.
 
-    The defaults train `arith-small` in about a minute on two CPU threads to 99-100%
-    greedy accuracy on 0-49 operands and about 25% on 0-99.
+    The defaults train `arith-small` on the `arith` task in about a minute on two CPU threads
+    to 99-100% greedy accuracy on its base range (0-49) and about 25% on live traffic's (0-99).
     """
 
     preset: str = "arith-small"
-    lo: int = 0  # operands are drawn uniformly from lo..hi (inclusive)
-    hi: int = 49
     steps: int = 400
     batch_size: int = 64
     lr: float = 3e-3
@@ -42,16 +39,17 @@ class PretrainConfig:
 
 def train_base_model(
     config: PretrainConfig,
+    task: Task,
     device: str | torch.device = "cpu",
     progress: Callable[[int, int, float], None] | None = None,
-) -> Transformer:
-    """A model of `config.preset` trained on `config`; deterministic for a seed on CPU.
+) -> tuple[CausalLM, Tokenizer]:
+    """A model of `config.preset` trained on `task`'s base distribution, and its tokenizer;
+    deterministic for a seed on CPU.
 
     `progress(step, total_steps, loss)` is called after every step (step counts from 1).
     """
-    model = Transformer(ModelConfig.from_name(config.preset))
-    init_weights(model, config.seed)
-    model.to(device).train()
+    built, tokenizer = new_model(config.preset, config.seed)
+    model = built.to(device).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -62,12 +60,11 @@ def train_base_model(
         lr=config.lr,
         betas=(0.9, 0.98),
     )
-    tokenizer = ByteTokenizer()
     rng = random.Random(config.seed)
     for step in range(1, config.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
-        tokens, mask = _batch(tokenizer, config, rng)
+        tokens, mask = _batch(tokenizer, task, config, rng)
         tokens, mask = tokens.to(device), mask.to(device)
         logits = model(tokens[:, :-1])  # [B, T-1, V]
         losses = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
@@ -79,50 +76,24 @@ def train_base_model(
         optimizer.step()
         if progress is not None:
             progress(step, config.steps, loss.item())
-    return model.eval()
-
-
-class Schedule(Protocol):
-    """What the learning-rate schedule reads from a training recipe."""
-
-    lr: float
-    warmup_steps: int
-    steps: int
-    min_lr_ratio: float
-
-
-def learning_rate(config: Schedule, step: int) -> float:
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
-    if step <= config.warmup_steps:
-        return config.lr * step / config.warmup_steps
-    done = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * done))
-    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+    return model.eval(), tokenizer
 
 
 def _batch(
-    tokenizer: ByteTokenizer, config: PretrainConfig, rng: random.Random
+    tokenizer: Tokenizer, task: Task, config: PretrainConfig, rng: random.Random
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A right-padded batch of in-range examples: token ids and loss mask, both [B, T]."""
+    """A right-padded batch of the base distribution's examples: token ids and loss mask, both [B, T]."""
+    closes = tokenizer.reasoning_markers[1] if tokenizer.reasoning_markers else None
     rows: list[tuple[list[int], list[int]]] = []
-    for a, b in sample_operands(config.batch_size, config.lo, config.hi, rng):
-        thought = reasoning(a, b)
-        truncated = rng.random() < config.truncated_fraction
-        if truncated:
-            thought = thought[: rng.randrange(len(thought))]
-        ids, mask = training_example(tokenizer, format_prompt(a, b), str(a + b), thought)
-        if truncated:
-            mask[ids.index(tokenizer.end_think_id)] = 0
+    for prompt in task.base_prompts(config.batch_size, rng):
+        example = reference_example(task, prompt)
+        thought = example.thought
+        if thought and closes is not None and rng.random() < config.truncated_fraction:
+            ids, mask = training_example(
+                tokenizer, prompt, example.answer, thought[: rng.randrange(len(thought))]
+            )
+            mask[ids.index(closes)] = 0  # the forced `</think>` is not learned, only what follows it
+        else:
+            ids, mask = training_example(tokenizer, prompt, example.answer, thought)
         rows.append((ids, mask))
     return pad_rows(rows, tokenizer.pad_id)
-
-
-def pad_rows(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and loss masks of `rows`, right-padded into two [B, T] tensors."""
-    width = max((len(ids) for ids, _ in rows), default=1)
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (ids, row_mask) in enumerate(rows):
-        tokens[i, : len(ids)] = torch.tensor(ids)
-        mask[i, : len(ids)] = torch.tensor(row_mask)
-    return tokens, mask

@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from feedback.tasks.arith import training_example
-from feedback.training.dataset import Dataset, Example
-from feedback.training.kto import kto_loss, sequence_logps
-from feedback.training.pretrain import learning_rate, pad_rows
-from workers.models.builtin import Transformer
-from workers.models.byte_tokenizer import ByteTokenizer
+from feedback.tasks.task import Example
+from feedback.training.dataset import Dataset
+from feedback.training.examples import learning_rate, pad_rows, training_example
+from feedback.training.kto import KtoResult, kto_loss, sequence_logps
+from workers.models.interface import CausalLM, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -62,19 +61,19 @@ class StepLog:
 
 
 def train_candidate(
-    champion: Transformer,
+    champion: CausalLM,
+    tokenizer: Tokenizer,
     dataset: Dataset,
     replay: Callable[[random.Random], Example],
     config: FinetuneConfig,
     progress: Callable[[int, int, float], None] | None = None,
-) -> tuple[Transformer, list[StepLog]]:
+) -> tuple[CausalLM, list[StepLog]]:
     """A fine-tuned copy of `champion` and the per-step log; deterministic for a seed on CPU.
 
     `replay(rng)` draws one problem of the base distribution; `progress(step, total, loss)` is
     called after every step.
     """
-    tokenizer = ByteTokenizer()
-    device = champion.output.weight.device
+    device = champion.device
     reference = champion.eval()
     policy = copy.deepcopy(champion).train()
     for parameter in reference.parameters():
@@ -82,7 +81,7 @@ def train_candidate(
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.0)
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
-    context = champion.config.max_seq_len
+    context = champion.max_seq_len
 
     def fits(example: Example) -> bool:  # longer completions cannot be scored by this model
         return len(training_example(tokenizer, example.prompt, example.answer, example.thought)[0]) <= context
@@ -121,7 +120,7 @@ def train_candidate(
     return policy.eval(), history
 
 
-def _kl_to_reference(logits: Tensor, reference: Transformer, tokens: Tensor, weights: Tensor) -> Tensor:
+def _kl_to_reference(logits: Tensor, reference: CausalLM, tokens: Tensor, weights: Tensor) -> Tensor:
     """Mean per-token KL(policy || reference) over the completion tokens of these rows."""
     if tokens.shape[0] == 0:
         return logits.sum() * 0.0
@@ -133,20 +132,20 @@ def _kl_to_reference(logits: Tensor, reference: Transformer, tokens: Tensor, wei
 
 
 def _kto(
-    policy: Transformer,
-    reference: Transformer,
-    tokenizer: ByteTokenizer,
+    policy: CausalLM,
+    reference: CausalLM,
+    tokenizer: Tokenizer,
     chosen: list[tuple[Example, bool]],
     config: FinetuneConfig,
     device: torch.device,
-):  # type: ignore[no-untyped-def]
+) -> KtoResult:
     """KTO over `chosen`; the reference point pairs each prompt with the next row's completion."""
     examples = [example for example, _ in chosen]
     mismatched = [
         Example(example.prompt, other.thought, other.answer)
         for example, other in zip(examples, examples[1:] + examples[:1], strict=True)
     ]
-    context = policy.config.max_seq_len
+    context = policy.max_seq_len
     tokens, mask = _batch(tokenizer, examples, device, context)
     kl_tokens, kl_mask = _batch(tokenizer, mismatched, device, context)
     with torch.no_grad():
@@ -162,7 +161,7 @@ def _kto(
 
 
 def _batch(
-    tokenizer: ByteTokenizer, examples: list[Example], device: torch.device, context: int
+    tokenizer: Tokenizer, examples: list[Example], device: torch.device, context: int
 ) -> tuple[Tensor, Tensor]:
     """Right-padded token ids and completion masks of `examples`, both [B, T], cut at `context`
     tokens (only a mismatched prompt and completion can be that long: examples that do not fit

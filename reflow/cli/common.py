@@ -88,7 +88,7 @@ def kafka_bootstrap(settings: Settings) -> str:
     from reflow.errors import Unavailable
 
     try:
-        return resolve_bootstrap(settings)
+        return resolve_bootstrap(settings.kafka_bootstrap, settings.data_dir)
     except Unavailable as error:
         err_console.print(f"[red]error:[/] {error}")
         raise typer.Exit(2) from None

@@ -97,7 +97,7 @@ def feedback_stats(
     settings = load_settings()
     stats: dict[str, Any] = store_counts(current_engine(settings))
     try:
-        stats.update(kafka_stats(resolve_bootstrap(settings)))
+        stats.update(kafka_stats(resolve_bootstrap(settings.kafka_bootstrap, settings.data_dir)))
     except (KafkaError, Unavailable) as error:  # the store's counts are still worth showing
         stats.update(dlq_messages=None, consumer_lag=None, kafka_error=str(error))
     if as_json:

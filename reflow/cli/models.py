@@ -42,6 +42,7 @@ def _follow_aliases(settings: Settings, registry: Any, name: str) -> None:
     from feedback.experiments.lifecycle import reconcile
     from feedback.experiments.promotion import push_to_workers
     from reflow.store.database import open_engine, require_current_schema
+    from reflow.worker_calls import WorkerTargets
 
     engine = open_engine(settings.resolved_database_url)
     try:
@@ -54,7 +55,7 @@ def _follow_aliases(settings: Settings, registry: Any, name: str) -> None:
     finally:
         engine.dispose()
 
-    pushed = push_to_workers(settings)
+    pushed = push_to_workers(WorkerTargets.from_settings(settings))
     failed = {a: why for a, why in pushed.items() if why != "ok"}
     for address, why in failed.items():
         err_console.print(f"[yellow]worker {address} did not answer ({why}); it follows within "

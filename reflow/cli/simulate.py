@@ -12,10 +12,11 @@ from reflow.settings import Settings
 
 
 def simulate(
+    task: Annotated[str | None, typer.Option(help="The task users ask [default: REFLOW_TASK].")] = None,
     rate: Annotated[float, typer.Option(min=0.01, help="Requests per second.")] = 5.0,
     duration: Annotated[float, typer.Option(min=0.0, help="Seconds to run; 0 = until stopped.")] = 60.0,
-    lo: Annotated[int, typer.Option(min=0, help="Smallest operand.")] = 0,
-    hi: Annotated[int, typer.Option(min=0, help="Largest operand.")] = 99,
+    lo: Annotated[int, typer.Option(min=0, help="Smallest operand (arith).")] = 0,
+    hi: Annotated[int, typer.Option(min=0, help="Largest operand (arith).")] = 99,
     users: Annotated[int, typer.Option(min=1, help="Distinct simulated users.")] = 500,
     seed: Annotated[int, typer.Option(help="Seed of the operands and users.")] = 0,
     target: Annotated[
@@ -23,26 +24,32 @@ def simulate(
     ] = None,
     api_key: Annotated[str | None, typer.Option(envvar="REFLOW_API_KEY", show_default=False)] = None,
 ) -> None:
-    """Simulated users: `arith` prompts through the gateway, each answer rated by the oracle."""
+    """Simulated users: the task's prompts through the gateway, each answer rated by its oracle."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from feedback.tasks import get_task
     from feedback.tasks.simulate import simulate as run_simulation
 
     if lo > hi:
         err_console.print(f"[red]error:[/] --lo {lo} is above --hi {hi}")
         raise typer.Exit(2)
     settings = Settings(**({"api_key": api_key} if api_key else {}))
+    try:
+        asked = get_task(task or settings.task, traffic=(lo, hi))
+    except ValueError as error:
+        err_console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(2) from None
     columns = (
         TextColumn("[bold]simulating"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
         TextColumn("accuracy {task.fields[accuracy]:.1%}"), TimeElapsedColumn(),
     )  # fmt: skip
     with Progress(*columns, console=err_console) as progress:
-        task = progress.add_task("simulate", total=int(rate * duration) or None, accuracy=0.0)
+        bar = progress.add_task("simulate", total=int(rate * duration) or None, accuracy=0.0)
         report = asyncio.run(
             run_simulation(
                 target or default_target(settings), default_api_key(settings), rate=rate,
-                duration_s=duration, lo=lo, hi=hi, users=users, seed=seed,
-                on_request=lambda r: progress.update(task, completed=r.finished, accuracy=r.accuracy),
+                task=asked, duration_s=duration, users=users, seed=seed,
+                on_request=lambda r: progress.update(bar, completed=r.finished, accuracy=r.accuracy),
             )
         )  # fmt: skip
     print(f"requests {report.requests}, accuracy {report.accuracy:.1%}, rated {report.rated}")

@@ -92,7 +92,7 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
     schedule is shortened and simulated users send traffic, so the learning loop turns by itself."""
     from feedback.bus.broker import tansu_command, wait_listening
     from feedback.bus.kafka import ensure_topics
-    from feedback.training.bootstrap import ensure_base_model
+    from feedback.training.bootstrap import BaseModel, ensure_base_model
     from gateway.tenants import ensure_tenant
     from reflow.cgroups import remove_instance
     from reflow.registry import Registry
@@ -114,7 +114,7 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
         ensure_tenant(engine, "default", resolve_api_key(settings, console))
         engine.dispose()
         registry = Registry.from_settings(settings)
-        ensure_base_model(settings, registry, console)
+        ensure_base_model(BaseModel.from_settings(settings), registry, console)
 
         bootstrap = settings.kafka_bootstrap
         if not bootstrap:  # the embedded broker

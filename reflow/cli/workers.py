@@ -18,10 +18,12 @@ def workers_status(
 ) -> None:
     """Each worker: loaded versions, queue, memory, its isolation and the connections it refused."""
     from reflow.v1 import worker_pb2
-    from reflow.worker_calls import call_workers
+    from reflow.worker_calls import WorkerTargets, call_workers
 
     settings = load_settings()
-    statuses = call_workers(settings, "Status", worker_pb2.WorkerStatusRequest(), timeout_s=5)
+    statuses = call_workers(
+        WorkerTargets.from_settings(settings), "Status", worker_pb2.WorkerStatusRequest(), timeout_s=5
+    )
     if not statuses:
         err_console.print(
             "[red]error:[/] no workers: set REFLOW_WORKERS or start `reflow up` in this data dir"

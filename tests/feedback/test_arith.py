@@ -7,29 +7,20 @@ import random
 import pytest
 import torch
 
-from feedback.tasks.arith import (
-    accuracy,
-    format_prompt,
-    greedy_answers,
-    is_correct,
-    parse_prompt,
-    reasoning,
-    sample_operands,
-    training_example,
-)
+from feedback.tasks.arith import Arith, format_prompt, is_correct, parse_prompt, reasoning, sample_operands
+from feedback.training.evaluation import accuracy
+from feedback.training.examples import training_example
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from tests.conftest import reference_greedy
-from workers.models.builtin import ModelConfig, Transformer, init_weights
-from workers.models.byte_tokenizer import ByteTokenizer
-
-TOKENIZER = ByteTokenizer()
+from tests.conftest import tiny_model as new_tiny_model
+from workers.models.builtin import TOKENIZER
+from workers.models.greedy import greedy_answers
+from workers.models.interface import CausalLM
 
 
 @pytest.fixture
-def tiny_model() -> Transformer:
-    model = Transformer(ModelConfig.from_name("tiny"))
-    init_weights(model, seed=3)
-    return model.eval()
+def tiny_model() -> CausalLM:
+    return new_tiny_model(3)
 
 
 @pytest.mark.parametrize(("a", "b"), [(0, 0), (7, 38), (47, 38), (99, 1), (123, 4567)])
@@ -118,7 +109,7 @@ def test_training_example_without_thought_has_no_think_tags() -> None:
 PROMPTS = ["1+2=", "47+38=", "0+0=", "123+4567=", "9+10=", "5+5="]
 
 
-def test_greedy_answers_batched_matches_one_at_a_time(tiny_model: Transformer) -> None:
+def test_greedy_answers_batched_matches_one_at_a_time(tiny_model: CausalLM) -> None:
     batched = greedy_answers(tiny_model, TOKENIZER, PROMPTS, max_new_tokens=20, batch_size=4)
     single = [greedy_answers(tiny_model, TOKENIZER, [p], max_new_tokens=20)[0] for p in PROMPTS]
     assert len(batched) == len(PROMPTS)
@@ -126,7 +117,7 @@ def test_greedy_answers_batched_matches_one_at_a_time(tiny_model: Transformer) -
     assert any(batched)  # the random model does emit text, so the comparison means something
 
 
-def test_greedy_answers_match_uncached_decoding(tiny_model: Transformer) -> None:
+def test_greedy_answers_match_uncached_decoding(tiny_model: CausalLM) -> None:
     answers = greedy_answers(tiny_model, TOKENIZER, PROMPTS, max_new_tokens=20)
     for prompt, answer in zip(PROMPTS, answers, strict=True):
         generated = reference_greedy(tiny_model, prompt, max_new_tokens=20)
@@ -134,19 +125,19 @@ def test_greedy_answers_match_uncached_decoding(tiny_model: Transformer) -> None
         assert answer == TOKENIZER.decode([t for t in generated if t != TOKENIZER.eos_id])
 
 
-def test_greedy_answers_stop_at_max_seq_len(tiny_model: Transformer) -> None:
+def test_greedy_answers_stop_at_max_seq_len(tiny_model: CausalLM) -> None:
     answers = greedy_answers(tiny_model, TOKENIZER, PROMPTS, max_new_tokens=1000)
     assert len(answers) == len(PROMPTS)
 
 
-def test_accuracy_of_untrained_model_is_a_share(tiny_model: Transformer) -> None:
-    assert accuracy(tiny_model, TOKENIZER, [(1, 2), (3, 4)], max_new_tokens=8) == 0.0
+def test_accuracy_of_untrained_model_is_a_share(tiny_model: CausalLM) -> None:
+    assert accuracy(tiny_model, TOKENIZER, Arith(), ["1+2=", "3+4="], max_new_tokens=8) == 0.0
 
 
-def _tiny_run(seed: int, steps: int) -> tuple[Transformer, list[tuple[int, int, float]]]:
+def _tiny_run(seed: int, steps: int) -> tuple[CausalLM, list[tuple[int, int, float]]]:
     config = PretrainConfig(preset="tiny", steps=steps, batch_size=16, lr=1e-2, warmup_steps=5, seed=seed)
     calls: list[tuple[int, int, float]] = []
-    model = train_base_model(config, progress=lambda *call: calls.append(call))
+    model, _ = train_base_model(config, Arith(), progress=lambda *call: calls.append(call))
     return model, calls
 
 

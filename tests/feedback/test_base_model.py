@@ -8,21 +8,22 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from feedback.tasks import arith
-from feedback.training.bootstrap import evaluate
-from feedback.training.pretrain import PretrainConfig
+from feedback.tasks.arith import Arith, reasoning
+from feedback.training.evaluation import base_model_metrics
 from workers.engine import Engine
 from workers.loading import LoadedModel
-from workers.models.builtin import Transformer
-from workers.models.byte_tokenizer import ByteTokenizer
+from workers.models.builtin import TOKENIZER
+from workers.models.greedy import greedy_answers
+from workers.models.interface import CausalLM
 from workers.sequence import Delta, FinishReason, GenerationParams
 
 pytestmark = pytest.mark.slow
-TOK = ByteTokenizer()
+TOK = TOKENIZER
+ARITH = Arith()
 
 
 @pytest.fixture
-def engine(base_model: Transformer) -> Iterator[Engine]:
+def engine(base_model: CausalLM) -> Iterator[Engine]:
     engine = Engine()
     engine.add(LoadedModel("arith", "1", base_model, TOK, torch.device("cpu"), {"champion"}))
     yield engine
@@ -37,22 +38,22 @@ async def serve(engine: Engine, prompt: str, **params: int) -> Delta:
     return out
 
 
-def test_accurate_in_range_and_wrong_often_enough_beyond(base_model: Transformer) -> None:
-    metrics = evaluate(base_model, PretrainConfig())
+def test_accurate_in_range_and_wrong_often_enough_beyond(base_model: CausalLM) -> None:
+    metrics = base_model_metrics(base_model, TOK, ARITH)
     assert metrics["accuracy_in_range"] >= 0.90
     assert metrics["accuracy_wide_range"] <= 0.60
 
 
-async def test_served_answers_are_the_evaluated_ones(engine: Engine, base_model: Transformer) -> None:
-    prompts = [arith.format_prompt(a, b) for a, b in arith.sample_operands(30, 0, 99, random.Random(5))]
-    batched = arith.greedy_answers(base_model, TOK, prompts)
+async def test_served_answers_are_the_evaluated_ones(engine: Engine, base_model: CausalLM) -> None:
+    prompts = ARITH.traffic_prompts(30, random.Random(5))
+    batched = greedy_answers(base_model, TOK, prompts)
     served = [(await serve(engine, p)).text for p in prompts]
     assert served == batched
 
 
 async def test_reasoning_streams_then_the_answer(engine: Engine) -> None:
     out = await serve(engine, "47+38=")
-    assert out.reasoning_text == arith.reasoning(47, 38)
+    assert out.reasoning_text == reasoning(47, 38)
     assert out.text.strip() == "85"
     assert out.finish_reason is FinishReason.STOP
     assert out.usage is not None and out.usage.reasoning_tokens == len(out.reasoning_text)
@@ -61,5 +62,5 @@ async def test_reasoning_streams_then_the_answer(engine: Engine) -> None:
 async def test_a_spent_reasoning_budget_still_gets_an_answer(engine: Engine) -> None:
     out = await serve(engine, "47+38=", reasoning_budget=2)
     assert out.usage is not None and out.usage.reasoning_tokens == 2
-    assert out.reasoning_text == arith.reasoning(47, 38)[:2]
+    assert out.reasoning_text == reasoning(47, 38)[:2]
     assert out.text.strip().isdigit() and out.finish_reason is FinishReason.STOP

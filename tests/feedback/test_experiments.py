@@ -19,10 +19,10 @@ from sqlalchemy.orm import Session
 
 from feedback.events import FeedbackEvent, InferenceEvent, Latency, TokenUsage
 from feedback.experiments.decision import decide
-from feedback.experiments.job import Evaluation, evaluate_experiments, rules
+from feedback.experiments.job import EvaluateJob, Evaluation, evaluate_experiments
 from feedback.experiments.lifecycle import arm_stats, history, reconcile, record
 from feedback.intake.consumer import store_events
-from feedback.training.job import run_finetune
+from feedback.training.job import FinetuneJob, run_finetune
 from gateway.assignment import assigned_arm
 from reflow.registry import CHALLENGER, CHAMPION, Registry
 from reflow.settings import Settings
@@ -60,7 +60,7 @@ def experiment(store: Engine, aliases: Registry) -> RunningExperiment:
 
 def evaluate_once(store: Engine, aliases: Registry, tmp_path: Path) -> Evaluation:
     """The one evaluation a round makes."""
-    [evaluation] = evaluate_experiments(settings(tmp_path), store, aliases)
+    [evaluation] = evaluate_experiments(EvaluateJob.from_settings(settings(tmp_path)), store, aliases)
     return evaluation
 
 
@@ -169,7 +169,9 @@ def test_a_clearly_better_challenger_is_promoted(
     assert ended.status == "promoted" and ended.ended_at is not None
     assert [look.outcome for look in looks] == ["promote"]
     assert looks[0].challenger.rate > looks[0].champion.rate + 0.25 and looks[0].likelihood_ratio >= 20
-    assert evaluate_experiments(settings(tmp_path), store, aliases) == []  # nothing left to test
+    assert (
+        evaluate_experiments(EvaluateJob.from_settings(settings(tmp_path)), store, aliases) == []
+    )  # nothing left to test
 
 
 def test_a_clearly_worse_challenger_is_rolled_back(
@@ -217,7 +219,7 @@ def test_a_skewed_split_invalidates_the_experiment(
 def test_fine_tuning_waits_while_an_experiment_runs(
     store: Engine, aliases: Registry, experiment: RunningExperiment, tmp_path: Path
 ) -> None:
-    outcome = run_finetune(settings(tmp_path), store, aliases, min_samples=0)
+    outcome = run_finetune(FinetuneJob.from_settings(settings(tmp_path)), store, aliases, min_samples=0)
     assert outcome.status == "skipped" and f"experiment {experiment.id}" in outcome.message
 
 
@@ -235,7 +237,7 @@ def test_the_cli_lists_shows_and_plots_an_experiment(
     url = store.url.render_as_string(hide_password=False)
     for seed in range(3):  # three looks: two undecided, then the promotion
         traffic(store, experiment.id, {CHAMPION: 0.3, CHALLENGER: 0.7}, users=70, seed=seed)
-        evaluate_experiments(settings(tmp_path), store, aliases)
+        evaluate_experiments(EvaluateJob.from_settings(settings(tmp_path)), store, aliases)
 
     listed = cli(tmp_path, url, "list", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -260,13 +262,13 @@ def test_a_decision_left_half_applied_is_finished_by_the_next_round(
 ) -> None:
     traffic(store, experiment.id, {CHAMPION: 0.3, CHALLENGER: 0.7}, users=600)
     stats = arm_stats(store, experiment.id)
-    decision = decide(stats[CHAMPION], stats[CHALLENGER], rules(settings(tmp_path), 0.5))
+    decision = decide(stats[CHAMPION], stats[CHALLENGER], EvaluateJob.from_settings(settings(tmp_path)).rules)
     assert record(store, experiment.id, stats, decision)  # then the process died: no alias moved
     assert not record(store, experiment.id, stats, decision)  # a second evaluator cannot act on it
     assert aliases.resolve(MODEL, alias=CHAMPION).version == "1"
     assert history(store, experiment.id)[0].status == "deciding"
 
-    assert evaluate_experiments(settings(tmp_path), store, aliases) == []
+    assert evaluate_experiments(EvaluateJob.from_settings(settings(tmp_path)), store, aliases) == []
     assert aliases.resolve(MODEL, alias=CHAMPION).version == "2" and not aliases.has_alias(MODEL, CHALLENGER)
     ended, looks = history(store, experiment.id)
     assert ended.status == "promoted" and [look.outcome for look in looks] == ["promote"]

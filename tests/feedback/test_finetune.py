@@ -15,21 +15,23 @@ from sqlalchemy.orm import Session
 
 from feedback.intake.consumer import store_events
 from feedback.tasks import arith
+from feedback.tasks.arith import Arith
 from feedback.tasks.simulate import rated_offline
 from feedback.training.dataset import count_new
-from feedback.training.job import Cancelled, run_finetune
+from feedback.training.job import Cancelled, FinetuneJob, run_finetune
 from reflow.registry import CHALLENGER, Registry
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
 from reflow.store.tables import FinetuneRun
 from tests.conftest import MODEL, local_registry, save_model
-from workers.models.builtin import Transformer
+from workers.models.builtin import TOKENIZER
+from workers.models.interface import CausalLM
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def loop_settings(tmp_path: Path, base_model: Transformer) -> Settings:
+def loop_settings(tmp_path: Path, base_model: CausalLM) -> Settings:
     """A data dir whose registry holds the trained base model as arith v1 @champion."""
     registry = local_registry(tmp_path)
     registry.register(
@@ -50,22 +52,29 @@ def store(loop_settings: Settings) -> Iterator[Engine]:
 
 
 def rate_served_answers(
-    store: Engine, model: Transformer, operands: list[tuple[int, int]], answer_key: Callable[[int, int], int]
+    store: Engine, model: CausalLM, operands: list[tuple[int, int]], answer_key: Callable[[int, int], int]
 ) -> None:
     """Stores `model`'s answers to `operands`, rated by users who believe `answer_key`."""
+
+    def believed(prompt: str) -> str:
+        a, b = arith.parse_prompt(prompt) or (0, 0)
+        return str(answer_key(a, b))
+
+    prompts = [arith.format_prompt(a, b) for a, b in operands]
+    events = rated_offline(model, TOKENIZER, Arith(), prompts, tenant="acme", answer_key=believed)
     with store.begin() as connection:
-        store_events(connection, rated_offline(model, operands, tenant="acme", answer_key=answer_key))
+        store_events(connection, events)
 
 
 def test_a_harmful_dataset_registers_nothing(
-    loop_settings: Settings, store: Engine, base_model: Transformer
+    loop_settings: Settings, store: Engine, base_model: CausalLM
 ) -> None:
     registry = Registry.from_settings(loop_settings)
     operands = arith.sample_operands(300, 0, 49, random.Random(3))  # what the champion gets right
     rate_served_answers(store, base_model, operands, lambda a, b: a + b + 1)  # "corrected" wrongly
     settings = loop_settings.model_copy(update={"finetune_steps": 60})  # enough to do the damage
 
-    outcome = run_finetune(settings, store, registry)
+    outcome = run_finetune(FinetuneJob.from_settings(settings), store, registry)
 
     assert outcome.status == "rejected", outcome.message
     assert "regression accuracy fell" in outcome.message
@@ -79,17 +88,19 @@ def test_a_harmful_dataset_registers_nothing(
 
 
 def test_too_little_new_feedback_skips_without_a_trace(
-    loop_settings: Settings, store: Engine, base_model: Transformer
+    loop_settings: Settings, store: Engine, base_model: CausalLM
 ) -> None:
     rate_served_answers(store, base_model, arith.sample_operands(10, 50, 99, random.Random(4)), operator.add)
-    outcome = run_finetune(loop_settings, store, Registry.from_settings(loop_settings))
+    outcome = run_finetune(
+        FinetuneJob.from_settings(loop_settings), store, Registry.from_settings(loop_settings)
+    )
     assert outcome.status == "skipped" and "10 new labelled feedback item(s)" in outcome.message
     with Session(store) as session:
         assert session.scalars(select(FinetuneRun)).all() == []
 
 
 def test_a_cancelled_run_gives_its_items_back(
-    loop_settings: Settings, store: Engine, base_model: Transformer
+    loop_settings: Settings, store: Engine, base_model: CausalLM
 ) -> None:
     rate_served_answers(store, base_model, arith.sample_operands(300, 50, 99, random.Random(5)), operator.add)
 
@@ -98,7 +109,10 @@ def test_a_cancelled_run_gives_its_items_back(
             raise Cancelled("the scheduler is stopping")
 
     outcome = run_finetune(
-        loop_settings, store, Registry.from_settings(loop_settings), progress=stop_at_step_3
+        FinetuneJob.from_settings(loop_settings),
+        store,
+        Registry.from_settings(loop_settings),
+        progress=stop_at_step_3,
     )
 
     assert outcome.status == "failed" and "stopping" in outcome.message

@@ -16,6 +16,7 @@ from reflow.settings import Settings
 from reflow.store.database import open_engine
 from reflow.store.tables import Inference
 from reflow.v1 import inference_pb2
+from reflow.worker_calls import WorkerTargets
 from tests.conftest import MODEL, Stack, consuming, start_stack, stop_stack
 from tests.feedback.test_consumer import count, wait_for
 from workers.follower import AliasFollower
@@ -41,7 +42,7 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
     worker = stack.workers[0]
     pushing = swap_settings.model_copy(update={"workers": [worker.address]})
     try:
-        [refused] = (await asyncio.to_thread(push_to_workers, pushing)).values()
+        [refused] = (await asyncio.to_thread(push_to_workers, WorkerTargets.from_settings(pushing))).values()
         assert refused.startswith("FAILED_PRECONDITION")  # this worker follows no alias yet
         registry.set_alias(MODEL, CHALLENGER, "2")
         experiment = reconcile(store, registry, MODEL, traffic=0.5)
@@ -54,7 +55,9 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
         worker.servicer.follower = AliasFollower(
             worker.servicer.versions, MODEL, [CHAMPION, CHALLENGER], poll_s=0
         )
-        assert (await asyncio.to_thread(push_to_workers, pushing)) == {worker.address: "ok"}
+        assert (await asyncio.to_thread(push_to_workers, WorkerTargets.from_settings(pushing))) == {
+            worker.address: "ok"
+        }
         assert worker.engine.find(MODEL, "2") is not None
         await stack.pool.refresh()
 

@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from gateway.server import request_limits
 from gateway.tenants import revoke_tenant
 from gateway.validation import worker_request
 from reflow.settings import Settings
@@ -261,7 +262,7 @@ async def test_stop_strings_and_reasoning_budget_reach_the_worker(stack: Stack) 
     loaded = stack.workers[0].servicer.engine.get("arith", "1")
     outgoing = worker_request(
         P.GenerateRequest(prompt="1+1=", reasoning_budget=7, sampling=P.SamplingParams(stop=["x"], top_k=3)),
-        stack.settings,
+        request_limits(stack.settings),
         request_id="r",
         loaded=loaded_to_pb(loaded),
     )

@@ -15,11 +15,11 @@ from tests.conftest import reference_greedy, tiny_model
 from workers.engine import Engine, EngineConfig
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
-from workers.models.byte_tokenizer import ByteTokenizer
+from workers.models.builtin import TOKENIZER
 from workers.sampling import SamplingParams
 from workers.sequence import Delta, GenerationParams
 
-TOK = ByteTokenizer()
+TOK = TOKENIZER
 PROMPTS = [f"{a}+{b}=" for a, b in ((47, 38), (1, 1), (99, 9), (5, 60), (12, 34), (0, 0), (73, 21), (8, 88))]
 
 

@@ -12,19 +12,24 @@ from pathlib import Path
 import pytest
 
 from reflow.settings import Settings
-from workers.isolation import IsolationUnavailable, NoIsolation, isolate
+from workers.isolation import IsolationConfig, IsolationUnavailable, NoIsolation, isolate
 
 
 def test_none_and_auto_fall_back_but_ebpf_refuses_with_the_reason(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     missing = str(tmp_path / "isolation.bpf.o")  # e.g. `make bpf` never ran
-    assert isinstance(isolate(Settings(isolation="none", bpf_object=missing)), NoIsolation)
+    assert isinstance(
+        isolate(IsolationConfig.from_settings(Settings(isolation="none", bpf_object=missing))), NoIsolation
+    )
     with caplog.at_level(logging.WARNING, logger="workers.isolation"):
-        assert isinstance(isolate(Settings(isolation="auto", bpf_object=missing)), NoIsolation)
+        assert isinstance(
+            isolate(IsolationConfig.from_settings(Settings(isolation="auto", bpf_object=missing))),
+            NoIsolation,
+        )
     assert "isolation off" in caplog.text
     with pytest.raises(IsolationUnavailable) as refused:
-        isolate(Settings(isolation="ebpf", bpf_object=missing))
+        isolate(IsolationConfig.from_settings(Settings(isolation="ebpf", bpf_object=missing)))
     message = str(refused.value)
     if os.geteuid() == 0:  # as root the object is what is missing; otherwise the capabilities
         assert "make bpf" in message and missing in message

@@ -17,10 +17,10 @@ from cryptography.x509.oid import NameOID
 
 from feedback.experiments.promotion import push_to_workers
 from gateway.routing import WorkerPool
-from reflow.mtls import channel_credentials, server_credentials
+from reflow.mtls import TlsFiles, channel_credentials, server_credentials
 from reflow.settings import Settings
 from reflow.v1 import worker_pb2, worker_pb2_grpc
-from reflow.worker_calls import call_workers
+from reflow.worker_calls import WorkerTargets, call_workers
 from tests.conftest import start_worker
 
 
@@ -86,8 +86,12 @@ async def test_mtls_admits_certificates_the_ca_signed_and_nothing_else(
     ours, theirs = tls_files(tmp_path / "ours", "reflow test CA"), tls_files(tmp_path / "theirs", "other CA")
     worker_settings = as_settings(settings, ours, "worker")
     gateway_settings = as_settings(settings, ours, "gateway")
-    worker = await start_worker(worker_settings, credentials=server_credentials(worker_settings))
-    pool = WorkerPool([worker.address], poll_s=60, credentials=channel_credentials(gateway_settings))
+    worker = await start_worker(
+        worker_settings, credentials=server_credentials(TlsFiles.from_settings(worker_settings))
+    )
+    pool = WorkerPool(
+        [worker.address], poll_s=60, credentials=channel_credentials(TlsFiles.from_settings(gateway_settings))
+    )
     try:
         await pool.refresh()
         [handle] = pool.workers
@@ -103,7 +107,9 @@ async def test_mtls_admits_certificates_the_ca_signed_and_nothing_else(
             ),
             grpc.aio.secure_channel(  # a client certificate from another CA
                 worker.address,
-                channel_credentials(as_settings(settings, {**theirs, "ca": ours["ca"]}, "gateway")),
+                channel_credentials(
+                    TlsFiles.from_settings(as_settings(settings, {**theirs, "ca": ours["ca"]}, "gateway"))
+                ),
             ),
         ):
             async with channel:
@@ -113,12 +119,14 @@ async def test_mtls_admits_certificates_the_ca_signed_and_nothing_else(
 
         control = gateway_settings.model_copy(update={"workers": [worker.address]})
         status = worker_pb2.WorkerStatusRequest()  # how `reflow workers status` calls a worker
-        [answer] = (await asyncio.to_thread(call_workers, control, "Status", status, 5)).values()
+        [answer] = (
+            await asyncio.to_thread(call_workers, WorkerTargets.from_settings(control), "Status", status, 5)
+        ).values()
         assert answer.isolation == "none"
-        pushed = await asyncio.to_thread(push_to_workers, control)
+        pushed = await asyncio.to_thread(push_to_workers, WorkerTargets.from_settings(control))
         assert pushed[worker.address].startswith("FAILED_PRECONDITION")  # in, but follows no alias
         without_certificate = settings.model_copy(update={"workers": [worker.address]})
-        refused = await asyncio.to_thread(push_to_workers, without_certificate)
+        refused = await asyncio.to_thread(push_to_workers, WorkerTargets.from_settings(without_certificate))
         assert refused[worker.address].startswith("UNAVAILABLE")
     finally:
         await pool.close()

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from reflow.errors import NotFound, ResourceExhausted
-from workers.models.byte_tokenizer import ByteTokenizer
+from workers.models.builtin import TOKENIZER
 from workers.scheduler import Request, Scheduler
 from workers.sequence import GenerationParams, Sequence
 
-TOK = ByteTokenizer()
+TOK = TOKENIZER
 
 
 def request(prompt: str) -> Request:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from workers.models.byte_tokenizer import ByteTokenizer
+from workers.models.builtin import TOKENIZER
 from workers.sequence import Delta, FinishReason, GenerationParams, Sequence
 
-TOK = ByteTokenizer()
+TOK = TOKENIZER
 
 
 def feed(seq: Sequence, ids: list[int]) -> Delta:

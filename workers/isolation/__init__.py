@@ -24,6 +24,7 @@ import ipaddress
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -40,7 +41,7 @@ from reflow.cgroups import (
 )
 from reflow.settings import Network, Settings
 from workers.isolation.ebpf import BpfError, IsolationPrograms
-from workers.isolation.host import check_host, object_path
+from workers.isolation.host import DEFAULT_OBJECT, check_host
 from workers.isolation.policy import egress_policy
 
 logger = logging.getLogger(__name__)
@@ -72,13 +73,34 @@ class NoIsolation:
         pass
 
 
+@dataclass(frozen=True)
+class IsolationConfig:
+    """Which hook, for which instance, admitting whom and letting the worker reach where."""
+
+    mode: str  # ebpf, none, or auto (eBPF where the host allows it)
+    instance: Path  # the data dir the instance's cgroups are named after
+    allow_from: tuple[str, ...] = ()  # CIDRs of gateways on other hosts
+    egress: tuple[str, ...] = ()  # ADDR[/PREFIX][:PORT] the worker may connect to
+    bpf_object: Path = DEFAULT_OBJECT
+    tracking_uri: str = ""  # the MLflow server the worker downloads from, when it is http(s)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> IsolationConfig:
+        """REFLOW_ISOLATION and its neighbours."""
+        bpf_object = Path(settings.bpf_object) if settings.bpf_object else DEFAULT_OBJECT
+        return cls(
+            settings.isolation, settings.data_dir, tuple(settings.isolation_allow_from),
+            tuple(settings.isolation_egress), bpf_object, settings.resolved_tracking_uri,
+        )  # fmt: skip
+
+
 class EbpfIsolation:
     """One worker's cgroup with the isolation programs attached."""
 
     name = "ebpf"
 
-    def __init__(self, settings: Settings):
-        self.settings = settings
+    def __init__(self, config: IsolationConfig):
+        self.config = config
         self.programs: IsolationPrograms | None = None
         self.group: Path | None = None
         self.origin: Path | None = None  # the group this process was in before
@@ -86,18 +108,18 @@ class EbpfIsolation:
 
     def prepare(self) -> None:
         """Checks the host, creates this worker's group and attaches the programs to it."""
-        programs = object_path(self.settings)
+        programs = self.config.bpf_object
         check_host(programs)
-        instance = instance_dir(self.settings.data_dir)
+        instance = instance_dir(self.config.instance)
         reconcile(instance)
-        gateway = gateway_dir(self.settings.data_dir)
-        self.egress = egress_policy(self.settings)
+        gateway = gateway_dir(self.config.instance)
+        self.egress = egress_policy(self.config.egress, self.config.tracking_uri)
         self.group = instance / f"worker-{os.getpid()}"
         self.group.mkdir(exist_ok=True)
         try:
             self.programs = IsolationPrograms(programs, self.group)
             self.programs.allow_cgroup(cgroup_id(gateway))
-            for network in self.settings.isolation_allow_from:
+            for network in self.config.allow_from:
                 self.programs.allow_source(ipaddress.ip_network(network, strict=False))
             for network, port in self.egress:
                 self.programs.allow_destination(network, port)
@@ -148,20 +170,20 @@ class EbpfIsolation:
             remove_group(self.group)
 
 
-def isolate(settings: Settings) -> Isolation:
+def isolate(config: IsolationConfig) -> Isolation:
     """The hook REFLOW_ISOLATION asks for, prepared, with this process inside: call it before the
     worker makes its first socket. Where the host cannot isolate, `auto` logs why and runs without
     isolation, while `ebpf` raises IsolationUnavailable saying why."""
-    if settings.isolation == "none":
+    if config.mode == "none":
         return NoIsolation()
-    hook = EbpfIsolation(settings)
+    hook = EbpfIsolation(config)
     try:
         hook.prepare()
         hook.start_inside()
     except (IsolationUnavailable, BpfError, OSError) as error:
         hook.teardown()
         reason = str(error) if isinstance(error, IsolationUnavailable) else f"{error}; {OPT_OUT}"
-        if settings.isolation == "ebpf":
+        if config.mode == "ebpf":
             raise IsolationUnavailable(reason) from None
         logger.warning("worker isolation off (REFLOW_ISOLATION=auto): %s", reason.splitlines()[0])
         return NoIsolation()

@@ -5,16 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from reflow.cgroups import OPT_OUT, IsolationUnavailable, cgroup2_root
-from reflow.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OBJECT = REPO_ROOT / "build" / "bpf" / "isolation.bpf.o"
 CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_BPF = 12, 21, 39
-
-
-def object_path(settings: Settings) -> Path:
-    """The compiled isolation programs: REFLOW_BPF_OBJECT, else the build directory's."""
-    return Path(settings.bpf_object) if settings.bpf_object else DEFAULT_OBJECT
 
 
 def check_host(object_path: Path) -> None:

@@ -1,4 +1,7 @@
-"""The built-in model: a small Llama-style decoder (RMSNorm, RoPE, SwiGLU) with a slotted KV cache."""
+"""The built-in model: a small Llama-style decoder (RMSNorm, RoPE, SwiGLU) with a slotted KV cache.
+
+Its `config.json` says `"model_type": "reflow"`, which is how the loader tells it from others.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +14,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from workers.models.byte_tokenizer import ByteTokenizer
+
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+MODEL_TYPE = "reflow"  # config.json's model_type, as Hugging Face configs name their architecture
+TOKENIZER = ByteTokenizer()  # every built-in model's
 
 
 @dataclass(frozen=True)
@@ -41,13 +48,15 @@ class ModelConfig:
         except KeyError:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
-    def to_dict(self) -> dict[str, int | float]:
+    def to_dict(self) -> dict[str, int | float | str]:
         """JSON-ready form, written as `config.json` beside the weights."""
-        return asdict(self)
+        return {"model_type": MODEL_TYPE, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, int | float]) -> ModelConfig:
-        """Inverse of `to_dict`; unknown keys are an error, not silently dropped."""
+    def from_dict(cls, data: dict[str, int | float | str]) -> ModelConfig:
+        """Inverse of `to_dict` (configs written before `model_type` are read too); unknown keys
+        are an error, not silently dropped."""
+        data = {k: v for k, v in data.items() if k != "model_type"}
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -225,10 +234,29 @@ class Transformer(nn.Module):
             x = layer(x, rope, positions, cache, slots, mask)
         return self.output(self.norm(x))  # [B, T, vocab]
 
+    @property
+    def vocab_size(self) -> int:
+        """Columns of the logits: the byte tokenizer's ids, padded to a multiple of 16."""
+        return self.config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """The context: positions with a rotary angle and a KV cache entry."""
+        return self.config.max_seq_len
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights."""
+        return self.output.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are."""
+        return self.output.weight.device
+
     def new_cache(self, n_slots: int) -> KVCache:
         """A KV cache for `n_slots` sequences on this model's device and dtype."""
-        weight = self.output.weight
-        return KVCache(self.config, n_slots, weight.device, weight.dtype)
+        return KVCache(self.config, n_slots, self.device, self.dtype)
 
     def parameter_count(self) -> int:
         """Number of trainable parameters."""
@@ -251,6 +279,13 @@ class Transformer(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         model.rope = rope_table(config, torch.device(device))
         return model.eval()
+
+
+def new_model(preset: str, seed: int) -> tuple[Transformer, ByteTokenizer]:
+    """A model of the named preset, its weights freshly initialised from `seed`, and its tokenizer."""
+    model = Transformer(ModelConfig.from_name(preset))
+    init_weights(model, seed)
+    return model, TOKENIZER
 
 
 def init_weights(model: Transformer, seed: int) -> None:

@@ -1,9 +1,10 @@
-"""Byte-level tokenizer: UTF-8 bytes are tokens 0-255, special tokens follow."""
+"""The built-in model's tokenizer: UTF-8 bytes are tokens 0-255, special tokens follow."""
 
 from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,16 @@ class ByteTokenizer:
     end_think_id: int = 260
 
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """`<eos>`."""
+        return (self.eos_id,)
+
+    @property
+    def reasoning_markers(self) -> tuple[int, int]:
+        """`<think>` and `</think>`."""
+        return self.think_id, self.end_think_id
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids in use (bytes plus specials)."""
         return 256 + len(SPECIAL_TOKENS)
@@ -34,9 +45,13 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [self.bos_id, *ids] if bos else ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         """Text of the byte tokens in `ids`; special tokens are dropped."""
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def decoder(self) -> ByteDecoder:
+        """A fresh decoder for one stream of generated ids."""
+        return ByteDecoder()
 
     def is_special(self, token_id: int) -> bool:
         """True for <pad>, <bos>, <eos>, <think> and </think>."""
@@ -60,7 +75,7 @@ class ByteTokenizer:
         return cls()
 
 
-class IncrementalDecoder:
+class ByteDecoder:
     """Turns a stream of byte tokens into text, holding back incomplete UTF-8 sequences."""
 
     def __init__(self) -> None:

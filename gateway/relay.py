@@ -1,0 +1,261 @@
+"""The streaming relay: a Generate call to a worker serving its arm, the worker's deltas back to the
+client, and another worker when one fails before its first token.
+
+When the client reads slower than the worker writes, the deltas that piled up go out as one
+message (in order; the first is never held back), so a slow reader costs fewer messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.assignment import Assignment
+from gateway.metrics import GatewayMetrics
+from gateway.routing import WorkerHandle, WorkerPool
+from gateway.tenants import TenantInfo
+from gateway.validation import RequestLimits, worker_request
+from reflow.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    ReflowError,
+    ResourceExhausted,
+    Unavailable,
+)
+from reflow.registry import CHALLENGER
+from reflow.streaming import Mailbox
+from reflow.v1 import inference_pb2, worker_pb2
+
+logger = logging.getLogger(__name__)
+
+# header, last message, answer text, reasoning text: called once the last message is ready
+OnFinish = Callable[[inference_pb2.GenerateResponse, inference_pb2.GenerateResponse, str, str], None]
+
+
+@dataclass
+class Generation:
+    """One Generate call as it is relayed: what was asked, by whom, the arm it got, its clock."""
+
+    request: inference_pb2.GenerateRequest
+    tenant: TenantInfo
+    request_id: str
+    assignment: Assignment
+    received: float  # time.perf_counter() when the call arrived
+    deadline: float | None  # on the same clock: the call's own, or the latency budget
+
+
+class Relay:
+    """Relays completions from the workers of a pool."""
+
+    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, limits: RequestLimits):
+        self.pool = pool
+        self.metrics = metrics
+        self.limits = limits
+
+    async def stream(
+        self, generation: Generation, on_finish: OnFinish
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Streams from a worker, moving to another one if the first fails before any token; a
+        challenger gone under the request (rolled back) hands it to the champion."""
+        assignment = generation.assignment
+        spec = assignment.spec
+        tried: set[str] = set()
+        full: set[str] = set()  # workers whose queue was full
+        while True:
+            try:
+                worker, loaded = self.pool.route(spec, exclude=frozenset(tried))
+            except (NotFound, Unavailable):
+                if assignment.experiment is not None and assignment.arm == CHALLENGER and not full:
+                    assignment.fall_back_to_champion()
+                    spec = assignment.spec
+                    tried.clear()
+                    continue
+                if full:
+                    raise ResourceExhausted(
+                        f"every worker serving {spec} has a full queue; retry shortly", retry_after_ms=250
+                    ) from None
+                if not tried:
+                    raise
+                raise Unavailable(f"every worker serving {spec} failed; retry the request") from None
+            tried.add(worker.address)
+            call_request = worker_request(
+                generation.request, self.limits, request_id=generation.request_id, loaded=loaded
+            )
+            header = inference_pb2.GenerateResponse(
+                request_id=generation.request_id,
+                model=loaded.model,
+                model_version=loaded.version,
+                arm=assignment.arm,
+            )
+            deadline = generation.deadline
+            remaining_s = None if deadline is None else max(deadline - time.perf_counter(), 0.001)
+            try:
+                async with contextlib.aclosing(
+                    self._stream_from(worker, call_request, remaining_s, header, generation.received)
+                ) as stream:
+                    answer: list[str] = []
+                    reasoning: list[str] = []
+                    async for message in stream:
+                        answer.append(message.text)
+                        reasoning.append(message.reasoning_text)
+                        if message.finish_reason:  # before the last yield: a client gone now is no loss
+                            on_finish(header, message, "".join(answer), "".join(reasoning))
+                        yield message
+                return
+            except _WorkerUnreachable as error:
+                if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    self.pool.mark_unhealthy(worker)
+                elif error.code == grpc.StatusCode.NOT_FOUND:  # it no longer holds the version
+                    await self.pool.refresh_one(worker)
+                else:
+                    full.add(worker.address)
+                logger.warning(
+                    "request_id=%s worker %s answered %s before the first token; trying another",
+                    generation.request_id, worker.address, error.code.name,
+                )  # fmt: skip
+
+    async def _stream_from(
+        self,
+        worker: WorkerHandle,
+        call_request: worker_pb2.WorkerGenerateRequest,
+        remaining_s: float | None,
+        header: inference_pb2.GenerateResponse,
+        received: float,
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Relays one worker stream; when the client reads slower than the worker writes, the
+        deltas that piled up go out as one message (in order; the first is never held back)."""
+        call = worker.stub.Generate(call_request, timeout=remaining_s)
+        mailbox: Mailbox[worker_pb2.WorkerGenerateResponse] = Mailbox(merge_worker_deltas)
+        reader = asyncio.create_task(_pump(call, mailbox), name=f"relay-{header.request_id}")
+        worker.outstanding += 1
+        self.metrics.in_flight.inc()
+        first_token_at: float | None = None
+        last_sent = received
+        try:
+            while True:
+                try:
+                    delta = await mailbox.get()
+                except grpc.aio.AioRpcError as error:
+                    raise _worker_error(worker, error, started=first_token_at is not None) from None
+                message = inference_pb2.GenerateResponse(text=delta.text, reasoning_text=delta.reasoning_text)
+                now = time.perf_counter()
+                later_tokens = len(delta.token_ids)  # tokens after the first one of the stream
+                if first_token_at is None:
+                    first_token_at = now
+                    message.MergeFrom(header)
+                    self.metrics.ttft.observe(now - received)
+                    self.metrics.arms.labels(header.model, header.arm).inc()
+                    later_tokens -= 1
+                for _ in range(later_tokens):  # a coalesced message spreads its gap over its tokens
+                    self.metrics.inter_token.observe((now - last_sent) / max(later_tokens, 1))
+                last_sent = now
+                self.metrics.tokens.inc(len(delta.token_ids))
+                self.metrics.messages.inc()
+                if delta.finish_reason:
+                    message.finish_reason = delta.finish_reason
+                    message.usage.CopyFrom(
+                        inference_pb2.Usage(
+                            prompt_tokens=delta.prompt_tokens,
+                            completion_tokens=delta.completion_tokens,
+                            reasoning_tokens=delta.reasoning_tokens,
+                            time_to_first_token_ms=(first_token_at - received) * 1000,
+                            total_ms=(now - received) * 1000,
+                        )
+                    )
+                    logger.info(
+                        "request_id=%s model=%s model_version=%s arm=%s finish=%s tokens=%d total_ms=%.1f",
+                        header.request_id, header.model, header.model_version, header.arm,
+                        inference_pb2.FinishReason.Name(delta.finish_reason),
+                        delta.completion_tokens, message.usage.total_ms,
+                    )  # fmt: skip
+                    yield message
+                    return
+                yield message
+        finally:
+            worker.outstanding -= 1
+            self.metrics.in_flight.dec()
+            reader.cancel()
+            call.cancel()  # no-op when finished; stops the worker when the client went away
+
+
+def deadline_of(time_remaining: float | None, latency_budget_ms: int, received: float) -> float | None:
+    """The stream's deadline on the perf_counter clock: the call's own or the latency budget."""
+    limits = [received + latency_budget_ms / 1000] if latency_budget_ms else []
+    if time_remaining is not None:
+        limits.append(time.perf_counter() + time_remaining)
+    return min(limits, default=None)
+
+
+def merge_worker_deltas(
+    earlier: worker_pb2.WorkerGenerateResponse, later: worker_pb2.WorkerGenerateResponse
+) -> None:
+    """Folds a later worker delta into an earlier one that has not been relayed yet."""
+    earlier.token_ids.extend(later.token_ids)
+    earlier.text += later.text
+    earlier.reasoning_text += later.reasoning_text
+    if later.finish_reason:
+        earlier.finish_reason = later.finish_reason
+        earlier.prompt_tokens = later.prompt_tokens
+        earlier.completion_tokens = later.completion_tokens
+        earlier.reasoning_tokens = later.reasoning_tokens
+
+
+async def _pump(call: grpc.aio.UnaryStreamCall, mailbox: Mailbox[worker_pb2.WorkerGenerateResponse]) -> None:
+    """Reads a worker stream as fast as it comes into `mailbox`; always ends it with a failure
+    the reader sees after the last item (it stops reading at the final delta before that)."""
+    failure: BaseException = Unavailable(
+        "the worker ended the stream without finishing it; retry the request"
+    )
+    try:
+        async for delta in call:
+            mailbox.put(delta)
+    except grpc.aio.AioRpcError as error:
+        failure = error
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:
+        logger.exception("relay from worker failed")
+        failure = Unavailable(f"relaying from the worker failed ({type(error).__name__}); retry the request")
+    finally:
+        mailbox.fail(failure)
+
+
+# Worker answers that, before the first token, send the request to another worker: it is down
+# or shutting down (UNAVAILABLE, CANCELLED), no longer holds the version, or its queue is full.
+RETRY_ON_ANOTHER_WORKER = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
+
+
+class _WorkerUnreachable(Exception):
+    """The worker failed before sending a token; another worker may take the request."""
+
+    def __init__(self, code: grpc.StatusCode):
+        super().__init__(code.name)
+        self.code = code
+
+
+def _worker_error(worker: WorkerHandle, error: grpc.aio.AioRpcError, *, started: bool) -> Exception:
+    code = error.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(
+            "the completion did not finish within the call deadline or latency_budget_ms; "
+            "raise them or lower max_tokens"
+        )
+    if code == grpc.StatusCode.INVALID_ARGUMENT:  # e.g. a prompt longer than the model's context
+        return InvalidArgument(error.details() or code.name)
+    if not started and code in RETRY_ON_ANOTHER_WORKER:
+        return _WorkerUnreachable(code)
+    if started:
+        return Unavailable(f"worker {worker.address} failed mid-stream ({code.name}); retry the request")
+    return ReflowError(f"worker {worker.address} failed ({code.name}): {error.details()}")

@@ -1,0 +1,89 @@
+"""Batched greedy decoding outside the engine, through the KV cache: answers to whole evaluation sets
+for the fine-tune job's gate, the base model's bootstrap and offline simulations."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.models.interface import CausalLM, Tokenizer
+
+
+def greedy_answers(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int = 48,
+    batch_size: int = 256,
+) -> list[str]:
+    """Greedy answer text for each prompt, decoded `batch_size` prompts at a time with the KV cache.
+
+    The answer is the text after `</think>` (after the prompt when the model does not
+    think) up to `<eos>`; it is empty when a thought is never closed.
+    """
+    answers: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        for generated in _greedy_tokens(model, tokenizer, chunk, max_new_tokens):
+            answers.append(_answer_text(tokenizer, generated))
+    return answers
+
+
+@torch.inference_mode()
+def _greedy_tokens(
+    model: CausalLM, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy continuations of one batch of prompts, each ending at `<eos>` or a length limit."""
+    device = model.device
+    encoded = [tokenizer.encode(p) for p in prompts]
+    n = len(encoded)
+    lengths = torch.tensor([len(ids) for ids in encoded], device=device)  # [B]
+    max_len = int(lengths.max())
+    limit = model.max_seq_len
+    if max_len > limit:
+        raise ValueError(f"a prompt of {max_len} tokens exceeds max_seq_len={limit}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    tokens = torch.full((n, max_len), tokenizer.pad_id, dtype=torch.long)
+    for i, ids in enumerate(encoded):
+        tokens[i, : len(ids)] = torch.tensor(ids)
+    tokens = tokens.to(device)  # [B, T], right-padded
+    cache = model.new_cache(n)
+    slots = torch.arange(n, device=device)  # [B]
+    positions = torch.arange(max_len, device=device).expand(n, max_len)  # [B, T]
+    # Padding is written past each row's prompt, then overwritten by its generated
+    # tokens before any query can attend to it (the mask keeps key_pos <= query_pos).
+    banned = tokenizer.never_generated(model.vocab_size)
+    eos = torch.tensor(tokenizer.eos_ids, device=device)
+    logits = model(tokens, positions, cache, slots)  # [B, T, V]
+    logits[..., banned] = float("-inf")  # as the serving engine does
+    next_ids = logits[slots, lengths - 1].argmax(-1)  # [B]
+    next_pos = lengths.clone()  # [B]: where each row's next token goes
+    # A token at position p is fed back only if the one it predicts is still allowed.
+    feed_below = (lengths + max_new_tokens - 1).clamp(max=limit)  # [B]
+    generated: list[list[int]] = [[] for _ in range(n)]
+    active = slots
+    while True:
+        for row, token in zip(active.tolist(), next_ids.tolist(), strict=True):
+            generated[row].append(token)
+        keep = ~torch.isin(next_ids, eos) & (next_pos[active] < feed_below[active])
+        active, next_ids = active[keep], next_ids[keep]
+        if active.numel() == 0:
+            break
+        logits = model(next_ids[:, None], next_pos[active, None], cache, active)  # [b, 1, V]
+        logits[..., banned] = float("-inf")
+        next_pos[active] += 1
+        next_ids = logits[:, -1].argmax(-1)  # [b]
+    return generated
+
+
+def _answer_text(tokenizer: Tokenizer, generated: list[int]) -> str:
+    """The answer part of a continuation: after `</think>` if the model thought, up to `<eos>`."""
+    ends = [i for i, token in enumerate(generated) if token in tokenizer.eos_ids]
+    generated = generated[: ends[0]] if ends else generated
+    markers = tokenizer.reasoning_markers
+    if markers is not None and generated and generated[0] == markers[0]:
+        if markers[1] not in generated:
+            return ""
+        generated = generated[generated.index(markers[1]) + 1 :]
+    return tokenizer.decode(generated)

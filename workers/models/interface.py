@@ -1,0 +1,134 @@
+"""The seams between the runtime and a model: `CausalLM` and `Tokenizer`.
+
+The engine, the decoding state of a sequence and the fine-tune job see a model only through these
+protocols; each implementation (the built-in model, the byte tokenizer, ...) lives beside this
+module, and `loader.load_checkpoint` picks the one a checkpoint's files name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+
+class KVCache(Protocol):
+    """Keys and values of a fixed number of sequences (slots), opaque to all but its model."""
+
+
+class CausalLM(Protocol):
+    """A decoder-only language model: a batched forward over tokens, positions, a KV cache and slots."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Columns of the logits (ids past the tokenizer's vocabulary included)."""
+        ...
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest prompt plus completion the model attends over, in tokens."""
+        ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of its weights and of the caches it makes."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where its weights are."""
+        ...
+
+    def __call__(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        slots: Tensor | None = None,
+    ) -> Tensor:
+        """Logits [B, T, V] of tokens [B, T]: a causal pass over whole rows without a cache (training),
+        else the tokens placed at `positions` [B, T] of the sequences in cache slots `slots` [B]."""
+        ...
+
+    def new_cache(self, n_slots: int) -> KVCache:
+        """An empty cache for `n_slots` sequences of up to `max_seq_len` tokens, on its device."""
+        ...
+
+    def parameter_count(self) -> int:
+        """Number of weights."""
+        ...
+
+    def save(self, directory: Path) -> None:
+        """Writes its weights (safetensors, never a pickle) and `config.json` into `directory`."""
+        ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """Its weights, for an optimizer (torch.nn.Module's)."""
+        ...
+
+    def train(self, mode: bool = True) -> CausalLM:
+        """Training mode (torch.nn.Module's)."""
+        ...
+
+    def eval(self) -> CausalLM:
+        """Inference mode (torch.nn.Module's)."""
+        ...
+
+
+class IncrementalDecoder(Protocol):
+    """Text of one stream of generated ids, released as soon as it is whole."""
+
+    def push(self, token_id: int) -> str:
+        """The text `token_id` completes; empty while a UTF-8 character is still incomplete."""
+        ...
+
+    def flush(self) -> str:
+        """Whatever is held back, an incomplete character replaced by U+FFFD."""
+        ...
+
+
+class Tokenizer(Protocol):
+    """Text to token ids and back, for one model."""
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Ids that end a sequence; the first is the one a training example ends with."""
+        ...
+
+    @property
+    def reasoning_markers(self) -> tuple[int, int] | None:
+        """The ids that open and close a thought (`<think>`, `</think>`), when the model has them."""
+        ...
+
+    @property
+    def pad_id(self) -> int:
+        """An id to fill batch rows with; it is never attended to nor learned."""
+        ...
+
+    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+        """Ids of `text`, after the beginning-of-sequence id the model expects unless `bos` is False."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens left out."""
+        ...
+
+    def decoder(self) -> IncrementalDecoder:
+        """A fresh decoder for one stream of generated ids."""
+        ...
+
+    def is_special(self, token_id: int) -> bool:
+        """True for ids that stand for no text (markers, padding, beginning and end of sequence)."""
+        ...
+
+    def never_generated(self, vocab_size: int) -> list[int]:
+        """Ids a model with `vocab_size` logits must never emit: padding, beginning of sequence and
+        the ids past this vocabulary."""
+        ...
+
+    def save(self, directory: Path) -> None:
+        """Writes the tokenizer's files into `directory`, as a version carries them."""
+        ...
