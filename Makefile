@@ -9,7 +9,7 @@ BPF_SRC := workers/isolation/bpf/isolation.bpf.c
 BPF_CFLAGS := -O2 -g -Wall -target bpf -I/usr/include/$(shell uname -m)-linux-gnu
 HAVE_BPF_TOOLS = command -v clang >/dev/null && [ -f /usr/include/bpf/bpf_helpers.h ]
 
-.PHONY: install install-test run test lint protos bpf clean
+.PHONY: install install-test run test test-fast lint protos bpf clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,9 +53,14 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 
 test: install-test lint
 	$(BIN)/python -m pytest
+
+# The inner loop: everything but the tests marked slow (training, whole processes).
+test-fast: install-test
+	$(BIN)/python -m pytest -m "not slow"
 
 # Regenerates reflow/v1/*_pb2*.py from protos/ (tests fail when they are stale).
 protos: $(VENV)/.installed-test

@@ -72,10 +72,10 @@ class Run:
             self.itl.append((done - first) / (tokens - 1))
 
 
-async def bounded(concurrency: int, jobs: list) -> None:  # type: ignore[type-arg]
+async def bounded(concurrency: int, jobs: list) -> None:
     semaphore = asyncio.Semaphore(concurrency)
 
-    async def run(job) -> None:  # type: ignore[no-untyped-def]
+    async def run(job) -> None:
         async with semaphore:
             await job()
 

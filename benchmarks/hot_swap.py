@@ -66,7 +66,7 @@ async def serving(workers: list[str], version: str, *, alone: bool) -> bool:
 
 async def run_once(
     gateway: str, api_key: str, workers: list[str], registry: Registry, target: str, clients: int, push: bool
-):  # type: ignore[no-untyped-def]
+):
     """One swap to `target` under load: (seconds to the alias moving on every worker, seconds to the
     old version unloaded everywhere, steady latencies, latencies during the swap, failures)."""
     samples: list[tuple[float, float]] = []  # (start, latency) of successful requests

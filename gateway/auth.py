@@ -17,7 +17,7 @@ from reflow.errors import Unauthenticated
 def bearer_key(context: grpc.aio.ServicerContext) -> str:
     """The API key in `authorization: Bearer <key>`; Unauthenticated when absent or malformed."""
     for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
+        if key == "authorization" and isinstance(value, str):  # binary (`-bin`) values never are
             scheme, _, token = value.partition(" ")
             if scheme.lower() == "bearer" and token.strip():
                 return token.strip()

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -61,7 +61,7 @@ class Relay:
 
     async def stream(
         self, generation: Generation, on_finish: OnFinish
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[inference_pb2.GenerateResponse]:
         """Streams from a worker, moving to another one if the first fails before any token; a
         challenger gone under the request (rolled back) hands it to the champion."""
         assignment = generation.assignment
@@ -128,7 +128,7 @@ class Relay:
         remaining_s: float | None,
         header: inference_pb2.GenerateResponse,
         received: float,
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[inference_pb2.GenerateResponse]:
         """Relays one worker stream; when the client reads slower than the worker writes, the
         deltas that piled up go out as one message (in order; the first is never held back)."""
         call = worker.stub.Generate(call_request, timeout=remaining_s)

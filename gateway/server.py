@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health
 from kafka.errors import KafkaError
 
 from feedback.bus.kafka import ensure_topics, resolve_bootstrap
@@ -133,7 +134,7 @@ def request_limits(settings: Settings) -> RequestLimits:
 
 async def create_server(
     settings: Settings, pool: WorkerPool, metrics: GatewayMetrics, publisher: Publisher
-) -> tuple[grpc.aio.Server, int, object]:
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A started gateway on the configured host and port; returns (server, port, health servicer)."""
     engine = open_engine(settings.resolved_database_url)
     require_current_schema(engine)

@@ -113,6 +113,8 @@ class Registry:
         target = cache_dir / ref.name / f"{ref.version}-{mv.run_id or 'norun'}"
         if all((target / f).is_file() for f in MODEL_FILES):
             return target
+        if not mv.source:
+            raise LookupError(f"model {ref.name!r} version {ref.version} has no artifacts in the registry")
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             staging = Path(tmp) / "files"

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def new_server(
     service_names: Iterable[str], on_done: OnDone | None = None
-) -> tuple[grpc.aio.Server, health.HealthServicer]:
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """An aio server with the error interceptor, health checking and reflection for `service_names`."""
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor(on_done)],
@@ -37,7 +37,7 @@ def new_server(
     return server, health_servicer
 
 
-async def set_serving(health_servicer: health.HealthServicer, services: Iterable[str], up: bool) -> None:
+async def set_serving(health_servicer: health.aio.HealthServicer, services: Iterable[str], up: bool) -> None:
     """Marks the server and each of `services` SERVING or NOT_SERVING."""
     status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", *services):
@@ -95,6 +95,11 @@ async def wait_for_signal() -> int:
     """Returns the first SIGINT or SIGTERM received."""
     loop = asyncio.get_running_loop()
     received: asyncio.Future[int] = loop.create_future()
+
+    def receive(signum: int) -> None:
+        if not received.done():
+            received.set_result(signum)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s))
+        loop.add_signal_handler(sig, receive, sig)
     return await received

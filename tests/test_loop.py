@@ -21,8 +21,9 @@ from reflow.client import Client
 from reflow.registry import Registry
 from reflow.store.database import open_engine
 from reflow.store.tables import FinetuneRun, aware
-from tests.conftest import MODEL, save_model
-from tests.test_up import Up
+from tests.support.models import MODEL, save_model
+from tests.support.up import Up
+from tests.support.waiting import wait_for
 from workers.models.interface import CausalLM
 from workers.models.loader import load_checkpoint
 
@@ -36,6 +37,7 @@ FAST_LOOP = {  # on top of --demo's schedule: fine-tune as soon as enough feedba
 }
 
 
+@pytest.mark.timeout(LOOP_TIMEOUT_S + 300)  # the turn, and reflow up's start and stop around it
 def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, base_model: CausalLM) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -47,21 +49,24 @@ def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, b
     try:
         endpoints = up.endpoints()
         started = time.monotonic()
-        champion = "1"
-        while champion == "1":
+
+        def promoted() -> str | None:
             assert up.process.poll() is None, up.output()
-            assert time.monotonic() - started < LOOP_TIMEOUT_S, (
-                f"no promotion in {LOOP_TIMEOUT_S}s:\n{up.output()}"
-            )
-            time.sleep(2)
-            champion = registry.resolve(MODEL, alias="champion").version
+            version = registry.resolve(MODEL, alias="champion").version
+            return version if version != "1" else None
+
+        try:
+            champion = wait_for(promoted, LOOP_TIMEOUT_S, what="a promotion", interval_s=2)
+        except AssertionError as error:
+            raise AssertionError(f"{error}:\n{up.output()}") from None
         turned_s = time.monotonic() - started
 
         with Client(endpoints["gateway"], "rf_test_key_0123456789") as client:
-            deadline = time.monotonic() + 15
-            while (served := _champion_served(client)) != (champion, 1) and time.monotonic() < deadline:
-                time.sleep(0.5)
-        assert served == (champion, 1), "the worker does not serve the new champion"
+            wait_for(
+                lambda: _champion_served(client) == (champion, 1),
+                15,
+                what="the worker serving the new champion",
+            )
         with urllib.request.urlopen(endpoints["metrics"]["gateway"], timeout=10) as reply:
             codes = re.findall(r'reflow_gateway_requests_total\{code="(\w+)",method="Generate"\} (\S+)',
                                reply.read().decode())  # fmt: skip
@@ -96,8 +101,8 @@ def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, b
     after = base_model_metrics(promoted, tokenizer, Arith())
     assert after["accuracy_wide_range"] - before["accuracy_wide_range"] >= 0.20, (before, after)
     assert before["accuracy_in_range"] - after["accuracy_in_range"] <= 0.02, (before, after)
-    finetune_s = (aware(run.finished_at) - aware(run.started_at)).total_seconds()  # type: ignore[arg-type]
-    experiment_s = (aware(experiment.ended_at) - aware(experiment.started_at)).total_seconds()  # type: ignore[arg-type]
+    finetune_s = (aware(run.finished_at) - aware(run.started_at)).total_seconds()
+    experiment_s = (aware(experiment.ended_at) - aware(experiment.started_at)).total_seconds()
     print(f"fine-tune job {finetune_s:.0f}s, experiment {experiment_s:.0f}s")
     print(f"loop turned in {turned_s:.0f}s: wide-range accuracy {before['accuracy_wide_range']:.1%} -> "
           f"{after['accuracy_wide_range']:.1%}")  # fmt: skip

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import torch
@@ -240,7 +240,7 @@ class Engine:
 
     async def generate(
         self, name: str, version: str, prompt_ids: list[int], params: GenerationParams
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta]:
         """Streams the deltas of one completion; leaving early frees its slot at the next step."""
         if not self._thread.is_alive():
             raise Unavailable("this worker's engine has stopped; restart the worker")
@@ -310,7 +310,7 @@ def _publish(outputs: list[Output]) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Mailbox[Delta], Delta | BaseException]]]
     by_loop = defaultdict(list)
     for request, output in outputs:
-        loop, mailbox = request.deliver  # type: ignore[misc]
+        loop, mailbox = request.deliver
         by_loop[loop].append((mailbox, output))
     for loop, items in by_loop.items():
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting there

@@ -84,7 +84,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self._decoder = tokenizer.decoder()
         # the ids of `<think>` and `</think>`; None for models that do not reason
-        self._opens, self._closes = tokenizer.reasoning_markers or (None, None)
+        markers = tokenizer.reasoning_markers
+        self._opens: int | None = markers[0] if markers else None
+        self._closes: int | None = markers[1] if markers else None
         self._held = ""  # answer text that may be the start of a stop string
 
     @property

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from grpc_health.v1 import health
 
 from reflow.errors import FailedPrecondition, InvalidArgument
 from reflow.mtls import TlsFiles, server_credentials
@@ -59,7 +60,7 @@ def delta_to_pb(delta: Delta) -> worker_pb2.WorkerGenerateResponse:
         token_ids=delta.token_ids,
         text=delta.text,
         reasoning_text=delta.reasoning_text,
-        finish_reason=delta.finish_reason.value if delta.finish_reason else 0,
+        finish_reason=f"FINISH_REASON_{delta.finish_reason.name}" if delta.finish_reason else None,
     )
     if delta.usage is not None:
         message.prompt_tokens = delta.usage.prompt_tokens
@@ -160,7 +161,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 async def create_server(
     servicer: WorkerServicer, host: str, port: int, credentials: grpc.ServerCredentials | None = None
-) -> tuple[grpc.aio.Server, int, object]:
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A started Worker server on host:port (0 = free), over mTLS when `credentials` are given;
     returns (server, port, health servicer)."""
     server, health_servicer = new_server([SERVICE])

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
+from kafka.producer.future import FutureRecordMetadata
 
 from feedback.bus.kafka import Record, new_producer
 from feedback.bus.outbox import Outbox
@@ -148,9 +149,9 @@ class Publisher:
         return left
 
 
-def _acked(future: object, deadline: float) -> bool:
+def _acked(future: FutureRecordMetadata, deadline: float) -> bool:
     try:
-        future.get(timeout=max(deadline - time.monotonic(), 0.0))  # type: ignore[attr-defined]
+        future.get(timeout=max(deadline - time.monotonic(), 0.0))
         return True
     except KafkaError as error:
         logger.debug("record not acked: %s", error)

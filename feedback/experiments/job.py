@@ -68,8 +68,8 @@ def evaluate_experiments(job: EvaluateJob, engine: Engine, registry: Registry) -
     evaluations = []
     for model in sorted(models):
         try:
-            experiment = reconcile(engine, registry, model, job.traffic)
-            if experiment is not None and (evaluation := evaluate_one(job, engine, registry, experiment)):
+            running = reconcile(engine, registry, model, job.traffic)
+            if running is not None and (evaluation := evaluate_one(job, engine, registry, running)):
                 evaluations.append(evaluation)
         except Exception:
             logger.exception("evaluating the experiment of %s failed; the next round tries again", model)

@@ -13,8 +13,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from typing import Any, cast
 
 from sqlalchemy import Engine, Integer, Select, case, func, select, update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -145,11 +147,12 @@ def record(engine: Engine, experiment_id: int, stats: dict[str, ArmStats], decis
     ends it also claims it, moving it to `deciding` (no longer assigned, not yet applied), so of two
     evaluators racing only one acts. False when the experiment was no longer running."""
     with Session(engine) as session, session.begin():
-        claimed = session.execute(
+        claim = (
             update(Experiment)
             .where(Experiment.id == experiment_id, Experiment.status == RUNNING)
             .values(status=DECIDING if decision.outcome in ENDED_BY else RUNNING)
-        ).rowcount
+        )
+        claimed = cast(CursorResult[Any], session.execute(claim)).rowcount
         if not claimed:
             return False
         session.add(
@@ -219,9 +222,7 @@ def experiments(engine: Engine, model: str | None = None) -> list[tuple[Experime
     return found
 
 
-def _with_latest_look(
-    session: Session, query: Select[tuple[Experiment]]
-) -> list[tuple[Experiment, Look | None]]:
+def _with_latest_look(session: Session, query: Select[Experiment]) -> list[tuple[Experiment, Look | None]]:
     """The experiments `query` selects, each with its latest evaluation, in one query."""
     latest = (
         select(ExperimentDecision.experiment_id, func.max(ExperimentDecision.id).label("id"))

@@ -19,7 +19,7 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import TopicPartition
-from sqlalchemy import Connection, Engine, Table
+from sqlalchemy import Connection, Engine, FromClause
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
 
@@ -64,7 +64,7 @@ def feedback_row(event: FeedbackEvent, stored_at: datetime) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def insert_new(connection: Connection, table: Table, rows: Iterable[dict[str, Any]]) -> None:
+def insert_new(connection: Connection, table: FromClause, rows: Iterable[dict[str, Any]]) -> None:
     """Inserts the rows whose unique keys are not stored yet (SQLite and PostgreSQL)."""
     rows = list(rows)
     if rows:
@@ -82,8 +82,8 @@ def store_events(connection: Connection, events: Iterable[InferenceEvent | Feedb
             inferences[event.request_id] = inference_row(event, now)
         else:
             feedback[(event.tenant, event.feedback_id)] = feedback_row(event, now)
-    insert_new(connection, Inference.__table__, inferences.values())  # type: ignore[arg-type]
-    insert_new(connection, FeedbackItem.__table__, feedback.values())  # type: ignore[arg-type]
+    insert_new(connection, Inference.__table__, inferences.values())
+    insert_new(connection, FeedbackItem.__table__, feedback.values())
 
 
 class StoreConsumer:

@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sqlalchemy import Engine, func, or_, select
+from sqlalchemy import Engine, Select, func, or_, select
 from sqlalchemy.orm import Session
 
 from feedback.tasks.task import Example
@@ -49,7 +49,7 @@ class Dataset:
         return len(self.desirable) + len(self.undesirable)
 
 
-def _unused_labelled(model: str):  # type: ignore[no-untyped-def]
+def _unused_labelled(model: str) -> Select[FeedbackItem, Inference]:
     """Feedback on completions of `model` that says something (a rating or a correction) and that
     no fine-tune run has used yet."""
     joined = select(FeedbackItem, Inference).join(Inference, RATES)

@@ -49,10 +49,14 @@ def pad_rows(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torc
 class Schedule(Protocol):
     """What the learning-rate schedule reads from a training recipe."""
 
-    lr: float
-    warmup_steps: int
-    steps: int
-    min_lr_ratio: float
+    @property
+    def lr(self) -> float: ...
+    @property
+    def warmup_steps(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def min_lr_ratio(self) -> float: ...
 
 
 def learning_rate(config: Schedule, step: int) -> float:

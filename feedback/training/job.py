@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import Any, cast
 
 from sqlalchemy import Engine, select, update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from feedback.experiments.lifecycle import reconcile
@@ -218,11 +220,12 @@ def claim_run(engine: Engine, model: str, parent: str, feedback_ids: list[int]) 
         session.add(run)
         session.flush()
         mine = run.id
-        taken = session.execute(
+        mark = (
             update(FeedbackItem)
             .where(FeedbackItem.id.in_(feedback_ids), FeedbackItem.finetune_run_id.is_(None))
             .values(finetune_run_id=mine)
-        ).rowcount
+        )
+        taken = cast(CursorResult[Any], session.execute(mark)).rowcount
     with Session(engine) as session, session.begin():
         oldest = session.scalar(
             select(FinetuneRun.id)

@@ -23,9 +23,15 @@ ReadyFile = Annotated[
 ]
 
 
+def settings_with(**overrides: Any) -> Settings:
+    """Settings from the environment and REFLOW_CONFIG, with the command-line options given (not
+    None) on top."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
 def load_settings(**overrides: Any) -> Settings:
-    """Settings from the environment and REFLOW_CONFIG, with command-line options on top."""
-    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    """`settings_with(overrides)`, for a command that logs: reflow's logging set up as well."""
+    settings = settings_with(**overrides)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )

@@ -6,8 +6,7 @@ from typing import Annotated
 
 import typer
 
-from reflow.cli.common import console, default_api_key, default_target, err_console
-from reflow.settings import Settings
+from reflow.cli.common import console, default_api_key, default_target, err_console, settings_with
 
 
 def generate(
@@ -31,7 +30,7 @@ def generate(
     from reflow.client import Client
     from reflow.v1 import inference_pb2
 
-    settings = Settings(**({"api_key": api_key} if api_key else {}))
+    settings = settings_with(api_key=api_key or None)
     sampling = inference_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop or []
     )

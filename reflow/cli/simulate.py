@@ -7,8 +7,7 @@ from typing import Annotated
 
 import typer
 
-from reflow.cli.common import default_api_key, default_target, err_console
-from reflow.settings import Settings
+from reflow.cli.common import default_api_key, default_target, err_console, settings_with
 
 
 def simulate(
@@ -33,7 +32,7 @@ def simulate(
     if lo > hi:
         err_console.print(f"[red]error:[/] --lo {lo} is above --hi {hi}")
         raise typer.Exit(2)
-    settings = Settings(**({"api_key": api_key} if api_key else {}))
+    settings = settings_with(api_key=api_key or None)
     try:
         asked = get_task(task or settings.task, traffic=(lo, hi))
     except ValueError as error:

@@ -126,7 +126,9 @@ def wait_serving(address: str, timeout_s: float = 60.0) -> None:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             with contextlib.suppress(grpc.RpcError):
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                reply = stub.Check(  # type: ignore[attr-defined]  # typeshed's HealthStub lists no methods
+                    health_pb2.HealthCheckRequest(), timeout=1.0
+                )
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             time.sleep(0.2)

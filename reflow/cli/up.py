@@ -161,7 +161,7 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
         if mlflow_url.startswith("http") and not wait_http(f"{mlflow_url}/health"):
             console.print(f"[yellow]the MLflow UI at {mlflow_url} is not answering yet[/]")
 
-        endpoints = {
+        endpoints: dict[str, str | list[str] | dict[str, str]] = {
             "gateway": gateway_address,
             "mlflow": mlflow_url,
             "kafka": bootstrap,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -158,8 +159,8 @@ class ExperimentDecision(Base):
     experiment_id: Mapped[int] = mapped_column(ForeignKey("experiments.id"), index=True)
     outcome: Mapped[str] = mapped_column(String(16))  # continue, promote, rollback, invalid, expire
     reason: Mapped[str] = mapped_column(Text)
-    champion: Mapped[dict[str, float]] = mapped_column(JSON)  # feedback.decision.ArmStats as a dict
-    challenger: Mapped[dict[str, float]] = mapped_column(JSON)
+    champion: Mapped[dict[str, Any]] = mapped_column(JSON)  # the arm's ArmStats (feedback.experiments)
+    challenger: Mapped[dict[str, Any]] = mapped_column(JSON)
     likelihood_ratio: Mapped[float] = mapped_column(Float)
     difference: Mapped[float] = mapped_column(Float)  # challenger rate minus champion rate
     srm_p: Mapped[float] = mapped_column(Float)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Stack
+from tests.support.stack import Stack
 
 SCRIPT = Path(__file__).parent / "node" / "stream.js"
 NODE = shutil.which("node")

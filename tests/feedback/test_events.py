@@ -13,7 +13,7 @@ from reflow.store.database import migrate, open_engine
 from reflow.store.tables import utcnow
 
 
-def event(**fields: object):  # type: ignore[no-untyped-def]
+def event(**fields: object):
     return feedback_event("acme", {"request_id": "r1", "rating": 1, **fields}, utcnow())
 
 

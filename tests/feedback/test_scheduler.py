@@ -18,7 +18,7 @@ from reflow.store.database import migrate, open_engine
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
 
 
-def store(tmp_path: Path):  # type: ignore[no-untyped-def]
+def store(tmp_path: Path):
     engine = open_engine(f"sqlite:///{tmp_path / 'store.db'}")
     migrate(engine)
     return engine

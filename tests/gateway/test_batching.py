@@ -12,7 +12,7 @@ from reflow.errors import RETRY_PUSHBACK_KEY
 from reflow.serving import start_metrics_server
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2 as P
-from tests.conftest import Stack, start_stack, stop_stack
+from tests.support.stack import Stack, start_stack, stop_stack
 from workers.engine import EngineConfig
 
 

@@ -17,8 +17,11 @@ from reflow.store.database import open_engine
 from reflow.store.tables import Inference
 from reflow.v1 import inference_pb2
 from reflow.worker_calls import WorkerTargets
-from tests.conftest import MODEL, Stack, consuming, start_stack, stop_stack
-from tests.feedback.test_consumer import count, wait_for
+from tests.support.kafka import consuming
+from tests.support.models import MODEL
+from tests.support.stack import Stack, start_stack, stop_stack
+from tests.support.store import count
+from tests.support.waiting import wait_for
 from workers.follower import AliasFollower
 
 P = inference_pb2

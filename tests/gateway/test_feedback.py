@@ -15,9 +15,9 @@ from feedback.intake.stats import store_counts
 from gateway.tenants import create_tenant
 from reflow.store.database import open_engine
 from reflow.v1 import inference_pb2
-from tests.conftest import Broker, Stack, consuming
-from tests.feedback.test_consumer import wait_for
-from tests.gateway.test_generate import generate, request
+from tests.support.kafka import Broker, consuming
+from tests.support.stack import Stack, generate, request
+from tests.support.waiting import wait_for
 
 P = inference_pb2
 

@@ -16,18 +16,10 @@ from gateway.validation import worker_request
 from reflow.settings import Settings
 from reflow.store.database import open_engine
 from reflow.v1 import inference_pb2, worker_pb2
-from tests.conftest import Stack, start_stack, start_worker, stop_stack
+from tests.support.stack import Stack, generate, request, start_stack, start_worker, stop_stack
 from workers.server import loaded_to_pb, params_from_pb
 
 P = inference_pb2
-
-
-def request(prompt: str = "47+38=", max_tokens: int = 12, **kw: object) -> P.GenerateRequest:
-    return P.GenerateRequest(prompt=prompt, sampling=P.SamplingParams(max_tokens=max_tokens), **kw)
-
-
-async def generate(stack: Stack, req: P.GenerateRequest, **kw: object) -> list[P.GenerateResponse]:
-    return [m async for m in stack.stub.Generate(req, metadata=stack.metadata, **kw)]
 
 
 async def status_of(stack: Stack, req: P.GenerateRequest, metadata: object = None) -> grpc.StatusCode:

@@ -11,17 +11,9 @@ import grpc
 from reflow.registry import Registry
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2
-from tests.conftest import (
-    MODEL,
-    Stack,
-    WorkerUnderTest,
-    reference_greedy,
-    start_stack,
-    start_worker,
-    stop_stack,
-    tiny_model,
-)
-from tests.workers.test_engine import collect
+from tests.support.models import MODEL, collect, reference_greedy, tiny_model
+from tests.support.stack import Stack, WorkerUnderTest, start_stack, start_worker, stop_stack
+from tests.support.waiting import eventually
 from workers.engine import EngineConfig
 from workers.follower import AliasFollower
 from workers.sequence import GenerationParams
@@ -51,13 +43,6 @@ async def answer(stack: Stack, prompt: str) -> tuple[str, str]:
     return messages[0].model_version, "".join(m.reasoning_text + m.text for m in messages)
 
 
-async def wait_until(condition, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
 async def test_an_alias_moved_by_hand_is_served_within_the_poll_interval(swap_settings: Settings) -> None:
     stack = await start_stack(swap_settings)
     worker = stack.workers[0]
@@ -65,11 +50,11 @@ async def test_an_alias_moved_by_hand_is_served_within_the_poll_interval(swap_se
         async with following(worker, swap_settings):
             assert (await answer(stack, "12+30="))[0] == "1"
             move_champion(swap_settings, "2")
-            await wait_until(lambda: _serves(stack, "2"))
+            await eventually(lambda: _serves(stack, "2"))
             engine = worker.engine
             out = await collect(engine, "12+30=", GenerationParams(max_tokens=12), version="2")
             assert out.token_ids == reference_greedy(tiny_model(1), "12+30=", 12)
-            await wait_until(lambda: _unloaded(worker, "1"))  # no alias, no traffic: freed
+            await eventually(lambda: _unloaded(worker, "1"))  # no alias, no traffic: freed
     finally:
         await stop_stack(stack)
 
@@ -103,7 +88,7 @@ async def test_a_swap_under_continuous_load_fails_no_request_and_changes_no_outp
             clients = [asyncio.create_task(client(i)) for i in range(8)]
             await asyncio.sleep(0.5)
             move_champion(swap_settings, "2")
-            await wait_until(lambda: _unloaded(stack.workers[0], "1"))
+            await eventually(lambda: _unloaded(stack.workers[0], "1"))
             await asyncio.sleep(0.5)
             stop.set()
             await asyncio.gather(*clients)

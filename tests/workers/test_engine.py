@@ -11,7 +11,8 @@ import torch
 
 import workers.engine
 from reflow.errors import InvalidArgument, NotFound, ResourceExhausted
-from tests.conftest import reference_greedy, tiny_model
+from tests.support.models import collect, reference_greedy, tiny_model
+from tests.support.waiting import eventually
 from workers.engine import Engine, EngineConfig
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
@@ -24,7 +25,7 @@ PROMPTS = [f"{a}+{b}=" for a, b in ((47, 38), (1, 1), (99, 9), (5, 60), (12, 34)
 
 
 def new_engine(**config: int | bool) -> Engine:
-    engine = Engine(EngineConfig(**config), WorkerMetrics())  # type: ignore[arg-type]
+    engine = Engine(EngineConfig(**config), WorkerMetrics())
     engine.add(LoadedModel("arith", "1", tiny_model(0), TOK, torch.device("cpu"), {"champion"}))
     return engine
 
@@ -34,21 +35,6 @@ def engine() -> Iterator[Engine]:
     engine = new_engine()
     yield engine
     engine.close()
-
-
-async def collect(engine: Engine, prompt: str, params: GenerationParams, version: str = "1") -> Delta:
-    out = Delta()
-    async for delta in engine.generate("arith", version, TOK.encode(prompt), params):
-        out.merge(delta)
-    return out
-
-
-async def until(condition, timeout_s: float = 2.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout_s / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in time")
 
 
 async def test_greedy_tokens_match_a_cache_free_reference(engine: Engine) -> None:
@@ -88,7 +74,7 @@ async def one_running_one_waiting(engine: Engine) -> tuple[AsyncIterator[Delta],
     running = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
     await anext(running)
     waiting = asyncio.ensure_future(collect(engine, "2+2=", GenerationParams(max_tokens=5)))
-    await until(lambda: engine.waiting == 1)
+    await eventually(lambda: engine.waiting == 1)
     return running, waiting
 
 
@@ -98,7 +84,7 @@ async def test_a_cancelled_sequence_frees_its_slot_for_the_next() -> None:
         first, queued = await one_running_one_waiting(engine)
         await first.aclose()
         assert len((await asyncio.wait_for(queued, 5)).token_ids) <= 5  # it got the freed slot
-        await until(lambda: (engine.running, engine.waiting) == (0, 0))
+        await eventually(lambda: (engine.running, engine.waiting) == (0, 0))
     finally:
         engine.close()
 
@@ -119,7 +105,7 @@ async def test_a_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
 async def test_a_failing_sequence_fails_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     real_sample = workers.engine.sample
 
-    def flaky(logits, params, generator):  # type: ignore[no-untyped-def]
+    def flaky(logits, params, generator):
         if params.seed == 666:
             raise RuntimeError("sampling blew up")
         return real_sample(logits, params, generator)
@@ -143,7 +129,7 @@ async def test_a_step_level_failure_fails_that_versions_sequences_and_the_engine
     real_step = runner.step
     calls = 0
 
-    def step_failing_once_mid_stream(metrics):  # type: ignore[no-untyped-def]
+    def step_failing_once_mid_stream(metrics):
         nonlocal calls
         calls += 1
         if calls == 3:  # past the per-sequence guards, with sequences mid-prefill and mid-decode

@@ -21,7 +21,7 @@ from reflow.mtls import TlsFiles, channel_credentials, server_credentials
 from reflow.settings import Settings
 from reflow.v1 import worker_pb2, worker_pb2_grpc
 from reflow.worker_calls import WorkerTargets, call_workers
-from tests.conftest import start_worker
+from tests.support.stack import start_worker
 
 
 def _key() -> ec.EllipticCurvePrivateKey:

@@ -119,8 +119,8 @@ class EbpfIsolation:
         try:
             self.programs = IsolationPrograms(programs, self.group)
             self.programs.allow_cgroup(cgroup_id(gateway))
-            for network in self.config.allow_from:
-                self.programs.allow_source(ipaddress.ip_network(network, strict=False))
+            for source in self.config.allow_from:
+                self.programs.allow_source(ipaddress.ip_network(source, strict=False))
             for network, port in self.egress:
                 self.programs.allow_destination(network, port)
         except BaseException:
@@ -134,8 +134,8 @@ class EbpfIsolation:
         assert self.group is not None
         self.origin = current_group()
         join(self.group)
-        probe = ipaddress.ip_network(PROBE_DESTINATION[0])
-        if any(probe.subnet_of(n) for n, _ in self.egress if n.version == 4):  # type: ignore[arg-type]
+        probe = ipaddress.IPv4Network(PROBE_DESTINATION[0])
+        if any(isinstance(n, ipaddress.IPv4Network) and probe.subnet_of(n) for n, _ in self.egress):
             return  # the policy allows the probe's destination: nothing to learn from it
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
             try:

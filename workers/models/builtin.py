@@ -61,7 +61,7 @@ class ModelConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown model config keys: {sorted(unknown)}")
-        return cls(**data)  # type: ignore[arg-type]
+        return cls(**data)  # type: ignore[arg-type]  # JSON values; the dataclass's types are not checked
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -202,6 +202,8 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """Decoder-only language model over byte-level tokens."""
+
+    rope: Tensor  # a buffer: [max_seq_len, head_dim/2, 2]
 
     def __init__(self, config: ModelConfig):
         super().__init__()

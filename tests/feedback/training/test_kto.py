@@ -7,7 +7,7 @@ import math
 import torch
 
 from feedback.training.kto import kto_loss, sequence_logps
-from tests.conftest import tiny_model
+from tests.support.models import tiny_model
 
 
 def sigmoid(x: float) -> float:

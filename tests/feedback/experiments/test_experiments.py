@@ -5,10 +5,8 @@ streams — promote, roll back, keep going, flag a skewed split — with every d
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,7 +26,9 @@ from reflow.registry import CHALLENGER, CHAMPION, Registry
 from reflow.settings import Settings
 from reflow.store.experiments import RunningExperiment, running_experiment
 from reflow.store.tables import Experiment, ExperimentDecision, utcnow
-from tests.conftest import MODEL, local_registry, save_model, tiny_model
+from tests.support.cli import reflow
+from tests.support.models import MODEL, save_model, tiny_model
+from tests.support.registry import local_registry
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def evaluate_once(store: Engine, aliases: Registry, tmp_path: Path) -> Evaluatio
 
 def settings(tmp_path: Path, **overrides: object) -> Settings:
     values = {"ab_min_samples": 100, "ab_traffic": 0.5, "data_dir": tmp_path, **overrides}
-    return Settings(**values)  # type: ignore[arg-type]
+    return Settings(**values)
 
 
 def traffic(
@@ -224,11 +224,8 @@ def test_fine_tuning_waits_while_an_experiment_runs(
 
 
 def cli(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "REFLOW_DATABASE_URL": url, "REFLOW_DATA_DIR": str(tmp_path)}
-    return subprocess.run(
-        [sys.executable, "-m", "reflow", "experiments", *args], env=env, capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
+    """`reflow experiments ARGS` on the store at `url`."""
+    return reflow("experiments", *args, env={"REFLOW_DATABASE_URL": url, "REFLOW_DATA_DIR": str(tmp_path)})
 
 
 def test_the_cli_lists_shows_and_plots_an_experiment(

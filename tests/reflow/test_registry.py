@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from reflow.registry import MODEL_FILES
-from tests.conftest import local_registry, save_model, tiny_model
+from tests.support.models import save_model, tiny_model
+from tests.support.registry import local_registry
 
 
 def test_register_resolve_and_download(tmp_path: Path) -> None:

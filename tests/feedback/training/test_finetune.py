@@ -23,7 +23,8 @@ from reflow.registry import CHALLENGER, Registry
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
 from reflow.store.tables import FinetuneRun
-from tests.conftest import MODEL, local_registry, save_model
+from tests.support.models import MODEL, save_model
+from tests.support.registry import local_registry
 from workers.models.builtin import TOKENIZER
 from workers.models.interface import CausalLM
 

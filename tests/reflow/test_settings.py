@@ -33,7 +33,7 @@ def test_defaults_live_in_the_data_dir(tmp_path: Path) -> None:
 
 def test_unknown_settings_are_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValidationError):
-        Settings(gatway_port=1)  # type: ignore[call-arg]
+        Settings(gatway_port=1)
 
 
 def test_api_key_rules_and_bounds() -> None:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +15,9 @@ from gateway.tenants import create_tenant
 from reflow.request_ids import RequestIds
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
-from tests.conftest import Broker, consuming
-from tests.feedback.test_consumer import wait_for
+from tests.support.cli import reflow
+from tests.support.kafka import Broker, consuming
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture
@@ -33,15 +32,8 @@ def store(settings: Settings, kafka: Broker) -> Iterator[Engine]:
 
 
 def ingest(settings: Settings, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "REFLOW_DATA_DIR": str(settings.data_dir),
-        "REFLOW_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "reflow", "feedback", "ingest", *args],
-        env=env, input=stdin, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    env = {"REFLOW_DATA_DIR": str(settings.data_dir), "REFLOW_KAFKA_BOOTSTRAP": settings.kafka_bootstrap}
+    return reflow("feedback", "ingest", *args, env=env, stdin=stdin)
 
 
 def settled(engine: Engine, kafka: Broker, feedback: int) -> None:

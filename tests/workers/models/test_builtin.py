@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_model
+from tests.support.models import tiny_model
 from workers.models.builtin import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, Transformer
 
 

@@ -5,21 +5,23 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from feedback.bus.kafka import DLQ_TOPIC, FEEDBACK_TOPIC, Record, new_producer
+from feedback.bus.kafka import DLQ_TOPIC, FEEDBACK_TOPIC, Record
 from feedback.events import FeedbackEvent, InferenceEvent, Latency, TokenUsage
 from feedback.intake.consumer import StoreConsumer
 from feedback.intake.stats import kafka_stats, store_counts
 from reflow.store.tables import FeedbackItem, Inference
-from tests.conftest import Broker, consuming
+from tests.support.cli import spawn
+from tests.support.kafka import Broker, consuming, produce
+from tests.support.store import count
+from tests.support.waiting import wait_for
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -37,27 +39,6 @@ def feedback(feedback_id: str, request_id: str, rating: int = 1, tenant: str = "
     return FeedbackEvent(
         feedback_id=feedback_id, request_id=request_id, tenant=tenant, rating=rating, time=NOW
     )
-
-
-def produce(bootstrap: str, records: list[Record]) -> None:
-    producer = new_producer(bootstrap)
-    for record in records:
-        producer.send(record.topic, key=record.key, value=record.value)
-    producer.flush()
-    producer.close()
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def count(engine: Engine, table: type[FeedbackItem] | type[Inference]) -> int:
-    with Session(engine) as session:
-        return session.scalar(select(func.count()).select_from(table)) or 0
 
 
 @pytest.fixture
@@ -130,13 +111,12 @@ def test_kill_9_in_the_middle_of_a_large_batch_loses_and_duplicates_nothing(
     total = 20_000
     produce(kafka.bootstrap, [feedback(f"f{i}", f"r{i % 500}").to_record() for i in range(total)])
     env = {
-        **os.environ,
         "REFLOW_DATABASE_URL": database_url,
         "REFLOW_KAFKA_BOOTSTRAP": kafka.bootstrap,
         "REFLOW_CONSUMER_BATCH_SIZE": "500",
     }
-    command = [sys.executable, "-m", "reflow", "feedback", "consume"]
-    first = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    command = ("feedback", "consume")
+    first = spawn(*command, env=env, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: count(store, FeedbackItem) > 0, what="the first batches")
         os.kill(first.pid, signal.SIGKILL)
@@ -145,7 +125,7 @@ def test_kill_9_in_the_middle_of_a_large_batch_loses_and_duplicates_nothing(
         assert stored_when_killed < total, "the consumer finished before it could be killed"
     finally:
         first.kill()
-    second = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    second = spawn(*command, env=env, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: count(store, FeedbackItem) >= total, what="every record")
         time.sleep(1.0)  # anything redelivered has been written (or skipped) by now

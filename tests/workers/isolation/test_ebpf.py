@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -30,8 +29,11 @@ from reflow.cgroups import IsolationUnavailable, current_group, remove_instance
 from reflow.client import Client
 from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
-from tests.conftest import MODEL, Broker, local_registry, save_model, tiny_model
-from tests.feedback.test_consumer import wait_for
+from tests.support.cli import REFLOW, reflow
+from tests.support.kafka import Broker
+from tests.support.models import MODEL, save_model, tiny_model
+from tests.support.registry import local_registry
+from tests.support.waiting import wait_for
 from workers.isolation.ebpf import PROGRAMS, attached_programs
 from workers.isolation.host import DEFAULT_OBJECT, check_host
 
@@ -85,15 +87,18 @@ def start(
     ready_file, log = root / f"{name}.json", root / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "reflow", *args, "--ready-file", str(ready_file)],
+            [*prefix, *REFLOW, *args, "--ready-file", str(ready_file)],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
         )  # fmt: skip
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ready_file.is_file():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError(f"{name} did not start:\n{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.1)
+    try:
+        started_or_gone = lambda: ready_file.is_file() or process.poll() is not None  # noqa: E731
+        wait_for(started_or_gone, READY_TIMEOUT_S, what=f"{name} to start", interval_s=0.1)
+        assert process.poll() is None, f"{name} exited with {process.returncode}"
+    except AssertionError as error:
+        process.kill()
+        raise AssertionError(
+            f"{name} did not start ({error}):\n{log.read_text(errors='replace')[-3000:]}"
+        ) from None
     return Process(process, log, json.loads(ready_file.read_text()))
 
 
@@ -194,10 +199,9 @@ def test_the_gateway_reaches_an_isolated_worker_and_nothing_else_does(cluster: C
         socket.create_connection(("127.0.0.1", worker.port), timeout=2)
     wait_for(lambda: counters(worker)[("inbound", "dropped")] > before)
 
-    status = subprocess.run(
-        [sys.executable, "-m", "reflow", "workers", "status", "--json"], capture_output=True, text=True,
-        env={**os.environ, **worker_env(cluster.root), "REFLOW_WORKERS": worker.address}, timeout=60,
-    )  # fmt: skip
+    status = reflow(
+        "workers", "status", "--json", env={**worker_env(cluster.root), "REFLOW_WORKERS": worker.address}
+    )
     assert status.returncode == 0, status.stderr
     [row] = json.loads(status.stdout)
     assert row["isolation"] == "ebpf" and row["connections_dropped"] >= 1
@@ -339,9 +343,7 @@ def test_a_program_the_verifier_refuses_stops_the_worker_with_the_verifiers_reas
     source.write_text(REFUSED_PROGRAM)
     subprocess.run(["clang", "-O2", "-target", "bpf", f"-I/usr/include/{os.uname().machine}-linux-gnu", "-c",
                     str(source), "-o", str(compiled)], check=True)  # fmt: skip
-    env = {**os.environ, **worker_env(tmp_path, REFLOW_BPF_OBJECT=str(compiled))}
-    command = [sys.executable, "-m", "reflow", "worker"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    result = reflow("worker", env=worker_env(tmp_path, REFLOW_BPF_OBJECT=str(compiled)), timeout_s=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "the kernel refused the isolation programs" in result.stderr
     assert "invalid access to packet" in result.stderr  # the verifier's own words

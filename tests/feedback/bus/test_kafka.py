@@ -14,7 +14,7 @@ from feedback.bus.kafka import (
     new_admin,
     new_consumer,
 )
-from tests.conftest import Broker
+from tests.support.kafka import Broker
 
 
 def test_topics_are_created_once_with_the_configured_partitions() -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from feedback.bus.kafka import FEEDBACK_TOPIC, Record
 from feedback.bus.publisher import Publisher
-from tests.conftest import Broker
+from tests.support.kafka import Broker
+from tests.support.waiting import wait_for
 
 
 def records(*values: str) -> list[Record]:
@@ -32,10 +33,7 @@ def test_the_outbox_keeps_records_while_the_broker_is_down_and_sends_them_in_ord
     assert publisher.pending == 3
     broker.start()
     try:
-        deadline = time.monotonic() + 30
-        while publisher.pending and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert publisher.pending == 0
+        wait_for(lambda: publisher.pending == 0, 30, what="the outbox to drain")
         publisher.publish(records("4"))  # straight to Kafka again
         assert publisher.close() == 0
         assert [r.value for r in broker.read(FEEDBACK_TOPIC, 4)] == [b"1", b"2", b"3", b"4"]

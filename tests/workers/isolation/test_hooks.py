@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from reflow.settings import Settings
+from tests.support.cli import reflow
 from workers.isolation import IsolationConfig, IsolationUnavailable, NoIsolation, isolate
 
 
@@ -39,10 +38,9 @@ def test_none_and_auto_fall_back_but_ebpf_refuses_with_the_reason(
 
 
 def test_a_worker_that_cannot_be_isolated_does_not_start(tmp_path: Path) -> None:
-    env = {**os.environ, "REFLOW_DATA_DIR": str(tmp_path), "REFLOW_ISOLATION": "ebpf",
+    env = {"REFLOW_DATA_DIR": str(tmp_path), "REFLOW_ISOLATION": "ebpf",
            "REFLOW_BPF_OBJECT": str(tmp_path / "isolation.bpf.o")}  # fmt: skip
-    command = [sys.executable, "-m", "reflow", "worker"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    result = reflow("worker", env=env, timeout_s=120)
     assert result.returncode == 2
     assert "error:" in result.stderr and "REFLOW_ISOLATION=none" in result.stderr
     assert "Traceback" not in result.stderr

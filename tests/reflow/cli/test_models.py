@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,9 @@ import pytest
 from feedback.experiments.lifecycle import history, reconcile
 from reflow.registry import Registry
 from reflow.store.database import migrate, open_engine
-from tests.conftest import MODEL, local_registry, save_model, tiny_model
+from tests.support.cli import reflow
+from tests.support.models import MODEL, save_model, tiny_model
+from tests.support.registry import local_registry
 
 
 @pytest.fixture
@@ -29,28 +29,22 @@ def registry(tmp_path: Path) -> Registry:
     return registry
 
 
-def reflow(registry: Registry, *args: str) -> subprocess.CompletedProcess[str]:
-    data_dir = Path(registry.tracking_uri.removeprefix("sqlite:///")).parent  # where a store is migrated
-    env = {
-        **os.environ,
-        "REFLOW_MLFLOW_TRACKING_URI": registry.tracking_uri,
-        "REFLOW_DATA_DIR": str(data_dir),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "reflow", "models", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+def models(registry: Registry, *args: str) -> subprocess.CompletedProcess[str]:
+    """`reflow models ARGS` on `registry`, with the store migrated beside it."""
+    data_dir = Path(registry.tracking_uri.removeprefix("sqlite:///")).parent
+    return reflow(
+        "models",
+        *args,
+        env={"REFLOW_MLFLOW_TRACKING_URI": registry.tracking_uri, "REFLOW_DATA_DIR": str(data_dir)},
     )
 
 
 def aliases(registry: Registry) -> dict[str, list[str]]:
-    return {v["version"]: v["aliases"] for v in registry.versions(MODEL)}  # type: ignore[misc]
+    return {v["version"]: v["aliases"] for v in registry.versions(MODEL)}
 
 
 def test_list_shows_versions_newest_first_with_aliases_and_origin(registry: Registry) -> None:
-    listed = reflow(registry, "list", "--json")
+    listed = models(registry, "list", "--json")
     assert listed.returncode == 0, listed.stderr
     versions = json.loads(listed.stdout)
     assert [(v["version"], v["aliases"]) for v in versions] == [
@@ -58,9 +52,9 @@ def test_list_shows_versions_newest_first_with_aliases_and_origin(registry: Regi
         ("2", ["challenger"]),
         ("1", ["champion"]),
     ]
-    table = reflow(registry, "list").stdout.splitlines()
+    table = models(registry, "list").stdout.splitlines()
     assert table[1].split("\t")[:3] == ["2", "challenger", "finetune from v1"]
-    assert reflow(registry, "list", "nosuch").returncode == 1
+    assert models(registry, "list", "nosuch").returncode == 1
 
 
 def test_promote_makes_the_challenger_champion_and_rollback_removes_a_challenger(
@@ -69,13 +63,13 @@ def test_promote_makes_the_challenger_champion_and_rollback_removes_a_challenger
     store = open_engine(f"sqlite:///{tmp_path / 'reflow.db'}")
     experiment = reconcile(store, registry, MODEL, 0.1)  # v2 under test
     assert experiment is not None
-    promoted = reflow(registry, "promote", MODEL, "2")
+    promoted = models(registry, "promote", MODEL, "2")
     assert promoted.returncode == 0, promoted.stderr
     assert aliases(registry) == {"3": [], "2": ["champion"], "1": []}  # no longer the challenger
     assert history(store, experiment.id)[0].status == "ended"  # decided by hand
-    assert reflow(registry, "rollback", MODEL).returncode == 1  # nothing to roll back
+    assert models(registry, "rollback", MODEL).returncode == 1  # nothing to roll back
     registry.set_alias(MODEL, "challenger", "3")
-    rolled_back = reflow(registry, "rollback", MODEL)
+    rolled_back = models(registry, "rollback", MODEL)
     assert rolled_back.returncode == 0 and aliases(registry) == {"3": [], "2": ["champion"], "1": []}
-    missing = reflow(registry, "promote", MODEL, "9")
+    missing = models(registry, "promote", MODEL, "9")
     assert missing.returncode == 1 and "no version 9" in missing.stderr

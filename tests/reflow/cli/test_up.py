@@ -1,0 +1,83 @@
+"""`reflow up` as a user runs it: endpoints.json, a streamed completion, a clean stop, a cached restart."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reflow.client import Client
+from reflow.v1 import inference_pb2
+from tests.support.cli import reflow
+from tests.support.up import Up, alive, descendants, feedback_stats
+
+pytestmark = pytest.mark.slow
+
+
+def reflow_in(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A `reflow` command against the `reflow up` running in `data_dir`."""
+    return reflow(*args, env={"REFLOW_DATA_DIR": str(data_dir), "REFLOW_FINETUNE_STEPS": "10"})
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "data"
+
+
+def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: Path) -> None:
+    up = Up(data_dir)
+    try:
+        endpoints = up.endpoints()
+        assert {"gateway", "mlflow", "database", "api_key_file", "workers"} <= set(endpoints)
+        assert len(endpoints["workers"]) == 2
+        assert sorted(endpoints["metrics"]) == ["gateway", "worker-0", "worker-1"]
+        assert Path(endpoints["api_key_file"]).read_text().strip() == "rf_test_key_0123456789"
+        assert oct(Path(endpoints["api_key_file"]).stat().st_mode & 0o777) == "0o600"
+        with Client(endpoints["gateway"], "rf_test_key_0123456789") as client:
+            sampling = inference_pb2.SamplingParams(max_tokens=5)
+            messages = list(client.generate("47+38=", sampling=sampling))
+            served = [(m.name, [v.version for v in m.versions]) for m in client.list_models().models]
+            ack = client.submit_feedback(
+                [inference_pb2.Feedback(request_id=messages[0].request_id, rating=1)]
+            )
+        assert messages[0].model_version == "1" and messages[-1].usage.completion_tokens == 5
+        assert served == [("arith", ["1"])]
+        assert (ack.accepted, ack.rejected) == (1, 0)
+        stats = feedback_stats(data_dir, lambda s: s["joined_feedback"] == 1)
+        assert stats["inferences"] == 1 and stats["dlq_messages"] == 0
+        with urllib.request.urlopen(f"{endpoints['mlflow']}/health", timeout=10) as reply:
+            assert reply.status == 200
+        with urllib.request.urlopen(endpoints["metrics"]["gateway"], timeout=10) as reply:
+            assert b'reflow_gateway_requests_total{code="OK",method="Generate"} 1.0' in reply.read()
+        cli = reflow("generate", "47+38=", "--max-tokens", "3", env={"REFLOW_DATA_DIR": str(data_dir)})
+        assert cli.returncode == 0, cli.stderr
+        assert "3 completion tokens" in cli.stderr
+        simulated = reflow_in(data_dir, "simulate", "--rate", "20", "--duration", "1", "--seed", "3")
+        assert simulated.returncode == 0, simulated.stderr
+        assert "requests 20," in simulated.stdout and "rated 20" in simulated.stdout
+        finetuned = reflow_in(data_dir, "finetune", "run")  # 21 ratings: enough for `run`, which doesn't wait
+        assert finetuned.returncode == 0, finetuned.stderr
+        assert "held_out_accuracy" in finetuned.stdout
+        children = descendants(up.process.pid)
+        assert len(children) >= 7  # kafka, consumer, scheduler, mlflow, two workers, gateway
+    finally:
+        code = up.stop()
+    assert code == 0, up.output()
+    time.sleep(0.5)
+    assert not [pid for pid in children if alive(pid)], "children outlived `reflow up`"
+    assert not (data_dir / "endpoints.json").exists()
+    assert "training base model" in up.output()
+
+    again = Up(data_dir)
+    try:
+        again.endpoints()
+        # what was served and rated before the stop was stored, not lost: 1 + 1 (`reflow
+        # generate`) + 20 (`reflow simulate`) completions, 1 + 20 ratings
+        assert feedback_stats(data_dir, lambda s: s["inferences"] == 22)["joined_feedback"] == 21
+    finally:
+        assert again.stop() == 0
+    assert "training base model" not in again.output()  # the registered champion is reused

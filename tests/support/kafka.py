@@ -1,0 +1,77 @@
+"""Kafka for tests: an embedded broker a test can stop and restart, and a store consumer in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+from kafka.consumer.fetcher import ConsumerRecord
+from sqlalchemy import Engine
+
+from feedback.bus.broker import tansu_command, wait_listening
+from feedback.bus.kafka import Record, ensure_topics, new_consumer, new_producer
+from feedback.intake.consumer import StoreConsumer
+from reflow.serving import free_port
+
+
+class Broker:
+    """An embedded (Tansu) Kafka broker on a free loopback port that a test can stop and restart."""
+
+    def __init__(self, partitions: int = 3):
+        self.port = free_port()
+        self.partitions = partitions
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            tansu_command(self.port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_listening("127.0.0.1", self.port)
+        ensure_topics(self.bootstrap, self.partitions)
+
+    def read(self, topic: str, count: int, timeout_s: float = 30.0) -> list[ConsumerRecord]:
+        """The first `count` records of `topic` (all partitions); fewer if they do not come in time."""
+        consumer = new_consumer(self.bootstrap, topic, group_id=None)
+        records: list[ConsumerRecord] = []
+        deadline = time.monotonic() + timeout_s
+        while len(records) < count and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=100).values():
+                records.extend(batch)
+        consumer.close()
+        return records
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+
+@contextlib.contextmanager
+def consuming(bootstrap: str, engine: Engine) -> Iterator[StoreConsumer]:
+    """A store consumer polling in a thread until the block ends (then it leaves its group)."""
+    consumer = StoreConsumer(bootstrap, engine, batch_size=100)
+    stop = threading.Event()
+    thread = threading.Thread(target=consumer.run, args=(stop,))
+    thread.start()
+    try:
+        yield consumer
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def produce(bootstrap: str, records: list[Record]) -> None:
+    """Sends `records` straight to the broker, as a pipeline writing to the topics does."""
+    producer = new_producer(bootstrap)
+    for record in records:
+        producer.send(record.topic, key=record.key, value=record.value)
+    producer.flush()
+    producer.close()

@@ -1,0 +1,130 @@
+"""In-process servers on free ports: workers with the tiny model, and a gateway in front of them."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from feedback.bus.publisher import Publisher
+from gateway.metrics import GatewayMetrics
+from gateway.routing import WorkerPool
+from gateway.server import create_server as create_gateway
+from gateway.tenants import create_tenant
+from reflow.registry import Registry
+from reflow.settings import Settings
+from reflow.store.database import migrate, open_engine
+from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2_grpc
+from tests.support.models import MODEL
+from workers.engine import Engine, EngineConfig
+from workers.metrics import WorkerMetrics
+from workers.server import WorkerServicer
+from workers.server import create_server as create_worker
+from workers.versions import Versions
+
+
+@dataclass
+class WorkerUnderTest:
+    """An in-process worker server."""
+
+    server: grpc.aio.Server
+    servicer: WorkerServicer
+    address: str
+
+    @property
+    def engine(self) -> Engine:
+        return self.servicer.engine
+
+
+@dataclass
+class Stack:
+    """A gateway in front of in-process workers, with a tenant's key."""
+
+    settings: Settings
+    gateway: grpc.aio.Server
+    address: str
+    workers: list[WorkerUnderTest]
+    api_key: str
+    channel: grpc.aio.Channel
+    pool: WorkerPool
+    metrics: GatewayMetrics
+    publisher: Publisher
+    extra: list[grpc.aio.Channel] = field(default_factory=list)
+
+    @property
+    def stub(self) -> inference_pb2_grpc.InferenceStub:
+        return inference_pb2_grpc.InferenceStub(self.channel)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_key}"),)
+
+    def worker_stub(self, i: int = 0) -> worker_pb2_grpc.WorkerStub:
+        channel = grpc.aio.insecure_channel(self.workers[i].address)
+        self.extra.append(channel)
+        return worker_pb2_grpc.WorkerStub(channel)
+
+
+async def start_worker(
+    settings: Settings,
+    alias: str = "champion",
+    config: EngineConfig | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> WorkerUnderTest:
+    """A worker with `arith@alias` loaded, serving on a free port (over mTLS with `credentials`)."""
+    registry = Registry.from_settings(settings)
+    versions = Versions(
+        Engine(config, WorkerMetrics()), registry, settings.model_cache_dir, torch.device("cpu")
+    )
+    await versions.load(MODEL, alias=alias)
+    servicer = WorkerServicer(versions)
+    server, port, _ = await create_worker(servicer, "127.0.0.1", 0, credentials)
+    return WorkerUnderTest(server, servicer, f"127.0.0.1:{port}")
+
+
+async def start_stack(
+    settings: Settings,
+    n_workers: int = 1,
+    extra_addresses: tuple[str, ...] = (),
+    engine_config: EngineConfig | None = None,
+    **tenant: int,
+) -> Stack:
+    """Workers, a migrated store with one tenant, and a gateway routing to them."""
+    workers = [await start_worker(settings, config=engine_config) for _ in range(n_workers)]
+    engine = open_engine(settings.resolved_database_url)
+    migrate(engine)
+    _, api_key = create_tenant(engine, "acme", **tenant)
+    pool = WorkerPool([w.address for w in workers] + list(extra_addresses), settings.worker_poll_s)
+    metrics = GatewayMetrics()
+    publisher = Publisher(settings.kafka_bootstrap, settings.outbox_path, settings.kafka_handover_timeout_s)
+    gateway, port, _ = await create_gateway(settings, pool, metrics, publisher)
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
+    return Stack(settings, gateway, address, workers, api_key, channel, pool, metrics, publisher)
+
+
+async def stop_stack(stack: Stack) -> None:
+    for channel in [stack.channel, *stack.extra]:
+        await channel.close()
+    await stack.gateway.stop(0)
+    await stack.pool.close()
+    stack.publisher.close(timeout_s=2.0)
+    for worker in stack.workers:
+        with contextlib.suppress(Exception):
+            await worker.server.stop(0)
+        worker.engine.close()
+
+
+def request(prompt: str = "47+38=", max_tokens: int = 12, **kw: object) -> inference_pb2.GenerateRequest:
+    """A GenerateRequest for `prompt` with `max_tokens`, and any other GenerateRequest fields."""
+    sampling = inference_pb2.SamplingParams(max_tokens=max_tokens)
+    return inference_pb2.GenerateRequest(prompt=prompt, sampling=sampling, **kw)
+
+
+async def generate(
+    stack: Stack, req: inference_pb2.GenerateRequest, **kw: object
+) -> list[inference_pb2.GenerateResponse]:
+    """Every message of one Generate call through the stack's gateway."""
+    return [m async for m in stack.stub.Generate(req, metadata=stack.metadata, **kw)]
