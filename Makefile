@@ -9,7 +9,7 @@ BPF_SRC := workers/isolation/bpf/isolation.bpf.c
 BPF_CFLAGS := -O2 -g -Wall -target bpf -I/usr/include/$(shell uname -m)-linux-gnu
 HAVE_BPF_TOOLS = command -v clang >/dev/null && [ -f /usr/include/bpf/bpf_helpers.h ]
 
-.PHONY: install install-test run test test-fast lint protos bpf clean
+.PHONY: install install-test run test test-fast lint docs reference protos bpf clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,12 +55,20 @@ lint: $(VENV)/.installed-test
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
 
-test: install-test lint
+test: install-test lint docs
 	$(BIN)/python -m pytest
 
 # The inner loop: everything but the tests marked slow (training, whole processes).
 test-fast: install-test
 	$(BIN)/python -m pytest -m "not slow"
+
+# The MkDocs site; --strict fails on a broken link or a page missing from the nav.
+docs: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
+
+# Regenerates docs/configuration.md from the settings' descriptions (a test fails when it is stale).
+reference: $(VENV)/.installed-test
+	$(BIN)/python -m reflow.configdoc
 
 # Regenerates reflow/v1/*_pb2*.py from protos/ (tests fail when they are stale).
 protos: $(VENV)/.installed-test

@@ -38,68 +38,120 @@ def parse_destination(entry: str) -> tuple[Network, int]:
 
 
 class Settings(BaseSettings):
-    """Every knob of every reflow process; see the configuration table in README.md."""
+    """Every knob of every reflow process; docs/configuration.md is generated from the descriptions."""
 
     model_config = SettingsConfigDict(env_prefix="REFLOW_", extra="forbid")
 
     data_dir: Path = Field(Path(".reflow"), description="Where every embedded store lives.")
-    database_url: str = Field("", description="SQLAlchemy URL; empty = SQLite in the data dir.")
+    database_url: str = Field(
+        "",
+        description=(
+            "SQLAlchemy URL of the store (`postgresql+psycopg://…` in production); "
+            "empty = SQLite in the data dir."
+        ),
+    )
     mlflow_tracking_uri: str = Field(
-        "", description="MLflow tracking/registry URI; empty = SQLite store in the data dir."
+        "", description="MLflow tracking and registry URI; empty = a SQLite store in the data dir."
     )
     mlflow_artifact_root: str = Field(
-        "", description="Artifact root for new MLflow experiments; empty = the data dir."
+        "",
+        description=(
+            "Artifact root for new MLflow experiments; empty = `<data-dir>/mlartifacts`, "
+            "or the server decides when `REFLOW_MLFLOW_TRACKING_URI` is set."
+        ),
     )
-    mlflow_ui_port: int = Field(0, ge=0, le=65535, description="MLflow UI port under `reflow up`; 0 = free.")
-    api_key: SecretStr | None = Field(None, description="API key `reflow up` gives its tenant.")
+    mlflow_ui_port: int = Field(
+        0, ge=0, le=65535, description="Port of the MLflow UI under `reflow up`; 0 = a free port."
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description=(
+            "Key of the `default` tenant `reflow up` creates (16+ characters; a revoked key is never "
+            "revived). Unset: the key saved in `<data-dir>/api_key`, else a new one, generated, printed "
+            "once and saved there (0600)."
+        ),
+    )
 
     model_name: str = Field("arith", description="Registered model served by default.")
     model_alias: str = Field(
-        "champion", description="Alias requests without one are routed to; a worker needs it to start."
+        "champion",
+        description="Alias requests without a version or alias are routed to; a worker needs it to start.",
     )
     worker_aliases: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["champion", "challenger"],
-        description="Aliases a worker serves and follows as they move in the registry.",
+        description="Aliases a worker serves and follows when they move in the registry (those that exist).",
     )
     registry_poll_s: float = Field(
         10.0, ge=0, description="How often a worker re-reads the aliases it follows; 0 = never."
     )
-    model_preset: str = Field("arith-small", description="Preset of the base model bootstrap trains.")
+    model_preset: str = Field(
+        "arith-small",
+        description="Preset of the base model the bootstrap trains (`tiny`, `arith-small`, `arith-base`).",
+    )
     task: Literal["arith"] = Field(
         "arith",
-        description="Task the base model learns, the fine-tune job scores and simulated users ask.",
+        description=(
+            "The task the base model learns, the fine-tune job scores (regression and live-traffic sets, "
+            "the reasoning corrections are taught with) and `reflow simulate` asks."
+        ),
     )
     bootstrap_steps: int = Field(0, ge=0, description="Training steps of the base model; 0 = the recipe's.")
-    device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, cuda:N.")
-    torch_threads: int = Field(0, ge=0, description="Intra-op threads per worker; 0 = torch default.")
+    device: str = Field("auto", description="`auto` (CUDA when present, else CPU), `cpu`, `cuda:N`.")
+    torch_threads: int = Field(0, ge=0, description="Intra-op threads per worker; 0 = torch's default.")
     compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="torch.compile the decode step: on, off, or auto (on for CUDA only)."
+        "auto",
+        description=(
+            "`torch.compile(dynamic=True)` the decode step: `on`, `off`, or `auto` (on for CUDA; on CPU "
+            "it measured no faster and costs ~20 s to compile)."
+        ),
     )
-    max_batch_size: int = Field(64, ge=1, description="Sequences a worker decodes together (KV slots).")
-    max_waiting: int = Field(256, ge=0, description="Queued sequences before RESOURCE_EXHAUSTED.")
-    prefill_chunk: int = Field(64, ge=1, description="Most prompt tokens one sequence prefills per step.")
-    max_prefill_tokens: int = Field(256, ge=1, description="Most prompt tokens prefilled per step.")
+    max_batch_size: int = Field(
+        64, ge=1, description="Sequences a worker decodes together, per loaded version (its KV slots)."
+    )
+    max_waiting: int = Field(
+        256, ge=0, description="Sequences queued for a slot before new requests get `RESOURCE_EXHAUSTED`."
+    )
+    prefill_chunk: int = Field(
+        64,
+        ge=1,
+        description="Most prompt tokens one sequence prefills in a step (long prompts take several).",
+    )
+    max_prefill_tokens: int = Field(
+        256, ge=1, description="Most prompt tokens prefilled per step, so decoding sequences keep their pace."
+    )
 
     gateway_host: str = Field("127.0.0.1", description="Interface the gateway binds.")
-    gateway_port: int = Field(50051, ge=0, le=65535, description="Gateway port; 0 = free.")
+    gateway_port: int = Field(50051, ge=0, le=65535, description="Gateway port; 0 = a free port.")
     worker_host: str = Field("127.0.0.1", description="Interface a worker binds.")
-    worker_port: int = Field(0, ge=0, le=65535, description="Worker port; 0 = free.")
+    worker_port: int = Field(0, ge=0, le=65535, description="Worker port; 0 = a free port.")
     workers: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Worker addresses a standalone gateway routes to."
+        default_factory=list, description="`host:port,host:port` a standalone gateway routes to."
     )
-    worker_metrics_port: int = Field(0, ge=0, le=65535, description="Worker Prometheus port; 0 = free.")
-    gateway_metrics_port: int = Field(0, ge=0, le=65535, description="Gateway Prometheus port; 0 = free.")
+    worker_metrics_port: int = Field(
+        0, ge=0, le=65535, description="Port of a worker's Prometheus endpoint; 0 = a free port."
+    )
+    gateway_metrics_port: int = Field(
+        0, ge=0, le=65535, description="Port of the gateway's Prometheus endpoint; 0 = a free port."
+    )
     worker_poll_s: float = Field(
-        1.0, gt=0, description="How often the gateway refreshes worker status and experiments."
+        1.0, gt=0, description="How often the gateway refreshes worker status and the running experiments."
     )
     shutdown_grace_s: float = Field(30.0, description="Seconds in-flight streams get to finish on shutdown.")
 
     kafka_bootstrap: str = Field(
-        "", description="Kafka bootstrap servers host:port[,...]; empty = the embedded broker of `reflow up`."
+        "",
+        description=(
+            "Kafka bootstrap servers, `host:port[,host:port]`; empty = `reflow up` starts the embedded "
+            "broker (and other commands use the one of a running `reflow up` in the same data dir)."
+        ),
     )
-    kafka_partitions: int = Field(3, ge=1, description="Partitions of each topic reflow creates.")
+    kafka_partitions: int = Field(
+        3, ge=1, description="Partitions of each topic reflow creates (existing topics are left alone)."
+    )
     kafka_handover_timeout_s: float = Field(
-        5.0, gt=0, description="How long to wait for Kafka's ack before using the outbox instead."
+        5.0,
+        gt=0,
+        description="How long the gateway waits for Kafka's ack before writing to the outbox instead.",
     )
     consumer_batch_size: int = Field(
         1000, ge=1, description="Most records the consumer writes to the store in one transaction."
@@ -109,75 +161,134 @@ class Settings(BaseSettings):
         300.0, gt=0, description="How often the scheduler considers a fine-tune run."
     )
     finetune_min_samples: int = Field(
-        200, ge=1, description="New labelled feedback items a scheduled run waits for."
+        200,
+        ge=1,
+        description="New labelled feedback items (joined with their completions) a scheduled run waits for.",
     )
     finetune_max_samples: int = Field(
-        1000, ge=1, description="Most feedback items one run samples from what is new."
+        1000,
+        ge=1,
+        description="Most items one run uses: the oldest of what is new; the rest waits for the next run.",
     )
     finetune_steps: int = Field(200, ge=1, description="Optimizer steps of a fine-tune run.")
-    finetune_batch_size: int = Field(32, ge=2, description="Supervised rows per step, replay included.")
-    finetune_lr: float = Field(3e-4, gt=0, description="Peak learning rate of a fine-tune run.")
+    finetune_batch_size: int = Field(
+        32, ge=2, description="Supervised rows per step, half of them replayed from the base distribution."
+    )
+    finetune_lr: float = Field(
+        3e-4, gt=0, description="Peak learning rate of a fine-tune run (warmup, then cosine decay)."
+    )
     finetune_holdout_fraction: float = Field(
-        0.2, gt=0, lt=1, description="Share of feedback held out to judge the candidate."
+        0.2,
+        gt=0,
+        lt=1,
+        description="Share of feedback held out to judge the candidate (by a hash of `feedback_id`).",
     )
     finetune_regression_tolerance: float = Field(
-        0.02, ge=0, le=1, description="Largest regression-set accuracy drop a registered candidate may have."
+        0.02,
+        ge=0,
+        le=1,
+        description="Largest drop in regression-set accuracy a registered candidate may have.",
     )
 
     ab_traffic: float = Field(
         0.1,
         gt=0,
         lt=1,
-        description="Share of users (or requests without one) an experiment sends to the challenger.",
+        description=(
+            "Share of users (requests without a `user_id` count one each) an experiment sends to the "
+            "challenger."
+        ),
     )
     ab_alpha: float = Field(
         0.05,
         gt=0,
         lt=1,
-        description="Chance an experiment acts on a challenger no different from the champion.",
+        description=(
+            "Chance an experiment promotes or rolls back a challenger no different from the champion, "
+            "however often it is evaluated."
+        ),
     )
     ab_min_samples: int = Field(
-        100, ge=1, description="Rated responses per arm before an experiment decides."
+        100, ge=1, description="Rated responses each arm needs before an experiment decides."
     )
     ab_evaluate_s: float = Field(
-        30.0, gt=0, description="How often the scheduler evaluates running experiments."
+        30.0,
+        gt=0,
+        description=(
+            "How often the scheduler evaluates running experiments (and opens one for a new challenger)."
+        ),
     )
     ab_max_duration_s: float = Field(
-        86400.0, gt=0, description="An experiment undecided after this long ends; the champion stays."
+        86400.0,
+        gt=0,
+        description=(
+            "An experiment still undecided after this long expires: the challenger is removed, the "
+            "champion stays."
+        ),
     )
     ab_max_error_rate_increase: float = Field(
         0.02,
         ge=0,
         le=1,
-        description="Guardrail: challenger error rate above the champion's by more rolls it back.",
+        description=(
+            "Guardrail: a challenger whose error rate exceeds the champion's by more is rolled back."
+        ),
     )
     ab_max_latency_ratio: float = Field(
         1.5,
         ge=1,
-        description="Guardrail: challenger p95 latency above this multiple of the champion's rolls it back.",
+        description=(
+            "Guardrail: a challenger whose p95 latency exceeds this multiple of the champion's is "
+            "rolled back."
+        ),
     )
 
     isolation: Literal["auto", "ebpf", "none"] = Field(
-        "auto", description="Worker isolation: ebpf, none, or auto (eBPF where the host allows it)."
+        "auto",
+        description=(
+            "Worker isolation: `ebpf`, `none`, or `auto` (eBPF where the host allows it, else none, with "
+            "a warning saying why). `ebpf` refuses to start a worker the host cannot isolate."
+        ),
     )
     isolation_allow_from: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Addresses (CIDR) of gateways on other hosts an isolated worker admits.",
+        description="`CIDR,CIDR`: addresses of gateways on other hosts an isolated worker admits.",
     )
     isolation_egress: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Destinations ADDR[/PREFIX][:PORT] an isolated worker may connect to.",
+        description=(
+            "`ADDR[/PREFIX][:PORT],…` (IPv6 in brackets before a port) an isolated worker may connect to. "
+            "Empty = nothing, but the MLflow server when the tracking URI is `http(s)`, which is always "
+            "allowed."
+        ),
     )
-    bpf_object: str = Field("", description="Compiled isolation programs; empty = build/bpf/isolation.bpf.o.")
+    bpf_object: str = Field(
+        "",
+        description=(
+            "The compiled isolation programs; empty = `build/bpf/isolation.bpf.o` in the source tree "
+            "(`make bpf`)."
+        ),
+    )
     tls_ca_file: str = Field(
-        "", description="CA (PEM) that signs gateway and worker certificates; set = mTLS."
+        "",
+        description=(
+            "CA certificate (PEM) that signs gateway and worker certificates; with the two below, "
+            "gateway ↔ worker calls use mTLS."
+        ),
     )
-    tls_cert_file: str = Field("", description="This process's certificate (PEM) for gateway-worker mTLS.")
-    tls_key_file: str = Field("", description="This process's private key (PEM) for gateway-worker mTLS.")
+    tls_cert_file: str = Field(
+        "",
+        description=(
+            "This process's certificate (PEM): a worker's server certificate, a gateway's client certificate."
+        ),
+    )
+    tls_key_file: str = Field("", description="This process's private key (PEM).")
 
-    auth_cache_ttl_s: float = Field(10.0, ge=0, description="How long an API-key lookup is cached.")
+    auth_cache_ttl_s: float = Field(
+        10.0, ge=0, description="How long an API-key lookup (found or not) is cached."
+    )
     max_prompt_chars: int = Field(4096, ge=1, description="Longest prompt the gateway accepts.")
-    default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request leaves it 0.")
+    default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request leaves it 0.")
     max_stop_strings: int = Field(8, ge=0, description="Most stop strings per request.")
 
     @field_validator("api_key", mode="before")
