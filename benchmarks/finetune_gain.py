@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 
 from feedback.intake.consumer import store_events
+from feedback.scheduler import finetune_job_of
 from feedback.tasks.arith import Arith
 from feedback.tasks.simulate import rated_offline
 from feedback.training.evaluation import base_model_metrics
-from feedback.training.job import FinetuneJob, run_finetune
+from feedback.training.job import run_finetune
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from reflow.registry import CHALLENGER, Registry
 from reflow.settings import Settings
@@ -59,7 +60,7 @@ def main() -> None:
             with engine.begin() as connection:
                 store_events(connection, rated_offline(base, tokenizer, task, prompts, tenant="bench"))
             job_started = time.perf_counter()
-            outcome = run_finetune(FinetuneJob.from_settings(settings), engine, registry, min_samples=1)
+            outcome = run_finetune(finetune_job_of(settings), engine, registry, min_samples=1)
             job_s = time.perf_counter() - job_started
             if outcome.status != "registered":
                 print(f"run {seed + 1}: {outcome.status}: {outcome.message}")

@@ -99,7 +99,7 @@ async def run_once(
     swap_at = time.perf_counter()
     await asyncio.to_thread(registry.set_alias, "arith", "champion", target)
     if push:
-        await asyncio.to_thread(push_to_workers, WorkerTargets(tuple(workers)))
+        await asyncio.to_thread(push_to_workers, WorkerTargets(configured=tuple(workers)))
     while not await serving(workers, target, alone=False):  # noqa: ASYNC110 (polling other processes)
         await asyncio.sleep(0.05)
     moved_at = time.perf_counter()

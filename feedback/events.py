@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -24,7 +25,6 @@ from pydantic import (
 )
 
 from feedback.bus.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC, Record
-from reflow.request_ids import RequestIds
 
 MAX_ID_CHARS = 128
 MAX_REQUEST_ID_CHARS = 64
@@ -176,9 +176,10 @@ def feedback_event(tenant: str, fields: dict[str, object], time: datetime) -> Fe
     return event if given_id else event.model_copy(update={"feedback_id": derive_feedback_id(event)})
 
 
-def require_served(event: FeedbackEvent, request_ids: RequestIds) -> FeedbackEvent:
-    """`event` when it rates a completion served to its tenant; NotYourRequest otherwise."""
-    if not request_ids.served_to(event.request_id, event.tenant):
+def require_served(event: FeedbackEvent, served_to: Callable[[str, str], bool]) -> FeedbackEvent:
+    """`event` when `served_to(request_id, tenant)` says it rates a completion served to its
+    tenant (RequestIds.served_to); NotYourRequest otherwise."""
+    if not served_to(event.request_id, event.tenant):
         raise NotYourRequest(
             f"request {event.request_id!r} was not served to this tenant; "
             "rate only completions your API key received"

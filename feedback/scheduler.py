@@ -22,8 +22,10 @@ from sqlalchemy import Engine
 
 from reflow.settings import Settings
 
-if TYPE_CHECKING:
-    from reflow.registry import Registry  # slow import: loaded by the jobs themselves
+if TYPE_CHECKING:  # slow imports: loaded by the jobs themselves
+    from feedback.experiments.job import EvaluateJob
+    from feedback.training.job import FinetuneJob
+    from reflow.registry import Registry
 
 logger = logging.getLogger(__name__)
 FINETUNE_JOB = "finetune"
@@ -35,16 +37,14 @@ STOPPING = threading.Event()  # set when the scheduler stops: a running fine-tun
 def finetune_job() -> None:
     """The scheduled fine-tune: runs only when enough new labelled feedback has arrived; stops
     between two training steps when the scheduler is stopping."""
-    from feedback.training.job import Cancelled, FinetuneJob, run_finetune
+    from feedback.training.job import Cancelled, run_finetune
 
     def stop_when_stopping(_step: int, _total: int, _loss: float) -> None:
         if STOPPING.is_set():
             raise Cancelled("the scheduler is stopping")
 
     def run(settings: Settings, engine: Engine, registry: Registry) -> None:
-        outcome = run_finetune(
-            FinetuneJob.from_settings(settings), engine, registry, progress=stop_when_stopping
-        )
+        outcome = run_finetune(finetune_job_of(settings), engine, registry, progress=stop_when_stopping)
         logger.info("fine-tune job: %s (%s)", outcome.status, outcome.message)
 
     _with_store(run)
@@ -52,10 +52,10 @@ def finetune_job() -> None:
 
 def evaluate_job() -> None:
     """The scheduled evaluation of running experiments (and opening one for a new challenger)."""
-    from feedback.experiments.job import EvaluateJob, evaluate_experiments
+    from feedback.experiments.job import evaluate_experiments
 
     def run(settings: Settings, engine: Engine, registry: Registry) -> None:
-        evaluate_experiments(EvaluateJob.from_settings(settings), engine, registry)
+        evaluate_experiments(evaluate_job_of(settings), engine, registry)
 
     _with_store(run)
 
@@ -71,6 +71,39 @@ def _with_store(job: Callable[[Settings, Engine, Registry], None]) -> None:
         job(settings, engine, Registry.from_settings(settings))
     finally:
         engine.dispose()
+
+
+def finetune_job_of(settings: Settings) -> FinetuneJob:
+    """The fine-tune job REFLOW_MODEL_NAME, REFLOW_FINETUNE_* and REFLOW_AB_TRAFFIC describe."""
+    from feedback.training.job import FinetuneJob
+    from feedback.training.trainer import FinetuneConfig
+    from reflow.worker_calls import WorkerTargets
+
+    recipe = FinetuneConfig(
+        steps=settings.finetune_steps, batch_size=settings.finetune_batch_size, lr=settings.finetune_lr
+    )
+    return FinetuneJob(
+        model=settings.model_name, champion_alias=settings.model_alias, task=settings.task,
+        min_samples=settings.finetune_min_samples, max_samples=settings.finetune_max_samples,
+        holdout_fraction=settings.finetune_holdout_fraction,
+        regression_tolerance=settings.finetune_regression_tolerance, recipe=recipe,
+        device=settings.device, cache_dir=settings.model_cache_dir, traffic=settings.ab_traffic,
+        workers=WorkerTargets.from_settings(settings),
+    )  # fmt: skip
+
+
+def evaluate_job_of(settings: Settings) -> EvaluateJob:
+    """The evaluation round REFLOW_MODEL_NAME and REFLOW_AB_* describe."""
+    from feedback.experiments.decision import Rules
+    from feedback.experiments.job import EvaluateJob
+    from reflow.worker_calls import WorkerTargets
+
+    rules = Rules(
+        alpha=settings.ab_alpha, min_samples=settings.ab_min_samples, traffic=settings.ab_traffic,
+        max_error_rate_increase=settings.ab_max_error_rate_increase,
+        max_latency_ratio=settings.ab_max_latency_ratio, max_duration_s=settings.ab_max_duration_s,
+    )  # fmt: skip
+    return EvaluateJob(settings.model_name, rules, WorkerTargets.from_settings(settings))
 
 
 def new_scheduler(engine: Engine) -> BackgroundScheduler:

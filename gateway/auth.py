@@ -10,7 +10,8 @@ from collections.abc import Callable
 import grpc
 from sqlalchemy import Engine
 
-from gateway.tenants import TenantInfo, find_by_key, hash_key
+from gateway.tenants import TenantInfo, find_by_key
+from reflow.api_keys import hash_key
 from reflow.errors import Unauthenticated
 
 

@@ -62,7 +62,7 @@ class FeedbackIntake:
         async for fields in items:
             index += 1
             try:
-                event = require_served(feedback_event(tenant, fields, utcnow()), self.request_ids)
+                event = require_served(feedback_event(tenant, fields, utcnow()), self.request_ids.served_to)
             except InvalidFeedback as error:
                 first_error = first_error or error
                 result.rejected += 1

@@ -54,6 +54,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self,
         auth: Authenticator,
         quotas: Quotas,
+        limits: RequestLimits,
+        pool: WorkerPool,
         experiments: ExperimentView,
         relay: Relay,
         log: InferenceLog,
@@ -63,6 +65,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ):
         self.auth = auth
         self.quotas = quotas
+        self.limits = limits
+        self.pool = pool
         self.experiments = experiments
         self.relay = relay
         self.log = log
@@ -75,12 +79,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         received = time.perf_counter()
         tenant = await self.auth.authenticate(context)
-        check_request(request, self.relay.limits)
+        check_request(request, self.limits)
         spec = ModelSpec.parse(request.model, self.default_model.name, self.default_model.alias)
         request_id = self.request_ids.new(tenant.name)
         await context.send_initial_metadata((("x-request-id", request_id),))
         unit = request.user_id or request_id  # what the arm sticks to
-        assignment = self.experiments.assign(request.model, spec, unit, self.relay.pool)
+        assignment = self.experiments.assign(request.model, spec, unit, self.pool)
         deadline = deadline_of(context.time_remaining(), request.latency_budget_ms, received)
         generation = Generation(request, tenant, request_id, assignment, received, deadline)
         with self.quotas.admit(tenant):
@@ -112,7 +116,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> inference_pb2.ListModelsResponse:
         await self.auth.authenticate(context)
         response = inference_pb2.ListModelsResponse()
-        for name, versions in sorted(self.relay.pool.served_versions().items()):
+        for name, versions in sorted(self.pool.served_versions().items()):
             model = response.models.add(name=name)
             for version, (aliases, ready) in sorted(versions.items(), key=lambda kv: int(kv[0])):
                 model.versions.add(version=version, aliases=sorted(aliases), ready_workers=ready)
@@ -142,8 +146,9 @@ async def create_server(
     request_ids = RequestIds.from_store(engine)
     experiments = ExperimentView(engine, settings.worker_poll_s)
     await experiments.refresh()
+    limits = request_limits(settings)
     servicer = InferenceServicer(
-        auth, Quotas(), experiments, Relay(pool, metrics, request_limits(settings)), InferenceLog(publisher),
+        auth, Quotas(), limits, pool, experiments, Relay(pool, metrics, limits), InferenceLog(publisher),
         FeedbackIntake(request_ids, publisher, metrics), request_ids,
         ModelSpec(settings.model_name, alias=settings.model_alias),
     )  # fmt: skip

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 from dataclasses import dataclass
 
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from reflow.settings import MIN_API_KEY_LENGTH
+from reflow.api_keys import MIN_API_KEY_LENGTH, display_prefix, hash_key, new_key
 from reflow.store.tables import Tenant, utcnow
-
-KEY_PREFIX = "rf_"
 
 
 @dataclass(frozen=True)
@@ -23,21 +19,6 @@ class TenantInfo:
     name: str
     max_concurrent_streams: int
     requests_per_minute: int
-
-
-def hash_key(api_key: str) -> str:
-    """SHA-256 hex of a key; keys are long and random, so a fast unsalted hash is enough to look up."""
-    return hashlib.sha256(api_key.encode()).hexdigest()
-
-
-def new_key() -> str:
-    """A fresh API key with 256 bits of randomness."""
-    return KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def display_prefix(api_key: str) -> str:
-    """What is stored to recognise a key: a few characters of generated keys, nothing of others."""
-    return api_key[:8] if api_key.startswith(KEY_PREFIX) and len(api_key) > 32 else ""
 
 
 def _info(tenant: Tenant) -> TenantInfo:

@@ -16,25 +16,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-MIN_API_KEY_LENGTH = 16
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-def parse_destination(entry: str) -> tuple[Network, int]:
-    """`ADDR[/PREFIX][:PORT]`, IPv6 in brackets when a port follows (`[::1]:5000`); port 0 = any."""
-    address, port = entry, "0"
-    if entry.startswith("["):
-        address, _, rest = entry[1:].partition("]")
-        port = rest.removeprefix(":") or "0"
-    elif entry.count(":") == 1:
-        address, port = entry.split(":")
-    try:
-        network, number = ipaddress.ip_network(address, strict=False), int(port)
-    except ValueError:
-        raise ValueError(f"{entry!r} is not ADDR[/PREFIX][:PORT]") from None
-    if not 0 <= number <= 65535:
-        raise ValueError(f"{entry!r}: port {number} is out of range")
-    return network, number
+from reflow.addresses import parse_destination
+from reflow.api_keys import MIN_API_KEY_LENGTH
 
 
 class Settings(BaseSettings):

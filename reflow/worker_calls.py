@@ -22,34 +22,41 @@ from reflow.v1 import worker_pb2_grpc
 
 @dataclass(frozen=True)
 class WorkerTargets:
-    """The running workers a command calls, and how: mTLS files, and the instance whose gateway
-    cgroup isolated workers admit (None where isolation is off)."""
+    """The running workers a command calls, and how: REFLOW_WORKERS, else (looked up at each call:
+    a `reflow up` may start after the caller) those of the `reflow up` in `data_dir`; the mTLS
+    files; and whether to call from the gateway's cgroup, which isolated workers admit."""
 
-    addresses: tuple[str, ...]
+    configured: tuple[str, ...] = ()
+    data_dir: Path | None = None
     tls: TlsFiles | None = None
-    instance: Path | None = None
+    isolated: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WorkerTargets:
-        """REFLOW_WORKERS, else the workers of a running `reflow up` in this data dir."""
-        addresses = settings.workers
-        if not addresses:
-            try:
-                addresses = list((read_endpoints(settings.data_dir) or {}).get("workers", []))
-            except (OSError, ValueError):
-                addresses = []
-        instance = settings.data_dir if settings.isolation != "none" else None
-        return cls(tuple(addresses), TlsFiles.from_settings(settings), instance)
+        """REFLOW_WORKERS, the data dir, REFLOW_TLS_* and REFLOW_ISOLATION."""
+        return cls(
+            tuple(settings.workers), settings.data_dir, TlsFiles.from_settings(settings),
+            settings.isolation != "none",
+        )  # fmt: skip
+
+    def addresses(self) -> list[str]:
+        """The workers to call now."""
+        if self.configured or self.data_dir is None:
+            return list(self.configured)
+        try:
+            return list((read_endpoints(self.data_dir) or {}).get("workers", []))
+        except (OSError, ValueError):
+            return []
 
 
 def call_workers(targets: WorkerTargets, method: str, request: Message, timeout_s: float) -> dict[str, Any]:
     """Calls Worker.`method` on every worker in parallel; address -> the response, or the failure
     as "CODE: details" (a str)."""
-    addresses = targets.addresses
+    addresses = targets.addresses()
     if not addresses:
         return {}
-    if targets.instance is not None:
-        join_gateway_group(targets.instance, create=False)
+    if targets.isolated and targets.data_dir is not None:
+        join_gateway_group(targets.data_dir, create=False)
     credentials = channel_credentials(targets.tls)
 
     def call(address: str) -> Any:

@@ -22,7 +22,7 @@ def cli_commands() -> list[str]:
     """Every command of the `reflow` app: `reflow NAME` or `reflow GROUP NAME`."""
     group = get_command(app)
     commands = []
-    for name, command in group.commands.items():  # type: ignore[attr-defined]
+    for name, command in group.commands.items():
         subcommands = getattr(command, "commands", None)
         commands += [f"reflow {name} {sub}" for sub in subcommands] if subcommands else [f"reflow {name}"]
     return commands
@@ -35,11 +35,9 @@ def test_configuration_reference_is_not_stale() -> None:
     assert page.read_text() == configdoc.render(), f"{page} is stale: run `make reference`"
 
 
-def test_configuration_reference_lists_every_setting() -> None:
-    documented = re.findall(r"^\| `(REFLOW_[A-Z_]+)` \|", configdoc.render(), flags=re.MULTILINE)
-    expected = ["REFLOW_CONFIG"] + [f"REFLOW_{name.upper()}" for name in Settings.model_fields]
-    assert documented == expected
-    assert all(field.description for field in Settings.model_fields.values())
+def test_every_setting_says_what_it_means() -> None:
+    undescribed = [name for name, field in Settings.model_fields.items() if not field.description]
+    assert not undescribed, f"settings without a description (the reference's only text): {undescribed}"
 
 
 def test_every_command_is_documented() -> None:

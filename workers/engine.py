@@ -38,7 +38,7 @@ MIN_DECODE_ROWS = 4
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Batching limits and compilation; see the worker settings in README.md."""
+    """Batching limits and compilation; see the worker settings in docs/configuration.md."""
 
     max_batch_size: int = 64
     max_waiting: int = 256

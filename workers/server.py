@@ -1,4 +1,5 @@
-"""The Worker gRPC service: generate over a loaded version, status, load and unload."""
+"""The Worker gRPC service (generate over a loaded version, status, load, unload, sync aliases) and
+the `reflow worker` process around it: isolation first, then the versions it serves."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from reflow.v1 import worker_pb2, worker_pb2_grpc
 from workers.engine import Engine, EngineConfig
 from workers.follower import AliasFollower
 from workers.isolation import Isolation, IsolationConfig, NoIsolation, isolate
+from workers.isolation.host import DEFAULT_OBJECT
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
 from workers.models.loader import resolve_device
@@ -172,6 +174,15 @@ async def create_server(
     return server, bound, health_servicer
 
 
+def isolation_config(settings: Settings) -> IsolationConfig:
+    """REFLOW_ISOLATION and its neighbours, for this worker's instance (its data dir)."""
+    bpf_object = Path(settings.bpf_object) if settings.bpf_object else DEFAULT_OBJECT
+    return IsolationConfig(
+        settings.isolation, settings.data_dir, tuple(settings.isolation_allow_from),
+        tuple(settings.isolation_egress), bpf_object, settings.resolved_tracking_uri,
+    )  # fmt: skip
+
+
 def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
     """Batching limits from settings; `compile=auto` compiles on CUDA only (no gain on CPU)."""
     compile_on = settings.compile == "on" or (settings.compile == "auto" and device.type == "cuda")
@@ -186,9 +197,8 @@ def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
 
 async def serve(settings: Settings, *, version: str = "", ready_file: Path | None = None) -> None:
     """`reflow worker`: isolate, load the configured version, serve until SIGINT/SIGTERM, drain."""
-    isolation = isolate(
-        IsolationConfig.from_settings(settings)
-    )  # before the first socket: sockets keep the cgroup they were made in
+    # before the first socket: a socket keeps the cgroup it was made in
+    isolation = isolate(isolation_config(settings))
     try:
         await _serve_isolated(settings, isolation, version, ready_file)
     finally:

@@ -39,7 +39,10 @@ class Versions:
             present.aliases |= {alias} if alias else set()
             return present
         # Fetch and build on a side thread: running sequences keep decoding meanwhile.
-        loaded = await asyncio.to_thread(load_version, registry, ref, self.cache_dir, self.device, alias)
+        try:
+            loaded = await asyncio.to_thread(load_version, registry, ref, self.cache_dir, self.device, alias)
+        except LookupError as error:  # the version has no files in the registry
+            raise NotFound(str(error)) from error
         await asyncio.to_thread(self.engine.add, loaded)  # compiles and warms up first when enabled
         logger.info("loaded model=%s version=%s alias=%s device=%s", name, ref.version, alias, self.device)
         return loaded

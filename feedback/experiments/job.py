@@ -18,7 +18,6 @@ from feedback.experiments.decision import Decision, Rules, decide
 from feedback.experiments.lifecycle import DECIDING, ENDED_BY, arm_stats, decided, end, reconcile, record
 from feedback.experiments.promotion import promote, push_to_workers, roll_back
 from reflow.registry import CHALLENGER, CHAMPION, Registry
-from reflow.settings import Settings
 from reflow.store.experiments import RunningExperiment, running_experiments
 from reflow.store.tables import utcnow
 from reflow.worker_calls import WorkerTargets
@@ -36,23 +35,13 @@ class Evaluation:
 
 @dataclass(frozen=True)
 class EvaluateJob:
-    """What an evaluation round needs: the model that always gets a look, the split a new
-    experiment gets, the decision rule, and the workers to tell when aliases move."""
+    """What an evaluation round needs: the model that always gets a look, the decision rule (its
+    traffic is the split a new experiment gets; each experiment is judged on its own), and the
+    workers to tell when aliases move."""
 
     model: str
-    traffic: float
-    rules: Rules  # its traffic is each experiment's own
+    rules: Rules
     workers: WorkerTargets
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> EvaluateJob:
-        """The round REFLOW_MODEL_NAME and REFLOW_AB_* describe."""
-        rules = Rules(
-            alpha=settings.ab_alpha, min_samples=settings.ab_min_samples, traffic=settings.ab_traffic,
-            max_error_rate_increase=settings.ab_max_error_rate_increase,
-            max_latency_ratio=settings.ab_max_latency_ratio, max_duration_s=settings.ab_max_duration_s,
-        )  # fmt: skip
-        return cls(settings.model_name, settings.ab_traffic, rules, WorkerTargets.from_settings(settings))
 
 
 def evaluate_experiments(job: EvaluateJob, engine: Engine, registry: Registry) -> list[Evaluation]:
@@ -68,7 +57,7 @@ def evaluate_experiments(job: EvaluateJob, engine: Engine, registry: Registry) -
     evaluations = []
     for model in sorted(models):
         try:
-            running = reconcile(engine, registry, model, job.traffic)
+            running = reconcile(engine, registry, model, job.rules.traffic)
             if running is not None and (evaluation := evaluate_one(job, engine, registry, running)):
                 evaluations.append(evaluation)
         except Exception:

@@ -36,7 +36,7 @@ def parse_line(line: str, tenant: str, request_ids: RequestIds, time: datetime) 
         raise InvalidFeedback(f"not valid JSON ({error})") from None
     if not isinstance(fields, dict):
         raise InvalidFeedback(f"expected a JSON object, got {type(fields).__name__}")
-    return require_served(feedback_event(tenant, fields, time), request_ids)
+    return require_served(feedback_event(tenant, fields, time), request_ids.served_to)
 
 
 def ingest(

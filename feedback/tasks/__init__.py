@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from feedback.tasks.arith import Arith
 from feedback.tasks.task import Task
 
-TASKS: dict[str, type[Arith]] = {"arith": Arith}
+TASKS: dict[str, Callable[..., Task]] = {"arith": Arith}
 
 
 def get_task(name: str, **options: Any) -> Task:
-    """The task called `name`, made with `options` (e.g. `arith`'s operand ranges)."""
+    """The task called `name`, made with `options` (e.g. `arith`'s operand ranges); ValueError
+    naming the tasks there are, or the options this one does not take."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; reflow has {', '.join(sorted(TASKS))}")
     try:
         return TASKS[name](**options)
-    except KeyError:
-        raise ValueError(f"unknown task {name!r}; reflow has {', '.join(sorted(TASKS))}") from None
+    except TypeError as error:
+        raise ValueError(f"the {name} task does not take {sorted(options)}: {error}") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 # Canonical operands only ("7+38=", not "07+38=" or " 7+38="), so format and parse are inverses.
 _PROMPT = re.compile(r"(0|[1-9][0-9]*)\+(0|[1-9][0-9]*)=")
@@ -70,7 +71,7 @@ class Arith:
 
     base: tuple[int, int] = (0, 49)
     traffic: tuple[int, int] = (0, 99)
-    name: str = "arith"
+    name: ClassVar[str] = "arith"
 
     def base_prompts(self, n: int, rng: random.Random) -> list[str]:
         return [format_prompt(a, b) for a, b in sample_operands(n, *self.base, rng)]

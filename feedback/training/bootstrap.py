@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -15,14 +15,13 @@ from feedback.tasks import get_task
 from feedback.training.evaluation import base_model_metrics
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from reflow.registry import Registry, VersionRef
-from reflow.settings import Settings
 from workers.models.loader import resolve_device, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class BaseModel:
+class BaseModelSpec:
     """The model an empty registry gets: its name and alias, the task it learns, the recipe, where."""
 
     model: str
@@ -31,17 +30,8 @@ class BaseModel:
     recipe: PretrainConfig
     device: str
 
-    @classmethod
-    def from_settings(cls, settings: Settings) -> BaseModel:
-        """REFLOW_MODEL_NAME@REFLOW_MODEL_ALIAS, trained on REFLOW_TASK with the recipe's defaults but
-        REFLOW_MODEL_PRESET and REFLOW_BOOTSTRAP_STEPS."""
-        recipe = replace(PretrainConfig(), preset=settings.model_preset)
-        if settings.bootstrap_steps:
-            recipe = replace(recipe, steps=settings.bootstrap_steps)
-        return cls(settings.model_name, settings.model_alias, settings.task, recipe, settings.device)
 
-
-def ensure_base_model(base: BaseModel, registry: Registry, console: Console) -> VersionRef:
+def ensure_base_model(base: BaseModelSpec, registry: Registry, console: Console) -> VersionRef:
     """The version behind the serving alias; trains and registers the base model when there is none."""
     name, alias = base.model, base.alias
     if registry.has_alias(name, alias):
@@ -70,7 +60,7 @@ def ensure_base_model(base: BaseModel, registry: Registry, console: Console) -> 
         return registry.register(
             name,
             save_checkpoint(model, tokenizer, Path(tmp)),
-            params={**asdict(config), "device": str(device)},
+            params={**asdict(config), "task": repr(task), "device": str(device)},
             metrics=metrics,
             alias=alias,
             tags={"reflow.source": "bootstrap"},

@@ -29,7 +29,6 @@ from feedback.training import gate
 from feedback.training.dataset import RatedCompletion, build_dataset, count_new, load_new
 from feedback.training.trainer import FinetuneConfig, train_candidate
 from reflow.registry import CHALLENGER, Registry, VersionRef
-from reflow.settings import Settings
 from reflow.store.experiments import running_experiment
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
 from reflow.worker_calls import WorkerTargets
@@ -72,21 +71,6 @@ class FinetuneJob:
     cache_dir: Path  # local copies of downloaded versions
     traffic: float  # the challenger's share in the experiment it opens
     workers: WorkerTargets  # told to load the challenger at once
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> FinetuneJob:
-        """The job REFLOW_MODEL_NAME, REFLOW_FINETUNE_* and REFLOW_AB_TRAFFIC describe."""
-        recipe = FinetuneConfig(
-            steps=settings.finetune_steps, batch_size=settings.finetune_batch_size, lr=settings.finetune_lr
-        )
-        return cls(
-            model=settings.model_name, champion_alias=settings.model_alias, task=settings.task,
-            min_samples=settings.finetune_min_samples, max_samples=settings.finetune_max_samples,
-            holdout_fraction=settings.finetune_holdout_fraction,
-            regression_tolerance=settings.finetune_regression_tolerance, recipe=recipe,
-            device=settings.device, cache_dir=settings.model_cache_dir, traffic=settings.ab_traffic,
-            workers=WorkerTargets.from_settings(settings),
-        )  # fmt: skip
 
 
 def run_finetune(

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from feedback.tasks.task import Example
 from feedback.training.dataset import Dataset
-from feedback.training.examples import learning_rate, pad_rows, training_example
+from feedback.training.examples import example_rows, learning_rate, pad_rows, training_example
 from feedback.training.kto import KtoResult, kto_loss, sequence_logps
 from workers.models.interface import CausalLM, Tokenizer
 
@@ -166,6 +166,6 @@ def _batch(
     """Right-padded token ids and completion masks of `examples`, both [B, T], cut at `context`
     tokens (only a mismatched prompt and completion can be that long: examples that do not fit
     are left out before)."""
-    rows = [training_example(tokenizer, e.prompt, e.answer, e.thought) for e in examples]
+    rows = example_rows(tokenizer, examples)
     tokens, mask = pad_rows([(ids[:context], mask[:context]) for ids, mask in rows], tokenizer.pad_id)
     return tokens.to(device), mask.to(device)

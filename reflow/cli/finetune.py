@@ -18,7 +18,8 @@ def finetune_run(
     """Fine-tune now, in the foreground, on the labelled feedback that arrived since the last run."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from feedback.training.job import FinetuneJob, run_finetune
+    from feedback.scheduler import finetune_job_of
+    from feedback.training.job import run_finetune
 
     settings = load_settings()
     engine = current_engine(settings)
@@ -30,7 +31,7 @@ def finetune_run(
     with Progress(*columns, console=err_console) as progress:
         task = progress.add_task("finetune", total=settings.finetune_steps, loss=float("nan"))
         outcome = run_finetune(
-            FinetuneJob.from_settings(settings), engine, registry, model=model, min_samples=1,
+            finetune_job_of(settings), engine, registry, model=model, min_samples=1,
             progress=lambda step, _total, loss: progress.update(task, completed=step, loss=loss),
         )  # fmt: skip
     err_console.print(f"{outcome.status}: {outcome.message}", highlight=False, soft_wrap=True)

@@ -6,18 +6,20 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from reflow.cli.common import console, load_settings
-from reflow.cli.supervisor import Supervisor, wait_http, wait_serving
 from reflow.endpoints import API_KEY_FILE, ENDPOINTS_FILE
-from reflow.serving import free_port, write_json_atomically
 from reflow.settings import Settings
+
+if TYPE_CHECKING:
+    from feedback.training.bootstrap import BaseModelSpec
 
 # `reflow up --demo`: fine-tune every minute, send half the users to a challenger, decide every
 # 10 s; users (under the default tenant's 600 requests a minute) ask over 0-99, where the base
@@ -56,7 +58,7 @@ def _raise_stopped(signum: int, _frame: object) -> None:
 
 def resolve_api_key(settings: Settings, console: Console) -> str:
     """The configured key, else the one saved in the data dir, else a new one; saved there 0600."""
-    from gateway.tenants import new_key
+    from reflow.api_keys import new_key
 
     path = settings.data_dir / API_KEY_FILE
     if settings.api_key is not None:
@@ -79,6 +81,18 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
+def base_model_of(settings: Settings) -> BaseModelSpec:
+    """The base model an empty registry gets: REFLOW_MODEL_NAME@REFLOW_MODEL_ALIAS, trained on
+    REFLOW_TASK with the recipe's defaults but REFLOW_MODEL_PRESET and REFLOW_BOOTSTRAP_STEPS."""
+    from feedback.training.bootstrap import BaseModelSpec
+    from feedback.training.pretrain import PretrainConfig
+
+    recipe = replace(PretrainConfig(), preset=settings.model_preset)
+    if settings.bootstrap_steps:
+        recipe = replace(recipe, steps=settings.bootstrap_steps)
+    return BaseModelSpec(settings.model_name, settings.model_alias, settings.task, recipe, settings.device)
+
+
 def demo_overrides(settings: Settings) -> dict[str, str]:
     """`reflow up --demo`: a faster turn of the loop, for each setting the user left at its default."""
     return {
@@ -92,10 +106,12 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
     schedule is shortened and simulated users send traffic, so the learning loop turns by itself."""
     from feedback.bus.broker import tansu_command, wait_listening
     from feedback.bus.kafka import ensure_topics
-    from feedback.training.bootstrap import BaseModel, ensure_base_model
+    from feedback.training.bootstrap import ensure_base_model
     from gateway.tenants import ensure_tenant
     from reflow.cgroups import remove_instance
+    from reflow.cli.supervisor import Supervisor, wait_http, wait_serving
     from reflow.registry import Registry
+    from reflow.serving import free_port, write_json_atomically
     from reflow.store.database import migrate, open_engine
 
     signal.signal(signal.SIGINT, _raise_stopped)
@@ -114,7 +130,7 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
         ensure_tenant(engine, "default", resolve_api_key(settings, console))
         engine.dispose()
         registry = Registry.from_settings(settings)
-        ensure_base_model(BaseModel.from_settings(settings), registry, console)
+        ensure_base_model(base_model_of(settings), registry, console)
 
         bootstrap = settings.kafka_bootstrap
         if not bootstrap:  # the embedded broker

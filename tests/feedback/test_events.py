@@ -71,7 +71,7 @@ def test_request_ids_are_signed_for_their_tenant(tmp_path: Path) -> None:
     assert not ids.served_to(forged, "acme")
     assert not ids.served_to("short", "acme")
     assert not ids.served_to("é" * 48, "acme")  # refused, not an error
-    assert require_served(event(request_id=request_id), ids).request_id == request_id
+    assert require_served(event(request_id=request_id), ids.served_to).request_id == request_id
     with pytest.raises(NotYourRequest, match="not served to this tenant"):
-        require_served(event(request_id=ids.new("globex")), ids)
+        require_served(event(request_id=ids.new("globex")), ids.served_to)
     assert not RequestIds(b"another key").served_to(request_id, "acme")

@@ -12,10 +12,10 @@ from gateway.tenants import (
     create_tenant,
     ensure_tenant,
     find_by_key,
-    hash_key,
     list_tenants,
     revoke_tenant,
 )
+from reflow.api_keys import hash_key
 from reflow.errors import ResourceExhausted, Unauthenticated
 from reflow.store.database import migrate, open_engine
 

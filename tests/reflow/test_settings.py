@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from reflow.settings import Settings, parse_destination
+from reflow.addresses import parse_destination
+from reflow.settings import Settings
 
 
 def test_environment_and_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -95,6 +95,8 @@ def feedback_stats(
 
     def read() -> bool:
         result = reflow("feedback", "stats", "--json", env={"REFLOW_DATA_DIR": str(data_dir)}, timeout_s=60)
+        if result.returncode != 0:  # not a timeout, which the caller's assertion reports
+            raise RuntimeError(f"`reflow feedback stats` failed:\n{result.stderr}")
         last.update(json.loads(result.stdout))
         return ready(last)
 

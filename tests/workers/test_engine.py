@@ -74,7 +74,7 @@ async def one_running_one_waiting(engine: Engine) -> tuple[AsyncIterator[Delta],
     running = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
     await anext(running)
     waiting = asyncio.ensure_future(collect(engine, "2+2=", GenerationParams(max_tokens=5)))
-    await eventually(lambda: engine.waiting == 1)
+    await eventually(lambda: engine.waiting == 1, 2.0)
     return running, waiting
 
 
@@ -84,7 +84,7 @@ async def test_a_cancelled_sequence_frees_its_slot_for_the_next() -> None:
         first, queued = await one_running_one_waiting(engine)
         await first.aclose()
         assert len((await asyncio.wait_for(queued, 5)).token_ids) <= 5  # it got the freed slot
-        await eventually(lambda: (engine.running, engine.waiting) == (0, 0))
+        await eventually(lambda: (engine.running, engine.waiting) == (0, 0), 2.0)
     finally:
         engine.close()
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from reflow.addresses import Network
 from reflow.cgroups import (
     OPT_OUT,
     IsolationUnavailable,
@@ -39,7 +40,6 @@ from reflow.cgroups import (
     reconcile,
     remove_group,
 )
-from reflow.settings import Network, Settings
 from workers.isolation.ebpf import BpfError, IsolationPrograms
 from workers.isolation.host import DEFAULT_OBJECT, check_host
 from workers.isolation.policy import egress_policy
@@ -83,15 +83,6 @@ class IsolationConfig:
     egress: tuple[str, ...] = ()  # ADDR[/PREFIX][:PORT] the worker may connect to
     bpf_object: Path = DEFAULT_OBJECT
     tracking_uri: str = ""  # the MLflow server the worker downloads from, when it is http(s)
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> IsolationConfig:
-        """REFLOW_ISOLATION and its neighbours."""
-        bpf_object = Path(settings.bpf_object) if settings.bpf_object else DEFAULT_OBJECT
-        return cls(
-            settings.isolation, settings.data_dir, tuple(settings.isolation_allow_from),
-            tuple(settings.isolation_egress), bpf_object, settings.resolved_tracking_uri,
-        )  # fmt: skip
 
 
 class EbpfIsolation:

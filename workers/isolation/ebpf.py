@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from reflow.settings import Network
+from reflow.addresses import Network
 
 # program -> where it attaches (enum bpf_attach_type)
 PROGRAMS = {

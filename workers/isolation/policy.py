@@ -6,7 +6,7 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-from reflow.settings import Network, parse_destination
+from reflow.addresses import Network, parse_destination
 
 
 def egress_policy(egress: tuple[str, ...], tracking_uri: str) -> list[tuple[Network, int]]:

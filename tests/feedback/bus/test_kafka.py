@@ -1,4 +1,4 @@
-"""The client settings pinned in feedback/kafka.py, against the embedded broker."""
+"""The client settings pinned in feedback/bus/kafka.py, against the embedded broker."""
 
 from __future__ import annotations
 

@@ -17,10 +17,11 @@ from sqlalchemy.orm import Session
 
 from feedback.events import FeedbackEvent, InferenceEvent, Latency, TokenUsage
 from feedback.experiments.decision import decide
-from feedback.experiments.job import EvaluateJob, Evaluation, evaluate_experiments
+from feedback.experiments.job import Evaluation, evaluate_experiments
 from feedback.experiments.lifecycle import arm_stats, history, reconcile, record
 from feedback.intake.consumer import store_events
-from feedback.training.job import FinetuneJob, run_finetune
+from feedback.scheduler import evaluate_job_of, finetune_job_of
+from feedback.training.job import run_finetune
 from gateway.assignment import assigned_arm
 from reflow.registry import CHALLENGER, CHAMPION, Registry
 from reflow.settings import Settings
@@ -60,7 +61,7 @@ def experiment(store: Engine, aliases: Registry) -> RunningExperiment:
 
 def evaluate_once(store: Engine, aliases: Registry, tmp_path: Path) -> Evaluation:
     """The one evaluation a round makes."""
-    [evaluation] = evaluate_experiments(EvaluateJob.from_settings(settings(tmp_path)), store, aliases)
+    [evaluation] = evaluate_experiments(evaluate_job_of(settings(tmp_path)), store, aliases)
     return evaluation
 
 
@@ -170,7 +171,7 @@ def test_a_clearly_better_challenger_is_promoted(
     assert [look.outcome for look in looks] == ["promote"]
     assert looks[0].challenger.rate > looks[0].champion.rate + 0.25 and looks[0].likelihood_ratio >= 20
     assert (
-        evaluate_experiments(EvaluateJob.from_settings(settings(tmp_path)), store, aliases) == []
+        evaluate_experiments(evaluate_job_of(settings(tmp_path)), store, aliases) == []
     )  # nothing left to test
 
 
@@ -219,13 +220,14 @@ def test_a_skewed_split_invalidates_the_experiment(
 def test_fine_tuning_waits_while_an_experiment_runs(
     store: Engine, aliases: Registry, experiment: RunningExperiment, tmp_path: Path
 ) -> None:
-    outcome = run_finetune(FinetuneJob.from_settings(settings(tmp_path)), store, aliases, min_samples=0)
+    outcome = run_finetune(finetune_job_of(settings(tmp_path)), store, aliases, min_samples=0)
     assert outcome.status == "skipped" and f"experiment {experiment.id}" in outcome.message
 
 
 def cli(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess[str]:
     """`reflow experiments ARGS` on the store at `url`."""
-    return reflow("experiments", *args, env={"REFLOW_DATABASE_URL": url, "REFLOW_DATA_DIR": str(tmp_path)})
+    env = {"REFLOW_DATABASE_URL": url, "REFLOW_DATA_DIR": str(tmp_path)}
+    return reflow("experiments", *args, env=env, timeout_s=120)
 
 
 def test_the_cli_lists_shows_and_plots_an_experiment(
@@ -234,7 +236,7 @@ def test_the_cli_lists_shows_and_plots_an_experiment(
     url = store.url.render_as_string(hide_password=False)
     for seed in range(3):  # three looks: two undecided, then the promotion
         traffic(store, experiment.id, {CHAMPION: 0.3, CHALLENGER: 0.7}, users=70, seed=seed)
-        evaluate_experiments(EvaluateJob.from_settings(settings(tmp_path)), store, aliases)
+        evaluate_experiments(evaluate_job_of(settings(tmp_path)), store, aliases)
 
     listed = cli(tmp_path, url, "list", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -259,13 +261,13 @@ def test_a_decision_left_half_applied_is_finished_by_the_next_round(
 ) -> None:
     traffic(store, experiment.id, {CHAMPION: 0.3, CHALLENGER: 0.7}, users=600)
     stats = arm_stats(store, experiment.id)
-    decision = decide(stats[CHAMPION], stats[CHALLENGER], EvaluateJob.from_settings(settings(tmp_path)).rules)
+    decision = decide(stats[CHAMPION], stats[CHALLENGER], evaluate_job_of(settings(tmp_path)).rules)
     assert record(store, experiment.id, stats, decision)  # then the process died: no alias moved
     assert not record(store, experiment.id, stats, decision)  # a second evaluator cannot act on it
     assert aliases.resolve(MODEL, alias=CHAMPION).version == "1"
     assert history(store, experiment.id)[0].status == "deciding"
 
-    assert evaluate_experiments(EvaluateJob.from_settings(settings(tmp_path)), store, aliases) == []
+    assert evaluate_experiments(evaluate_job_of(settings(tmp_path)), store, aliases) == []
     assert aliases.resolve(MODEL, alias=CHAMPION).version == "2" and not aliases.has_alias(MODEL, CHALLENGER)
     ended, looks = history(store, experiment.id)
     assert ended.status == "promoted" and [look.outcome for look in looks] == ["promote"]

@@ -33,7 +33,7 @@ def store(settings: Settings, kafka: Broker) -> Iterator[Engine]:
 
 def ingest(settings: Settings, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {"REFLOW_DATA_DIR": str(settings.data_dir), "REFLOW_KAFKA_BOOTSTRAP": settings.kafka_bootstrap}
-    return reflow("feedback", "ingest", *args, env=env, stdin=stdin)
+    return reflow("feedback", "ingest", *args, env=env, stdin=stdin, timeout_s=120)
 
 
 def settled(engine: Engine, kafka: Broker, feedback: int) -> None:

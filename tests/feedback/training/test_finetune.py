@@ -14,11 +14,12 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from feedback.intake.consumer import store_events
+from feedback.scheduler import finetune_job_of
 from feedback.tasks import arith
 from feedback.tasks.arith import Arith
 from feedback.tasks.simulate import rated_offline
 from feedback.training.dataset import count_new
-from feedback.training.job import Cancelled, FinetuneJob, run_finetune
+from feedback.training.job import Cancelled, run_finetune
 from reflow.registry import CHALLENGER, Registry
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
@@ -75,7 +76,7 @@ def test_a_harmful_dataset_registers_nothing(
     rate_served_answers(store, base_model, operands, lambda a, b: a + b + 1)  # "corrected" wrongly
     settings = loop_settings.model_copy(update={"finetune_steps": 60})  # enough to do the damage
 
-    outcome = run_finetune(FinetuneJob.from_settings(settings), store, registry)
+    outcome = run_finetune(finetune_job_of(settings), store, registry)
 
     assert outcome.status == "rejected", outcome.message
     assert "regression accuracy fell" in outcome.message
@@ -92,9 +93,7 @@ def test_too_little_new_feedback_skips_without_a_trace(
     loop_settings: Settings, store: Engine, base_model: CausalLM
 ) -> None:
     rate_served_answers(store, base_model, arith.sample_operands(10, 50, 99, random.Random(4)), operator.add)
-    outcome = run_finetune(
-        FinetuneJob.from_settings(loop_settings), store, Registry.from_settings(loop_settings)
-    )
+    outcome = run_finetune(finetune_job_of(loop_settings), store, Registry.from_settings(loop_settings))
     assert outcome.status == "skipped" and "10 new labelled feedback item(s)" in outcome.message
     with Session(store) as session:
         assert session.scalars(select(FinetuneRun)).all() == []
@@ -110,7 +109,7 @@ def test_a_cancelled_run_gives_its_items_back(
             raise Cancelled("the scheduler is stopping")
 
     outcome = run_finetune(
-        FinetuneJob.from_settings(loop_settings),
+        finetune_job_of(loop_settings),
         store,
         Registry.from_settings(loop_settings),
         progress=stop_at_step_3,

@@ -36,6 +36,7 @@ def models(registry: Registry, *args: str) -> subprocess.CompletedProcess[str]:
         "models",
         *args,
         env={"REFLOW_MLFLOW_TRACKING_URI": registry.tracking_uri, "REFLOW_DATA_DIR": str(data_dir)},
+        timeout_s=120,
     )
 
 

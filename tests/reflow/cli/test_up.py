@@ -28,6 +28,7 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "data"
 
 
+@pytest.mark.timeout(900)  # two starts of `reflow up`, a simulation and a fine-tune run
 def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: Path) -> None:
     up = Up(data_dir)
     try:
@@ -53,7 +54,9 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
             assert reply.status == 200
         with urllib.request.urlopen(endpoints["metrics"]["gateway"], timeout=10) as reply:
             assert b'reflow_gateway_requests_total{code="OK",method="Generate"} 1.0' in reply.read()
-        cli = reflow("generate", "47+38=", "--max-tokens", "3", env={"REFLOW_DATA_DIR": str(data_dir)})
+        cli = reflow(
+            "generate", "47+38=", "--max-tokens", "3", env={"REFLOW_DATA_DIR": str(data_dir)}, timeout_s=60
+        )
         assert cli.returncode == 0, cli.stderr
         assert "3 completion tokens" in cli.stderr
         simulated = reflow_in(data_dir, "simulate", "--rate", "20", "--duration", "1", "--seed", "3")

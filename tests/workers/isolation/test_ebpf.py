@@ -200,7 +200,11 @@ def test_the_gateway_reaches_an_isolated_worker_and_nothing_else_does(cluster: C
     wait_for(lambda: counters(worker)[("inbound", "dropped")] > before)
 
     status = reflow(
-        "workers", "status", "--json", env={**worker_env(cluster.root), "REFLOW_WORKERS": worker.address}
+        "workers",
+        "status",
+        "--json",
+        env={**worker_env(cluster.root), "REFLOW_WORKERS": worker.address},
+        timeout_s=60,
     )
     assert status.returncode == 0, status.stderr
     [row] = json.loads(status.stdout)

@@ -11,24 +11,23 @@ import pytest
 
 from reflow.settings import Settings
 from tests.support.cli import reflow
-from workers.isolation import IsolationConfig, IsolationUnavailable, NoIsolation, isolate
+from workers.isolation import IsolationUnavailable, NoIsolation, isolate
+from workers.server import isolation_config
 
 
 def test_none_and_auto_fall_back_but_ebpf_refuses_with_the_reason(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     missing = str(tmp_path / "isolation.bpf.o")  # e.g. `make bpf` never ran
-    assert isinstance(
-        isolate(IsolationConfig.from_settings(Settings(isolation="none", bpf_object=missing))), NoIsolation
-    )
+    assert isinstance(isolate(isolation_config(Settings(isolation="none", bpf_object=missing))), NoIsolation)
     with caplog.at_level(logging.WARNING, logger="workers.isolation"):
         assert isinstance(
-            isolate(IsolationConfig.from_settings(Settings(isolation="auto", bpf_object=missing))),
+            isolate(isolation_config(Settings(isolation="auto", bpf_object=missing))),
             NoIsolation,
         )
     assert "isolation off" in caplog.text
     with pytest.raises(IsolationUnavailable) as refused:
-        isolate(IsolationConfig.from_settings(Settings(isolation="ebpf", bpf_object=missing)))
+        isolate(isolation_config(Settings(isolation="ebpf", bpf_object=missing)))
     message = str(refused.value)
     if os.geteuid() == 0:  # as root the object is what is missing; otherwise the capabilities
         assert "make bpf" in message and missing in message

@@ -19,7 +19,7 @@
  * IPv6 extension headers are walked (up to 6); a chain longer than that is
  * dropped when it may hide TCP, so nothing gets in unchecked.
  *
- * Counters are per-CPU, summed by the loader (workers/ebpf.py).
+ * Counters are per-CPU, summed by the loader (workers/isolation/ebpf.py).
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
