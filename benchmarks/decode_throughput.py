@@ -16,6 +16,10 @@ over --runs, levels alternating so drift hits all alike.
 
 from __future__ import annotations
 
+from workers.threads import wait_passively
+
+wait_passively()  # the engine runs in this process as in a worker's: before torch loads
+
 import argparse
 import asyncio
 import statistics
@@ -145,7 +149,7 @@ def register_random_model(settings: Settings, preset: str, seed: int = 0, alias:
 
 
 def main() -> None:
-    import torch  # imported through workers/ first, which sets OMP_WAIT_POLICY
+    import torch
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -166,6 +170,7 @@ def main() -> None:
         supervisor = Supervisor(settings)
         env = {"REFLOW_DATA_DIR": tmp, "REFLOW_DEVICE": "cpu"}
         try:
+            env["REFLOW_KAFKA_BOOTSTRAP"] = supervisor.spawn_broker()  # where the gateway sends events
             worker = supervisor.wait_ready(supervisor.spawn("worker", ["worker"], env))["address"]
             gateway_child = supervisor.spawn(
                 "gateway", ["gateway", "--port", "0"], {**env, "REFLOW_WORKERS": worker}

@@ -30,7 +30,6 @@ import grpc
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
-from feedback.bus.broker import tansu_command, wait_listening
 from feedback.bus.kafka import ensure_topics, new_consumer, new_producer
 from feedback.bus.publisher import Publisher
 from feedback.intake.ingest import ingest
@@ -92,10 +91,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(data_dir=Path(tmp), database_url=args.database_url)
         supervisor = Supervisor(settings)
-        port = free_port()
-        supervisor.spawn("kafka", tansu_command(port), {}, ready=False)
-        wait_listening("127.0.0.1", port)
-        bootstrap = f"127.0.0.1:{port}"
+        bootstrap = supervisor.spawn_broker()
         ensure_topics(bootstrap, settings.kafka_partitions)
         engine = open_engine(settings.resolved_database_url)
         migrate(engine)

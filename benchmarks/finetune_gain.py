@@ -21,7 +21,7 @@ from pathlib import Path
 
 from feedback.intake.consumer import store_events
 from feedback.scheduler import finetune_job_of
-from feedback.tasks.arith import Arith
+from feedback.tasks import get_task
 from feedback.tasks.simulate import rated_offline
 from feedback.training.evaluation import base_model_metrics
 from feedback.training.job import run_finetune
@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
 
     started = time.perf_counter()
-    task = Arith()
+    task = get_task("arith")
     base, tokenizer = train_base_model(PretrainConfig(), task)
     print(f"base model trained in {time.perf_counter() - started:.0f}s", flush=True)
     before = base_model_metrics(base, tokenizer, task)

@@ -25,12 +25,10 @@ from pathlib import Path
 import grpc
 from decode_throughput import register_random_model  # this script's directory is on sys.path
 
-from feedback.bus.broker import tansu_command, wait_listening
 from feedback.experiments.promotion import push_to_workers
 from gateway.tenants import create_tenant
 from reflow.cli.supervisor import Supervisor, wait_serving
 from reflow.registry import Registry
-from reflow.serving import free_port
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -131,11 +129,11 @@ def main() -> None:
         migrate(store)
         _, api_key = create_tenant(store, "bench", requests_per_minute=0, max_concurrent_streams=1000)
         supervisor = Supervisor(settings)
-        port = free_port()
-        supervisor.spawn("kafka", tansu_command(port), {}, ready=False)  # the gateway's event sink
-        wait_listening("127.0.0.1", port)
+        bootstrap = supervisor.spawn_broker()  # the gateway's event sink
+        # isolation off: this process asks the workers for their status itself (isolated workers
+        # admit only the gateway's cgroup); benchmarks/isolation_overhead.py measures isolation
         env = {"REFLOW_DATA_DIR": tmp, "REFLOW_DEVICE": "cpu", "REFLOW_REGISTRY_POLL_S": "1",
-               "REFLOW_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}"}  # fmt: skip
+               "REFLOW_KAFKA_BOOTSTRAP": bootstrap, "REFLOW_ISOLATION": "none"}  # fmt: skip
         try:
             workers = [
                 supervisor.wait_ready(supervisor.spawn(f"worker-{i}", ["worker"], env))["address"]

@@ -28,9 +28,10 @@ value comes from the first of these that sets it (`Settings.settings_customise_s
 Lists are comma-separated in the environment (`{PREFIX}WORKERS=host:port,host:port`) and YAML
 lists in the file. A dash means empty (or unset).
 
-reflow sets `OMP_WAIT_POLICY=PASSIVE` unless you set it (in `workers/__init__.py`, before
+`reflow worker` sets `OMP_WAIT_POLICY=PASSIVE` unless you set it (`workers/threads.py`, before
 torch loads): torch's spinning OpenMP threads made a decode step 100\N{MULTIPLICATION SIGN} slower
-when the gateway and a worker share two cores.
+when the gateway and a worker share two cores. Training (the scheduler, `reflow finetune run`,
+the base model's bootstrap) keeps OpenMP's default, which is faster for it.
 """
 
 

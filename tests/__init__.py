@@ -1,5 +1,6 @@
-"""reflow's test suite; see workers/__init__.py for why OpenMP threads wait passively."""
+"""reflow's test suite. Its engines and workers share two cores with everything else, as a
+worker does: torch's threads wait passively (workers/threads.py), set before any test loads torch."""
 
-import os
+from workers.threads import wait_passively
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before any test module imports torch
+wait_passively()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from feedback.tasks.arith import Arith
+from feedback.tasks import get_task
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
@@ -26,7 +26,7 @@ from workers.models.interface import CausalLM
 @pytest.fixture(scope="session")
 def base_model() -> CausalLM:
     """The demo base model, trained once per session with the default recipe (about a minute)."""
-    return train_base_model(PretrainConfig(), Arith())[0]
+    return train_base_model(PretrainConfig(), get_task("arith"))[0]
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from feedback.experiments.lifecycle import experiments
-from feedback.tasks.arith import Arith
+from feedback.tasks import get_task
 from feedback.training.evaluation import base_model_metrics
 from reflow.client import Client
 from reflow.registry import Registry
@@ -97,8 +97,8 @@ def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, b
     promoted, tokenizer = load_checkpoint(
         registry.download(registry.resolve(MODEL, version=champion), tmp_path / "cache")
     )
-    before = base_model_metrics(base_model, tokenizer, Arith())
-    after = base_model_metrics(promoted, tokenizer, Arith())
+    before = base_model_metrics(base_model, tokenizer, get_task("arith"))
+    after = base_model_metrics(promoted, tokenizer, get_task("arith"))
     assert after["accuracy_wide_range"] - before["accuracy_wide_range"] >= 0.20, (before, after)
     assert before["accuracy_in_range"] - after["accuracy_in_range"] <= 0.02, (before, after)
     finetune_s = (aware(run.finished_at) - aware(run.started_at)).total_seconds()

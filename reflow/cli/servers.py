@@ -28,6 +28,9 @@ def worker(
     ready_file: ReadyFile = None,
 ) -> None:
     """Serve the internal Worker API for REFLOW_MODEL_NAME on REFLOW_DEVICE."""
+    from workers.threads import wait_passively
+
+    wait_passively()  # before torch loads
     from workers.server import serve
 
     serve_until_stopped(serve(load_settings(worker_port=port), version=version, ready_file=ready_file))

@@ -93,6 +93,17 @@ class Supervisor:
             time.sleep(0.1)
         raise RuntimeError(f"{child.name} did not become ready in {timeout_s:.0f}s:\n{child.tail()}")
 
+    def spawn_broker(self, env: dict[str, str] | None = None) -> str:
+        """Starts the embedded Kafka broker (memory-only Tansu) on a free loopback port; returns its
+        bootstrap address once it accepts connections."""
+        from feedback.bus.broker import tansu_command, wait_listening
+        from reflow.serving import free_port
+
+        port = free_port()
+        self.spawn("kafka", tansu_command(port), env or {}, ready=False)
+        wait_listening("127.0.0.1", port)
+        return f"127.0.0.1:{port}"
+
     def check_alive(self) -> None:
         """RuntimeError naming the first child that exited, with the end of its log."""
         for child in self.children:

@@ -104,7 +104,6 @@ def demo_overrides(settings: Settings) -> dict[str, str]:
 def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = False) -> int:
     """Runs everything on one machine until a signal; returns the exit status. With `demo`, the
     schedule is shortened and simulated users send traffic, so the learning loop turns by itself."""
-    from feedback.bus.broker import tansu_command, wait_listening
     from feedback.bus.kafka import ensure_topics
     from feedback.training.bootstrap import ensure_base_model
     from gateway.tenants import ensure_tenant
@@ -133,11 +132,8 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
         ensure_base_model(base_model_of(settings), registry, console)
 
         bootstrap = settings.kafka_bootstrap
-        if not bootstrap:  # the embedded broker
-            port = free_port()
-            supervisor.spawn("kafka", tansu_command(port), env, ready=False)
-            wait_listening("127.0.0.1", port)
-            bootstrap = f"127.0.0.1:{port}"
+        if not bootstrap:
+            bootstrap = supervisor.spawn_broker(env)
         ensure_topics(bootstrap, settings.kafka_partitions)
         env["REFLOW_KAFKA_BOOTSTRAP"] = bootstrap
         # Stopped after the gateway (children stop newest first), so it stores the last events.
