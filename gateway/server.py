@@ -17,6 +17,7 @@ from kafka.errors import KafkaError
 
 from feedback.bus.kafka import ensure_topics, resolve_bootstrap
 from feedback.bus.publisher import Publisher
+from feedback.events import FEEDBACK_FIELDS
 from gateway.assignment import ExperimentView
 from gateway.auth import Authenticator
 from gateway.intake import FeedbackIntake
@@ -125,10 +126,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
 def _fields(item: inference_pb2.Feedback) -> dict[str, object]:
     """The fields of a Feedback message, as feedback intake validates them."""
-    return {
-        "feedback_id": item.feedback_id, "request_id": item.request_id, "rating": item.rating,
-        "correction": item.correction, "user_id": item.user_id, "labels": dict(item.labels),
-    }  # fmt: skip
+    return {name: getattr(item, name) for name in FEEDBACK_FIELDS} | {"labels": dict(item.labels)}
 
 
 def request_limits(settings: Settings) -> RequestLimits:

@@ -99,9 +99,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, versions: Versions, isolation: Isolation | None = None):
         self.versions = versions
-        self.engine = versions.engine
         self.follower: AliasFollower | None = None  # None when pinned to one version
         self.isolation: Isolation = isolation or NoIsolation()
+
+    @property
+    def engine(self) -> Engine:
+        """The engine the versions are loaded into."""
+        return self.versions.engine
 
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext

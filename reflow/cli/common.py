@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from reflow.settings import Settings
 
@@ -21,6 +24,14 @@ err_console = Console(stderr=True)
 ReadyFile = Annotated[
     Path | None, typer.Option(help="Write {'address': ...} here once serving (used by `reflow up`).")
 ]
+
+
+def fail(message: object, status: int = 1, *, label: str = "error") -> NoReturn:
+    """Ends the command: `label: message` on stderr, and exit status `status`. The message is
+    printed as it is, never read as rich markup: one quoting a name or path with `[bold]` in it
+    would lose it, one with `[/x]` would raise."""
+    err_console.print(Text.assemble((f"{label}:", "red"), " ", str(message)))
+    raise typer.Exit(status) from None
 
 
 def settings_with(**overrides: Any) -> Settings:
@@ -49,11 +60,19 @@ def serve_until_stopped(server: Coroutine[Any, Any, None]) -> None:
     try:
         asyncio.run(server)
     except ReflowError as error:
-        err_console.print(f"[red]error:[/] {error}", highlight=False)
-        raise typer.Exit(2) from None
+        fail(f"{error}", 2)
+
+
+def stop_on_signal() -> threading.Event:
+    """An event set by Ctrl-C or SIGTERM, for a command that runs until either."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 def default_target(settings: Settings) -> str:
+    """The gateway `reflow up` started (its endpoints.json), else REFLOW_GATEWAY_HOST:PORT."""
     from reflow.endpoints import read_endpoints
 
     endpoints = read_endpoints(settings.data_dir)
@@ -61,16 +80,19 @@ def default_target(settings: Settings) -> str:
 
 
 def default_api_key(settings: Settings) -> str:
+    """REFLOW_API_KEY, else the key `reflow up` wrote; neither is a usage error."""
+    from reflow.endpoints import API_KEY_FILE
+
     if settings.api_key is not None:
         return settings.api_key.get_secret_value()
-    key_file = settings.data_dir / "api_key"
+    key_file = settings.data_dir / API_KEY_FILE
     if key_file.is_file():
         return key_file.read_text().strip()
-    err_console.print("[red]no API key:[/] pass --api-key, set REFLOW_API_KEY, or run `reflow up` first")
-    raise typer.Exit(2)
+    fail("pass --api-key, set REFLOW_API_KEY, or run `reflow up` first", 2, label="no API key")
 
 
 def store_engine() -> Any:
+    """The store named by the settings, schema as it is (for the commands that migrate it)."""
     from reflow.store.database import open_engine
 
     return open_engine(load_settings().resolved_database_url)
@@ -84,23 +106,23 @@ def current_engine(settings: Settings) -> Any:
     try:
         require_current_schema(engine)
     except RuntimeError as error:
-        err_console.print(f"[red]error:[/] {error}")
-        raise typer.Exit(2) from None
+        fail(f"{error}", 2)
     return engine
 
 
 def kafka_bootstrap(settings: Settings) -> str:
+    """REFLOW_KAFKA_BOOTSTRAP, or the embedded broker `reflow up` started; neither is exit 2."""
     from feedback.bus.kafka import resolve_bootstrap
     from reflow.errors import Unavailable
 
     try:
         return resolve_bootstrap(settings.kafka_bootstrap, settings.data_dir)
     except Unavailable as error:
-        err_console.print(f"[red]error:[/] {error}")
-        raise typer.Exit(2) from None
+        fail(f"{error}", 2)
 
 
 def open_registry(settings: Settings) -> Any:
+    """The model registry (MLflow) the settings name."""
     from reflow.registry import Registry
 
     return Registry.from_settings(settings)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from reflow.cli.common import console, current_engine, err_console, load_settings
+from reflow.cli.common import console, current_engine, fail, load_settings
 
 app = typer.Typer(help="A/B experiments of challengers against champions.", no_args_is_help=True)
 SHOWN_EVALUATIONS = 20  # `experiments show` lists the latest ones; `report` plots them all
@@ -68,8 +68,7 @@ def _history(experiment_id: int) -> tuple[Any, list[Any]]:
     try:
         return history(current_engine(load_settings()), experiment_id)
     except LookupError as error:
-        err_console.print(f"[red]error:[/] {error}")
-        raise typer.Exit(1) from None
+        fail(f"{error}")
 
 
 @app.command("show")

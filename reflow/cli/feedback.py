@@ -9,7 +9,15 @@ from typing import Annotated, Any
 
 import typer
 
-from reflow.cli.common import ReadyFile, current_engine, err_console, kafka_bootstrap, load_settings
+from reflow.cli.common import (
+    ReadyFile,
+    current_engine,
+    err_console,
+    fail,
+    kafka_bootstrap,
+    load_settings,
+    stop_on_signal,
+)
 
 app = typer.Typer(
     help="The feedback pipeline: consume it into the store, ingest files, inspect it.", no_args_is_help=True
@@ -19,9 +27,6 @@ app = typer.Typer(
 @app.command("consume")
 def feedback_consume(ready_file: ReadyFile = None) -> None:
     """Write inference events and feedback from Kafka to the store, until Ctrl-C or SIGTERM."""
-    import signal
-    import threading
-
     from kafka.errors import KafkaError
 
     from feedback.bus.kafka import ensure_topics
@@ -34,11 +39,8 @@ def feedback_consume(ready_file: ReadyFile = None) -> None:
     try:
         ensure_topics(bootstrap, settings.kafka_partitions)
     except KafkaError as error:
-        err_console.print(f"[red]error:[/] cannot reach Kafka at {bootstrap}: {error}", highlight=False)
-        raise typer.Exit(2) from None
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        fail(f"cannot reach Kafka at {bootstrap}: {error}", 2)
+    stop = stop_on_signal()
     write_ready_file(ready_file, kafka=bootstrap)
     consume(bootstrap, engine, settings.consumer_batch_size, stop, drain_s=settings.shutdown_grace_s)
 
@@ -59,8 +61,7 @@ def feedback_ingest(
     settings = load_settings()
     engine = current_engine(settings)
     if not any(info.name == tenant and not revoked for info, _, revoked in list_tenants(engine)):
-        err_console.print(f"[red]error:[/] no active tenant named {tenant!r} (see `reflow tenants list`)")
-        raise typer.Exit(2)
+        fail(f"no active tenant named {tenant!r} (see `reflow tenants list`)", 2)
     source = sys.stdin if file == "-" else Path(file).open(encoding="utf-8")  # noqa: SIM115
     total = None if file == "-" else Path(file).stat().st_size
     publisher = Publisher(kafka_bootstrap(settings), settings.outbox_path, settings.kafka_handover_timeout_s)

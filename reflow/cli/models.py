@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from reflow.cli.common import err_console, load_settings, open_registry
+from reflow.cli.common import err_console, fail, load_settings, open_registry
 from reflow.settings import Settings
 
 app = typer.Typer(help="Registered model versions and their aliases.", no_args_is_help=True)
@@ -23,8 +23,7 @@ def models_list(
     try:
         versions = open_registry(settings).versions(name or settings.model_name)
     except LookupError as error:
-        err_console.print(f"[red]error:[/] {error}")
-        raise typer.Exit(1) from None
+        fail(f"{error}")
     if as_json:
         print(json.dumps(versions))
         return
@@ -74,8 +73,7 @@ def models_promote(name: str, version: str) -> None:
     try:
         promote(registry, name, version)
     except LookupError as error:
-        err_console.print(f"[red]error:[/] {error}")
-        raise typer.Exit(1) from None
+        fail(f"{error}")
     print(f"{name}@champion -> version {version}")
     _follow_aliases(settings, registry, name)
 
@@ -88,7 +86,6 @@ def models_rollback(name: str) -> None:
     settings = load_settings()
     registry = open_registry(settings)
     if not roll_back(registry, name):
-        err_console.print(f"[red]error:[/] {name} has no challenger to roll back")
-        raise typer.Exit(1)
+        fail(f"{name} has no challenger to roll back")
     print(f"{name}@challenger removed")
     _follow_aliases(settings, registry, name)

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from typing import Annotated
 
 import typer
 
-from reflow.cli.common import ReadyFile, current_engine, load_settings, serve_until_stopped
+from reflow.cli.common import ReadyFile, current_engine, load_settings, serve_until_stopped, stop_on_signal
 
 
 def gateway(
@@ -45,7 +43,4 @@ def scheduler() -> None:
     # two lines per run of every job, every few seconds: the jobs log what they did instead
     logging.getLogger("apscheduler.executors.default").setLevel(logging.WARNING)
     engine = current_engine(settings)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    run_scheduler(settings, engine, stop)
+    run_scheduler(settings, engine, stop_on_signal())

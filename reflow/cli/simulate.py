@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from reflow.cli.common import default_api_key, default_target, err_console, settings_with
+from reflow.cli.common import default_api_key, default_target, err_console, fail, settings_with
 
 
 def simulate(
@@ -30,14 +30,12 @@ def simulate(
     from feedback.tasks.simulate import simulate as run_simulation
 
     if lo > hi:
-        err_console.print(f"[red]error:[/] --lo {lo} is above --hi {hi}")
-        raise typer.Exit(2)
+        fail(f"--lo {lo} is above --hi {hi}", 2)
     settings = settings_with(api_key=api_key or None)
     try:
         asked = get_task(task or settings.task, traffic=(lo, hi))
     except ValueError as error:
-        err_console.print(f"[red]error:[/] {error}")
-        raise typer.Exit(2) from None
+        fail(f"{error}", 2)
     columns = (
         TextColumn("[bold]simulating"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
         TextColumn("accuracy {task.fields[accuracy]:.1%}"), TimeElapsedColumn(),

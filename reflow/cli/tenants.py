@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from reflow.cli.common import err_console, store_engine
+from reflow.cli.common import fail, store_engine
 
 app = typer.Typer(help="Manage tenants and their API keys.", no_args_is_help=True)
 
@@ -26,8 +26,7 @@ def tenants_create(
     try:
         _, key = create_tenant(engine, name, max_concurrent_streams=max_streams, requests_per_minute=rpm)
     except ValueError as error:
-        err_console.print(f"[red]error:[/] {error}")
-        raise typer.Exit(1) from None
+        fail(f"{error}")
     print(key)
 
 
@@ -37,8 +36,7 @@ def tenants_revoke(name: str) -> None:
     from gateway.tenants import revoke_tenant
 
     if not revoke_tenant(store_engine(), name):
-        err_console.print(f"[red]error:[/] no active tenant named {name!r}")
-        raise typer.Exit(1)
+        fail(f"no active tenant named {name!r}")
 
 
 @app.command("list")

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from reflow.cli.common import err_console, load_settings
+from reflow.cli.common import fail, load_settings
 
 app = typer.Typer(help="The running workers.", no_args_is_help=True)
 
@@ -25,10 +25,7 @@ def workers_status(
         WorkerTargets.from_settings(settings), "Status", worker_pb2.WorkerStatusRequest(), timeout_s=5
     )
     if not statuses:
-        err_console.print(
-            "[red]error:[/] no workers: set REFLOW_WORKERS or start `reflow up` in this data dir"
-        )
-        raise typer.Exit(1)
+        fail("no workers: set REFLOW_WORKERS or start `reflow up` in this data dir")
     rows: list[dict[str, Any]] = []
     for address, status in statuses.items():
         if isinstance(status, str):

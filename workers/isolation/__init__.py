@@ -41,7 +41,7 @@ from reflow.cgroups import (
     remove_group,
 )
 from workers.isolation.ebpf import BpfError, IsolationPrograms
-from workers.isolation.host import DEFAULT_OBJECT, check_host
+from workers.isolation.host import check_host
 from workers.isolation.policy import egress_policy
 
 logger = logging.getLogger(__name__)
@@ -79,10 +79,10 @@ class IsolationConfig:
 
     mode: str  # ebpf, none, or auto (eBPF where the host allows it)
     instance: Path  # the data dir the instance's cgroups are named after
-    allow_from: tuple[str, ...] = ()  # CIDRs of gateways on other hosts
-    egress: tuple[str, ...] = ()  # ADDR[/PREFIX][:PORT] the worker may connect to
-    bpf_object: Path = DEFAULT_OBJECT
-    tracking_uri: str = ""  # the MLflow server the worker downloads from, when it is http(s)
+    allow_from: tuple[str, ...]  # CIDRs of gateways on other hosts
+    egress: tuple[str, ...]  # ADDR[/PREFIX][:PORT] the worker may connect to
+    bpf_object: Path  # the compiled programs (DEFAULT_OBJECT unless REFLOW_BPF_OBJECT)
+    tracking_uri: str  # the MLflow server the worker downloads from, when it is http(s); or ""
 
 
 class EbpfIsolation:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -274,7 +275,14 @@ class Transformer(nn.Module):
     @classmethod
     def load(cls, directory: Path, device: torch.device | str = "cpu") -> Transformer:
         """Reads weights saved by `save` (safetensors, never pickle) onto `device`."""
-        config = ModelConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
+        return cls.from_checkpoint(directory, json.loads((directory / CONFIG_FILE).read_text()), device)
+
+    @classmethod
+    def from_checkpoint(
+        cls, directory: Path, config_json: dict[str, Any], device: torch.device | str = "cpu"
+    ) -> Transformer:
+        """The model `config_json` (its `config.json`, read) describes, weights from `directory`."""
+        config = ModelConfig.from_dict(config_json)
         with torch.device("meta"):
             model = cls(config)
         state = load_file(str(directory / WEIGHTS_FILE), device=str(device))

@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -67,11 +68,10 @@ class ByteTokenizer:
         (directory / TOKENIZER_FILE).write_text(json.dumps(spec, indent=2) + "\n")
 
     @classmethod
-    def load(cls, directory: Path) -> ByteTokenizer:
-        """Reads `tokenizer.json`; refuses tokenizers this runtime does not implement."""
-        spec = json.loads((directory / TOKENIZER_FILE).read_text())
+    def from_spec(cls, spec: dict[str, Any]) -> ByteTokenizer:
+        """The tokenizer `tokenizer.json` (read into `spec`) describes; refuses other special ids."""
         if spec.get("type") != "byte" or spec.get("special_tokens") != SPECIAL_IDS:
-            raise ValueError(f"unsupported tokenizer in {directory}: {spec}")
+            raise ValueError(f"unsupported byte tokenizer: {spec}")
         return cls()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,10 +18,12 @@ from workers.models import builtin
 from workers.models.byte_tokenizer import TOKENIZER_FILE, ByteTokenizer
 from workers.models.interface import CausalLM, Tokenizer
 
-# config.json's model_type -> how to load such a model onto a device
-ARCHITECTURES: dict[str, Callable[[Path, torch.device], CausalLM]] = {
-    builtin.MODEL_TYPE: builtin.Transformer.load,
+# config.json's model_type -> how to load such a model (directory, config.json read, device)
+ARCHITECTURES: dict[str, Callable[[Path, dict[str, Any], torch.device], CausalLM]] = {
+    builtin.MODEL_TYPE: builtin.Transformer.from_checkpoint,
 }
+# tokenizer.json's type -> the tokenizer it describes
+TOKENIZERS: dict[str, Callable[[dict[str, Any]], Tokenizer]] = {"byte": ByteTokenizer.from_spec}
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -42,17 +45,17 @@ def load_checkpoint(directory: Path, device: torch.device | str = "cpu") -> tupl
         raise ValueError(
             f"{directory} holds a {model_type!r} model; reflow implements {', '.join(sorted(ARCHITECTURES))}"
         )
-    return ARCHITECTURES[model_type](directory, torch.device(device)), load_tokenizer(directory)
+    return ARCHITECTURES[model_type](directory, config, torch.device(device)), load_tokenizer(directory)
 
 
 def load_tokenizer(directory: Path) -> Tokenizer:
     """The tokenizer whose files are in `directory`."""
     spec = json.loads((directory / TOKENIZER_FILE).read_text())
-    if spec.get("type") == "byte":
-        return ByteTokenizer.load(directory)
-    raise ValueError(
-        f"{directory / TOKENIZER_FILE} is not a tokenizer reflow implements (the byte tokenizer)"
-    )
+    if spec.get("type") not in TOKENIZERS:
+        raise ValueError(
+            f"{directory / TOKENIZER_FILE} is not a tokenizer reflow implements (the byte tokenizer)"
+        )
+    return TOKENIZERS[spec["type"]](spec)
 
 
 def save_checkpoint(model: CausalLM, tokenizer: Tokenizer, directory: Path) -> Path:
