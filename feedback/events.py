@@ -33,6 +33,8 @@ MAX_VERSION_CHARS = 32  # versions and arms (alias names)
 MAX_TEXT_CHARS = 4096
 MAX_LABELS = 16
 MAX_LABEL_CHARS = 256
+MAX_MESSAGES = 256  # messages of one conversation
+MAX_ROLE_CHARS = 32
 MAX_COUNT = 2**31 - 1  # token counts fit the store's INTEGER columns
 
 
@@ -58,6 +60,7 @@ Arm = Annotated[str, StringConstraints(max_length=MAX_VERSION_CHARS), NoNul]
 Text = Annotated[str, NoNul]
 Correction = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS), NoNul]
 LabelText = Annotated[str, StringConstraints(max_length=MAX_LABEL_CHARS), NoNul]
+Role = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ROLE_CHARS), NoNul]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 
@@ -86,6 +89,14 @@ class Latency(BaseModel):
     total_ms: float = Field(ge=0)
 
 
+class ChatMessage(BaseModel):
+    """One message of the conversation a chat completion continues."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    role: Role
+    content: Text
+
+
 class InferenceEvent(_Event):
     """A finished generation, published by the gateway to `reflow.inferences`, keyed by request_id."""
 
@@ -96,7 +107,9 @@ class InferenceEvent(_Event):
     version: VersionId
     arm: Arm = ""
     experiment: int | None = Field(None, ge=1, le=MAX_COUNT)  # the experiment that assigned `arm`
-    prompt: Text
+    prompt: Text  # "" for a chat completion, whose conversation is `messages`
+    # the conversation of a chat completion; None (left out of the record) for a prompt
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
     reasoning: Text = ""
     completion: Text = ""
     finish_reason: Literal["STOP", "LENGTH", "CANCELLED", "ERROR"]

@@ -9,7 +9,7 @@ import time
 from pydantic import ValidationError
 
 from feedback.bus.publisher import Publisher
-from feedback.events import InferenceEvent, Latency, TokenUsage, storable
+from feedback.events import ChatMessage, InferenceEvent, Latency, TokenUsage, storable
 from gateway.relay import Generation
 from reflow.registry import CHALLENGER
 from reflow.store.tables import utcnow
@@ -82,10 +82,17 @@ class InferenceLog:
                 request_id=header.request_id, tenant=generation.tenant.name,
                 user_id=storable(request.user_id), model=header.model, version=header.model_version,
                 arm=header.arm, experiment=experiment.id if experiment is not None else None,
-                prompt=storable(request.prompt), reasoning=storable(reasoning), completion=storable(answer),
+                prompt=storable(request.prompt), messages=_messages(request),
+                reasoning=storable(reasoning), completion=storable(answer),
                 finish_reason=finish_reason, usage=usage, latency=latency, time=utcnow(),
             )  # fmt: skip
         except ValidationError:
             logger.exception("request_id=%s: no inference event could be made", header.request_id)
             return
         self.publisher.enqueue(event.to_record())
+
+
+def _messages(request: inference_pb2.GenerateRequest) -> list[ChatMessage] | None:
+    """The conversation of a chat request as the event records it; None for a prompt."""
+    messages = [ChatMessage(role=storable(m.role), content=storable(m.content)) for m in request.messages]
+    return messages or None

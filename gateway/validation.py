@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from feedback.events import MAX_USER_ID_CHARS
+from feedback.events import MAX_MESSAGES, MAX_ROLE_CHARS, MAX_USER_ID_CHARS
 from reflow.errors import InvalidArgument
 from reflow.v1 import inference_pb2, worker_pb2
 
@@ -27,9 +27,14 @@ class RequestLimits:
 
 def check_request(request: inference_pb2.GenerateRequest, limits: RequestLimits) -> None:
     """Raises InvalidArgument, with what to change, for anything a worker should never see."""
-    if not request.prompt:
-        raise InvalidArgument("prompt is empty; send the text to complete, e.g. '47+38='")
-    if len(request.prompt) > limits.max_prompt_chars:
+    if request.messages:
+        _check_messages(request, limits)
+    elif not request.prompt:
+        raise InvalidArgument(
+            "prompt and messages are both empty; send the text to complete in prompt (e.g. '47+38=') "
+            "or a conversation in messages"
+        )
+    elif len(request.prompt) > limits.max_prompt_chars:
         raise InvalidArgument(
             f"prompt is {len(request.prompt)} characters; the limit is {limits.max_prompt_chars}"
         )
@@ -55,6 +60,25 @@ def check_request(request: inference_pb2.GenerateRequest, limits: RequestLimits)
         raise InvalidArgument(f"at most {MAX_LABELS} labels of at most {MAX_LABEL_CHARS} characters each")
 
 
+def _check_messages(request: inference_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    """Raises InvalidArgument for a conversation a worker should never see; its contents count
+    against the prompt's limit."""
+    if request.prompt:
+        raise InvalidArgument("send prompt or messages, not both")
+    if len(request.messages) > MAX_MESSAGES:
+        raise InvalidArgument(f"at most {MAX_MESSAGES} messages, got {len(request.messages)}")
+    for i, message in enumerate(request.messages):
+        if not message.role.strip():
+            raise InvalidArgument(f"messages[{i}].role is empty; say who speaks, e.g. 'system' or 'user'")
+        if len(message.role) > MAX_ROLE_CHARS:
+            raise InvalidArgument(f"messages[{i}].role is longer than {MAX_ROLE_CHARS} characters")
+    chars = sum(len(message.content) for message in request.messages)
+    if chars > limits.max_prompt_chars:
+        raise InvalidArgument(
+            f"the messages' contents are {chars} characters in all; the limit is {limits.max_prompt_chars}"
+        )
+
+
 def worker_request(
     request: inference_pb2.GenerateRequest,
     limits: RequestLimits,
@@ -78,6 +102,7 @@ def worker_request(
         model=loaded.model,
         version=loaded.version,
         prompt=request.prompt,
+        messages=request.messages,
         sampling=sampling,
         reasoning_budget=request.reasoning_budget,
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import grpc
 
@@ -19,18 +19,21 @@ class Client:
 
     def generate(
         self,
-        prompt: str,
+        prompt: str = "",
         *,
+        messages: Iterable[inference_pb2.ChatMessage | Mapping[str, str]] = (),
         model: str = "",
         sampling: inference_pb2.SamplingParams | None = None,
         reasoning_budget: int = 0,
         user_id: str = "",
         timeout: float | None = None,
     ) -> Iterator[inference_pb2.GenerateResponse]:
-        """Streams the messages of one completion."""
+        """Streams the messages of one completion of `prompt`, or of `messages`, a conversation
+        (`{"role": "user", "content": "..."}` each) the model's chat template renders."""
         request = inference_pb2.GenerateRequest(
             model=model,
             prompt=prompt,
+            messages=messages,
             sampling=sampling,
             reasoning_budget=reasoning_budget,
             user_id=user_id,

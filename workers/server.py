@@ -34,6 +34,7 @@ from workers.isolation import Isolation, IsolationConfig, NoIsolation, isolate
 from workers.isolation.host import DEFAULT_OBJECT
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
+from workers.models.interface import Tokenizer
 from workers.models.loader import resolve_device
 from workers.sampling import SamplingParams
 from workers.sequence import Delta, GenerationParams
@@ -54,6 +55,20 @@ def params_from_pb(request: worker_pb2.WorkerGenerateRequest) -> GenerationParam
         stop=tuple(s.stop),
         reasoning_budget=request.reasoning_budget,
     )
+
+
+def prompt_ids_of(request: worker_pb2.WorkerGenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    """The prompt's token ids: as sent, else the conversation rendered with the model's chat
+    template (which carries its own bos token), else the prompt text."""
+    if request.prompt_token_ids:
+        return list(request.prompt_token_ids)
+    if not request.messages:
+        return tokenizer.encode(request.prompt)
+    try:
+        text = tokenizer.render_chat([{"role": m.role, "content": m.content} for m in request.messages])
+    except ValueError as error:  # no chat template, or one that refuses the conversation
+        raise InvalidArgument(f"{request.model}/{request.version}: {error}") from None
+    return tokenizer.encode(text, bos=False)
 
 
 def delta_to_pb(delta: Delta) -> worker_pb2.WorkerGenerateResponse:
@@ -113,7 +128,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         loaded = self.engine.get(request.model, request.version)
         loaded.last_request = time.monotonic()
         params = params_from_pb(request)
-        prompt_ids = list(request.prompt_token_ids) or loaded.tokenizer.encode(request.prompt)
+        prompt_ids = prompt_ids_of(request, loaded.tokenizer)
         stream = self.engine.generate(request.model, request.version, prompt_ids, params)
         async with contextlib.aclosing(stream):  # a cancelled call frees its slot at once
             async for delta in stream:

@@ -46,6 +46,7 @@ def inference_row(event: InferenceEvent, stored_at: datetime) -> dict[str, Any]:
         "request_id": event.request_id, "tenant": event.tenant, "user_id": event.user_id,
         "model": event.model, "version": event.version, "arm": event.arm,
         "experiment_id": event.experiment, "prompt": event.prompt,
+        "messages": [message.model_dump() for message in event.messages or ()],
         "reasoning": event.reasoning, "completion": event.completion,
         "finish_reason": event.finish_reason, "prompt_tokens": event.usage.prompt_tokens,
         "completion_tokens": event.usage.completion_tokens,

@@ -6,11 +6,19 @@ from typing import Annotated
 
 import typer
 
-from reflow.cli.common import console, default_api_key, default_target, err_console, settings_with
+from reflow.cli.common import console, default_api_key, default_target, err_console, fail, settings_with
 
 
 def generate(
-    prompt: Annotated[str, typer.Argument(help='The prompt, e.g. "47+38=".')],
+    prompt: Annotated[
+        str | None, typer.Argument(help='The prompt, e.g. "47+38="; or give --chat.', show_default=False)
+    ] = None,
+    chat: Annotated[
+        str | None, typer.Option(help="Send TEXT as a user message instead of a prompt.", show_default=False)
+    ] = None,
+    system: Annotated[
+        str | None, typer.Option(help="With --chat: a system message before it.", show_default=False)
+    ] = None,
     model: Annotated[str, typer.Option(help="NAME, NAME@ALIAS or NAME/VERSION.")] = "",
     max_tokens: Annotated[int, typer.Option(min=0, help="0 = server default.")] = 0,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
@@ -30,6 +38,7 @@ def generate(
     from reflow.client import Client
     from reflow.v1 import inference_pb2
 
+    messages = chat_messages(prompt, chat, system)
     settings = settings_with(api_key=api_key or None)
     sampling = inference_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop or []
@@ -39,7 +48,11 @@ def generate(
     try:
         with Client(target or default_target(settings), default_api_key(settings)) as client:
             for message in client.generate(
-                prompt, model=model, sampling=sampling, reasoning_budget=reasoning_budget
+                prompt or "",
+                messages=messages,
+                model=model,
+                sampling=sampling,
+                reasoning_budget=reasoning_budget,
             ):
                 if message.reasoning_text:
                     thinking = True
@@ -66,3 +79,15 @@ def generate(
             f"total {u.total_ms:.1f} ms[/]",
             soft_wrap=True,
         )
+
+
+def chat_messages(prompt: str | None, chat: str | None, system: str | None) -> list[dict[str, str]]:
+    """The conversation `--chat` (after `--system`) sends; [] for a PROMPT; fails on neither or both."""
+    if (prompt is None) == (chat is None):
+        fail("give either a PROMPT or --chat TEXT")
+    if chat is None:
+        if system is not None:
+            fail("--system goes with --chat, not with a PROMPT")
+        return []
+    system_turn = [{"role": "system", "content": system}] if system is not None else []
+    return [*system_turn, {"role": "user", "content": chat}]

@@ -62,7 +62,9 @@ class Inference(Base):
     model: Mapped[str] = mapped_column(String(128))
     version: Mapped[str] = mapped_column(String(32))
     arm: Mapped[str] = mapped_column(String(32))  # the alias it was routed through; "" when pinned
-    prompt: Mapped[str] = mapped_column(Text)
+    prompt: Mapped[str] = mapped_column(Text)  # "" for a chat completion
+    # the conversation of a chat completion ({"role", "content"} each); [] for a prompt
+    messages: Mapped[list[dict[str, str]]] = mapped_column(JSON, default=list, server_default=text("'[]'"))
     reasoning: Mapped[str] = mapped_column(Text)
     completion: Mapped[str] = mapped_column(Text)
     finish_reason: Mapped[str] = mapped_column(String(16))

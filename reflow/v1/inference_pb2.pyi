@@ -37,7 +37,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "sampling", "user_id", "reasoning_budget", "latency_budget_ms", "labels")
+    __slots__ = ("model", "prompt", "sampling", "user_id", "reasoning_budget", "latency_budget_ms", "labels", "messages")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class GenerateRequest(_message.Message):
     REASONING_BUDGET_FIELD_NUMBER: _ClassVar[int]
     LATENCY_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     sampling: SamplingParams
@@ -59,7 +60,16 @@ class GenerateRequest(_message.Message):
     reasoning_budget: int
     latency_budget_ms: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., user_id: _Optional[str] = ..., reasoning_budget: _Optional[int] = ..., latency_budget_ms: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., user_id: _Optional[str] = ..., reasoning_budget: _Optional[int] = ..., latency_budget_ms: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "time_to_first_token_ms", "total_ms")

@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 from sqlalchemy import Engine
+from sqlalchemy.orm import Session
 
 from feedback.bus.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC
+from feedback.bus.publisher import Publisher
 from feedback.intake.stats import store_counts
-from gateway.tenants import create_tenant
+from gateway.assignment import Assignment
+from gateway.publishing import InferenceLog
+from gateway.relay import Generation
+from gateway.routing import ModelSpec
+from gateway.tenants import TenantInfo, create_tenant
 from reflow.store.database import open_engine
+from reflow.store.tables import Inference
 from reflow.v1 import inference_pb2
 from tests.support.kafka import Broker, consuming
 from tests.support.stack import Stack, generate, request
+from tests.support.store import count
 from tests.support.waiting import wait_for
 
 P = inference_pb2
@@ -167,3 +177,33 @@ async def test_a_nul_in_the_text_does_not_fail_the_completion_and_its_event_is_s
     assert messages[-1].finish_reason in (P.FINISH_REASON_STOP, P.FINISH_REASON_LENGTH)
     (record,) = kafka.read(INFERENCES_TOPIC, 1)
     assert json.loads(record.value)["prompt"] == "12\ufffd+30="
+
+
+def test_a_chat_completion_is_stored_with_its_whole_conversation(
+    kafka: Broker, store: Engine, tmp_path: Path
+) -> None:
+    """The event of a chat completion, from the gateway's inference log to the store (the
+    completion is made up here: the built-in model has no chat template to serve one)."""
+    conversation = [
+        P.ChatMessage(role="system", content="Add."),
+        P.ChatMessage(role="user", content="12+\x0030="),
+    ]
+    generation = Generation(
+        P.GenerateRequest(messages=conversation), TenantInfo(1, "acme", 32, 600), "r-chat",
+        Assignment(ModelSpec("arith", alias="champion"), "champion"), time.perf_counter(), None,
+    )  # fmt: skip
+    header = P.GenerateResponse(request_id="r-chat", model="arith", model_version="1", arm="champion")
+    last = P.GenerateResponse(finish_reason=P.FINISH_REASON_STOP, usage=P.Usage(prompt_tokens=20))
+    publisher = Publisher(kafka.bootstrap, tmp_path / "outbox", handover_timeout_s=1.0)
+    with consuming(kafka.bootstrap, store):
+        InferenceLog(publisher).finished(generation, header, last, "42", "")
+        wait_for(lambda: count(store, Inference) == 1, what="the inference row")
+    publisher.close(timeout_s=2.0)
+    with Session(store) as session:
+        row = session.get(Inference, "r-chat")
+        assert row is not None
+        assert (row.prompt, row.completion, row.finish_reason) == ("", "42", "STOP")
+        assert row.messages == [
+            {"role": "system", "content": "Add."},
+            {"role": "user", "content": "12+\ufffd30="},  # PostgreSQL text cannot hold NUL
+        ]

@@ -20,6 +20,7 @@ from tests.support.stack import Stack, generate, request, start_stack, start_wor
 from workers.server import loaded_to_pb, params_from_pb
 
 P = inference_pb2
+USER = P.ChatMessage(role="user", content="47+38=")
 
 
 async def status_of(stack: Stack, req: P.GenerateRequest, metadata: object = None) -> grpc.StatusCode:
@@ -76,7 +77,14 @@ async def test_seeded_sampling_is_reproducible_through_the_gateway(stack: Stack)
 @pytest.mark.parametrize(
     ("req", "message"),
     [
-        (request(prompt=""), "prompt is empty"),
+        (request(prompt=""), "prompt and messages are both empty"),
+        (request(messages=[USER]), "send prompt or messages, not both"),
+        (request(prompt="", messages=[USER, P.ChatMessage(content="hi")]), "messages[1].role is empty"),
+        (request(prompt="", messages=[P.ChatMessage(role="r" * 33)]), "role is longer than 32"),
+        (
+            request(prompt="", messages=[USER, P.ChatMessage(role="user", content="1" * 4091)]),
+            "contents are 4097 characters",
+        ),
         (request(prompt="1" * 5000), "limit is 4096"),
         (request(max_tokens=64), "max_tokens must be between 1 and 63"),
         (P.GenerateRequest(prompt="1+1=", sampling=P.SamplingParams(temperature=-1)), "temperature"),
@@ -261,6 +269,22 @@ async def test_stop_strings_and_reasoning_budget_reach_the_worker(stack: Stack) 
     params = params_from_pb(outgoing)
     assert (params.reasoning_budget, params.stop, params.sampling.top_k) == (7, ("x",), 3)
     assert params.max_tokens == min(stack.settings.default_max_tokens, loaded.max_len - 1)
+
+
+async def test_messages_reach_the_worker_which_refuses_them_without_a_chat_template(stack: Stack) -> None:
+    conversation = [P.ChatMessage(role="system", content="Add."), USER]
+    loaded = loaded_to_pb(stack.workers[0].servicer.engine.get("arith", "1"))
+    outgoing = worker_request(
+        P.GenerateRequest(messages=conversation),
+        request_limits(stack.settings),
+        request_id="r",
+        loaded=loaded,
+    )
+    assert (list(outgoing.messages), outgoing.prompt) == (conversation, "")
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # the built-in model has no chat template
+        await generate(stack, P.GenerateRequest(messages=conversation))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("arith/1: ") and "no chat template" in info.value.details()
 
 
 async def test_shutdown_drains_in_flight_streams(stack: Stack) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import column, insert, inspect, select, table
 
 from reflow.store.database import downgrade, migrate, open_engine, require_current_schema, schema_is_current
-from reflow.store.tables import Base
+from reflow.store.tables import Base, Inference, utcnow
 
 
 def test_migrations_upgrade_and_downgrade(database_url: str) -> None:
@@ -41,3 +41,20 @@ def test_migrations_match_the_models(database_url: str) -> None:
         differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
     engine.dispose()
     assert differences == []
+
+
+def test_inferences_stored_before_chat_have_an_empty_conversation(database_url: str) -> None:
+    engine = open_engine(database_url)
+    migrate(engine, "0005")
+    old = {
+        "request_id": "r1", "tenant": "acme", "user_id": "", "model": "arith", "version": "1", "arm": "",
+        "prompt": "1+1=", "reasoning": "", "completion": "2", "finish_reason": "STOP", "prompt_tokens": 5,
+        "completion_tokens": 2, "reasoning_tokens": 0, "first_token_ms": 1.0, "total_ms": 2.0,
+        "created_at": utcnow(), "stored_at": utcnow(),
+    }  # fmt: skip
+    with engine.begin() as connection:
+        connection.execute(insert(table("inferences", *map(column, old))).values(old))
+    migrate(engine)
+    with engine.connect() as connection:
+        assert connection.scalar(select(Inference.messages)) == []
+    engine.dispose()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,10 @@ class ByteTokenizer:
     def decoder(self) -> ByteDecoder:
         """A fresh decoder for one stream of generated ids."""
         return ByteDecoder()
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """Never: the byte-level model has no chat template."""
+        raise ValueError("this model has no chat template; send a prompt instead of messages")
 
     def is_special(self, token_id: int) -> bool:
         """True for <pad>, <bos>, <eos>, <think> and </think>."""

@@ -7,7 +7,7 @@ module, and `loader.load_checkpoint` picks the one a checkpoint's files name.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -118,6 +118,11 @@ class Tokenizer(Protocol):
 
     def decoder(self) -> IncrementalDecoder:
         """A fresh decoder for one stream of generated ids."""
+        ...
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text of a conversation (`role`, `content` per message) as the model's chat
+        template renders it, ready for the assistant's turn; ValueError when it has no template."""
         ...
 
     def is_special(self, token_id: int) -> bool:

@@ -68,6 +68,7 @@ def test_stores_each_event_once_and_joins_feedback_that_came_first(
         row = session.get(Inference, "r1")
         assert row is not None
         assert (row.prompt, row.completion, row.reasoning_tokens, row.total_ms) == ("12+30=", "42", 14, 40.0)
+        assert row.messages == []  # a prompt, not a conversation
         rows = session.execute(
             select(FeedbackItem.tenant, FeedbackItem.feedback_id, FeedbackItem.rating)
         ).all()
