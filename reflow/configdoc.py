@@ -28,10 +28,12 @@ value comes from the first of these that sets it (`Settings.settings_customise_s
 Lists are comma-separated in the environment (`{PREFIX}WORKERS=host:port,host:port`) and YAML
 lists in the file. A dash means empty (or unset).
 
-`reflow worker` sets `OMP_WAIT_POLICY=PASSIVE` unless you set it (`workers/threads.py`, before
-torch loads): torch's spinning OpenMP threads turned a 1 ms decode step into 120 ms when the
-gateway and a worker shared two cores. Training (the scheduler, `reflow finetune run`,
-the base model's bootstrap) keeps OpenMP's default, which is faster for it.
+`reflow worker` sets `GOMP_SPINCOUNT=10000` unless you set it or `OMP_WAIT_POLICY`
+(`workers/threads.py`, before torch loads): torch's OpenMP threads spinning for their default
+time turned a 1 ms decode step into 120 ms when the gateway and a worker shared two cores, and
+not spinning at all (`OMP_WAIT_POLICY=PASSIVE`) doubled a real model's decode step, whose ~1,000
+kernels each woke the threads. Training (the scheduler, `reflow finetune run`, the base model's
+bootstrap) keeps OpenMP's default, which is faster for it.
 """
 
 

@@ -18,8 +18,25 @@ logger = logging.getLogger(__name__)
 EXPERIMENT_NAME = "reflow"
 CHAMPION, CHALLENGER = "champion", "challenger"  # the aliases an A/B experiment tests
 MODEL_ARTIFACT_PATH = "model"
-# The only files a version may carry: weights as safetensors, JSON config and tokenizer.
-MODEL_FILES = ("model.safetensors", "config.json", "tokenizer.json")
+# What every version carries; beside them it may carry more of the same kinds (weight shards and
+# their index, the tokenizer's config, a chat template, generation defaults).
+REQUIRED_FILES = ("config.json", "tokenizer.json")
+# The only kinds of file a version may carry: safetensors weights, JSON, a Jinja chat template.
+# Never a pickle.
+VERSION_FILE_SUFFIXES = (".safetensors", ".json", ".jinja")
+SOURCE_TAG = "reflow.source"  # where a version came from: "bootstrap", "finetune", IMPORTED
+IMPORTED = "import"  # a checkpoint brought in by `reflow models import`
+SOURCE_SHA256_TAG = "reflow.source_sha256"  # on imported versions: the digest of the files imported
+
+
+def version_files(model_dir: Path) -> list[Path]:
+    """The files of `model_dir` a version carries; FileNotFoundError naming what is missing."""
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in VERSION_FILE_SUFFIXES)
+    names = {p.name for p in files}
+    missing = [f for f in REQUIRED_FILES if f not in names]
+    if missing or not any(p.suffix == ".safetensors" for p in files):
+        raise FileNotFoundError(f"{model_dir} lacks {missing or ['*.safetensors weights']}")
+    return files
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,15 @@ class Registry:
             for mv in sorted(found, key=lambda mv: int(mv.version), reverse=True)
         ]  # fmt: skip
 
+    def tags(self, ref: VersionRef) -> dict[str, str]:
+        """The tags of one version (`reflow.source`, `reflow.parent_version`, ...)."""
+        return dict(self.client.get_model_version(ref.name, ref.version).tags)
+
+    def find_version(self, name: str, tag: str, value: str) -> str | None:
+        """The version of `name` tagged `tag=value`, or None (also when `name` is not registered)."""
+        found = self.client.search_model_versions(f"name='{name}' and tags.`{tag}` = '{value}'")
+        return str(found[0].version) if found else None
+
     def set_alias(self, name: str, alias: str, version: str) -> None:
         """Points `name@alias` at `version` (which must exist); workers following it swap to it."""
         self.resolve(name, version=version)
@@ -111,23 +137,22 @@ class Registry:
 
         mv = self.client.get_model_version(ref.name, ref.version)
         target = cache_dir / ref.name / f"{ref.version}-{mv.run_id or 'norun'}"
-        if all((target / f).is_file() for f in MODEL_FILES):
+        if target.is_dir():  # renamed into place only once complete
             return target
         if not mv.source:
             raise LookupError(f"model {ref.name!r} version {ref.version} has no artifacts in the registry")
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            staging = Path(tmp) / "files"
-            for filename in MODEL_FILES:
+            staging = Path(
                 mlflow.artifacts.download_artifacts(
-                    artifact_uri=f"{mv.source.rstrip('/')}/{filename}",
-                    dst_path=str(staging),
-                    tracking_uri=self.tracking_uri,
+                    artifact_uri=mv.source, dst_path=tmp, tracking_uri=self.tracking_uri
                 )
+            )
+            version_files(staging)  # every version has its config, tokenizer and weights
             try:
                 staging.rename(target)
             except OSError:  # another process got there first: its copy is complete
-                if not all((target / f).is_file() for f in MODEL_FILES):
+                if not target.is_dir():
                     raise
         logger.info("downloaded model=%s version=%s to %s", ref.name, ref.version, target)
         return target
@@ -153,10 +178,7 @@ class Registry:
         (when given) under `model/`; returns (run_id, the model's artifact URI)."""
         from mlflow.entities import Metric, Param, RunTag
 
-        if model_dir is not None:
-            missing = [f for f in MODEL_FILES if not (model_dir / f).is_file()]
-            if missing:
-                raise FileNotFoundError(f"{model_dir} lacks {missing}")
+        files = version_files(model_dir) if model_dir is not None else []
         run = self.client.create_run(self.experiment_id(), run_name=run_name)
         run_id = run.info.run_id
         now = int(time.time() * 1000)
@@ -171,9 +193,8 @@ class Registry:
                 params=[Param(key, str(value)) for key, value in params.items()] if start == 0 else [],
                 tags=[RunTag(key, value) for key, value in (tags or {}).items()] if start == 0 else [],
             )
-        if model_dir is not None:
-            for filename in MODEL_FILES:
-                self.client.log_artifact(run_id, str(model_dir / filename), MODEL_ARTIFACT_PATH)
+        for path in files:
+            self.client.log_artifact(run_id, str(path), MODEL_ARTIFACT_PATH)
         self.client.set_terminated(run_id)
         return run_id, f"{run.info.artifact_uri}/{MODEL_ARTIFACT_PATH}"
 

@@ -88,11 +88,39 @@ class Settings(BaseSettings):
             "it measured no faster and costs ~20 s to compile)."
         ),
     )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description=(
+            "Dtype a worker serves weights in. `auto`: the built-in model in float32, as trained; others "
+            "in float32 on the CPU (faster there than bfloat16, see docs/models.md) and bfloat16 on CUDA "
+            "(float16 on GPUs without it)."
+        ),
+    )
     max_batch_size: int = Field(
-        64, ge=1, description="Sequences a worker decodes together, per loaded version (its KV slots)."
+        64, ge=1, description="Sequences a worker decodes together, per loaded version (its batch rows)."
     )
     max_waiting: int = Field(
-        256, ge=0, description="Sequences queued for a slot before new requests get `RESOURCE_EXHAUSTED`."
+        256,
+        ge=0,
+        description=(
+            "Sequences queued for a batch row and KV blocks before new requests get `RESOURCE_EXHAUSTED`."
+        ),
+    )
+    kv_cache_mb: int = Field(
+        0,
+        ge=0,
+        description=(
+            "MiB of KV cache blocks per loaded version; 0 = room for `max_batch_size` sequences at the "
+            "full context, at most 1024 MiB. Requests wait for blocks, never fail for them."
+        ),
+    )
+    max_model_len: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Longest prompt plus completion, in tokens; 0 = the model's own context. Lowered, when "
+            "needed, so that one sequence fits the KV cache."
+        ),
     )
     prefill_chunk: int = Field(
         64,

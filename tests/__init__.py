@@ -1,6 +1,6 @@
 """reflow's test suite. Its engines and workers share two cores with everything else, as a
-worker does: torch's threads wait passively (workers/threads.py), set before any test loads torch."""
+worker does: torch's threads spin only briefly (workers/threads.py), set before any test loads torch."""
 
-from workers.threads import wait_passively
+from workers.threads import spin_briefly
 
-wait_passively()
+spin_briefly()

@@ -1,8 +1,14 @@
-"""Runs the steps the scheduler plans: chunked prefills, then one batched decode over every sequence.
+"""Runs the steps the scheduler plans: one forward over the step's prefill chunks, then one batched
+decode over every sequence, all on a paged KV cache sized by REFLOW_KV_CACHE_MB.
 
 A dedicated thread does all torch work, step after step, while any sequence is active; new
 requests join at the next step and finished or cancelled ones leave at once. Deltas cross to
 the event loop once per step, into each request's coalescing mailbox.
+
+All torch work means building versions too (`Engine.run`): libgomp keeps one team of threads per
+thread that runs parallel kernels, and once those outnumber the cores it cuts every thread's
+spinning to 100 iterations, so each of a step's ~1,000 kernels waits for sleeping threads to wake.
+A version built on a second thread doubled SmolLM2-135M's decode step on 2 cores (38 -> 72 ms).
 """
 
 from __future__ import annotations
@@ -10,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -23,17 +32,17 @@ from reflow.errors import InvalidArgument, NotFound, Unavailable
 from reflow.streaming import Mailbox
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
+from workers.models.interface import CausalLM
+from workers.models.kv_cache import BLOCK_SIZE, CacheView
 from workers.sampling import make_generator, sample
 from workers.scheduler import Output, Request, Scheduler
 from workers.sequence import Delta, GenerationParams, Sequence
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
-# CPU GEMM kernels are chosen by the number of rows; from 4 rows on, every row's result is
-# bit-identical whatever the batch (measured for 1..64 rows on all presets; 2 rows differ),
-# so decode batches are padded to 4: a sequence's greedy tokens are then the same alone or
-# in any batch mix.
-MIN_DECODE_ROWS = 4
+# REFLOW_KV_CACHE_MB=0: room for every batch row at the full context, but never more than this.
+AUTO_KV_CACHE_MB = 1024
 
 
 @dataclass(frozen=True)
@@ -45,54 +54,63 @@ class EngineConfig:
     prefill_chunk: int = 64
     max_prefill_tokens: int = 256
     compile: bool = False
+    kv_cache_mb: int = 0  # per loaded version; 0 = auto (see AUTO_KV_CACHE_MB)
+    max_model_len: int = 0  # 0 = the model's own context
 
 
 class ModelRunner:
-    """One loaded version: its KV slots, scheduler, and batched decode step (compiled or eager)."""
+    """One loaded version: its KV block pool, scheduler, and batched decode step (compiled or eager)."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig):
         self.loaded = loaded
         self.model = loaded.model
-        self.cache = self.model.new_cache(config.max_batch_size + 1)
-        self.scratch_slot = config.max_batch_size  # padding rows write here; nothing reads it
+        n_blocks = kv_blocks(self.model, config)
+        self.cache = self.model.new_cache(n_blocks)
+        # bounded so that one sequence always fits the pool
+        loaded.max_len = min(loaded.max_len, (n_blocks - 1) * BLOCK_SIZE)
         self.scheduler = Scheduler(
-            config.max_batch_size, config.max_waiting, config.prefill_chunk, config.max_prefill_tokens
-        )
+            config.max_batch_size, config.max_waiting, config.prefill_chunk, config.max_prefill_tokens,
+            n_blocks, BLOCK_SIZE,
+        )  # fmt: skip
         self.banned = loaded.banned_tokens  # [V] bool
+        # padded to the model's min_batch_rows, a forward gives every row the same bits in any
+        # batch mix on the CPU (docs/batching.md)
+        self.min_rows = self.model.min_batch_rows
         # Never inductor `freezing`: it bakes weights in, and in-place weight loads go silently wrong.
-        self.decode_step: Callable[[Tensor, Tensor, Tensor], Tensor] = (
+        self.decode_step: Callable[[Tensor, CacheView], Tensor] = (
             torch.compile(self._decode_step, dynamic=True) if config.compile else self._decode_step
         )
 
-    def _decode_step(self, tokens: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
-        return self.model(tokens, positions, self.cache, slots)[:, -1]  # [B, V]
+    def _decode_step(self, tokens: Tensor, view: CacheView) -> Tensor:
+        return self.model(tokens, self.cache, view)[:, -1]  # [B, V]
 
     @torch.inference_mode()
     def warm_up(self, batch_sizes: tuple[int, ...]) -> None:
-        """Runs the decode step at each batch size on the scratch slot (compiles it when enabled)."""
+        """Runs the decode step at each batch size on the scratch block (compiles it when enabled)."""
         device = self.loaded.device
         for rows in batch_sizes:
             tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
-            slots = torch.full((rows,), self.scratch_slot, device=device)
-            self.decode_step(tokens, torch.zeros(rows, 1, dtype=torch.long, device=device), slots)
+            self.decode_step(tokens, self.cache.view([[]] * rows, [[-1]] * rows, device))
 
     @torch.inference_mode()
     def step(self, metrics: WorkerMetrics | None) -> list[Output]:
-        """One engine step for this version; each request's failure stays its own."""
+        """One engine step for this version; a failure fails the sequences of the forward it hit."""
         plan = self.scheduler.schedule()
         if metrics is not None and plan.decode:
             metrics.batch_size.observe(len(plan.decode))
         outputs: list[Output] = []
         ready: list[tuple[Request, Tensor]] = []  # requests with logits for their next token
-        for request, start, end in plan.prefill:
+        if plan.prefill:
             try:
-                logits = self._prefill(request, start, end)  # [V]
+                last = self._prefill(plan.prefill)  # [N, V]
             except Exception as error:
-                self._fail(request, error, outputs)
-                continue
-            request.prefilled = end
-            if end == request.prompt_len:
-                ready.append((request, logits))
+                for request, _, _ in plan.prefill:
+                    self._fail(request, error, outputs)
+            else:
+                for (request, _, end), row in zip(plan.prefill, last, strict=True):
+                    request.prefilled = end
+                    if end == request.prompt_len:
+                        ready.append((request, row))
         if plan.decode:
             try:
                 ready += zip(plan.decode, self._decode(plan.decode), strict=True)
@@ -115,27 +133,26 @@ class ModelRunner:
                 self.scheduler.finish(request)
         return outputs
 
-    def _prefill(self, request: Request, start: int, end: int) -> Tensor:
-        """Runs prompt[start:end] alone (exact whatever else runs); logits of its last token: [V]."""
+    def _prefill(self, chunks: list[tuple[Request, int, int]]) -> Tensor:
+        """Runs every chunk prompt[start:end] in one forward, rows padded to a common length:
+        the logits of each chunk's last token, [N, V]."""
         device = self.loaded.device
-        tokens = torch.tensor([request.sequence.prompt_ids[start:end]], device=device)  # [1, T]
-        positions = torch.arange(start, end, device=device)[None]  # [1, T]
-        slots = torch.tensor([request.slot], device=device)  # [1]
-        return self.model(tokens, positions, self.cache, slots)[0, -1]
+        width = max(max(end - start for _, start, end in chunks), -(-self.min_rows // len(chunks)))
+        tokens = [[*r.sequence.prompt_ids[s:e], *[0] * (width - e + s)] for r, s, e in chunks]
+        positions = [[*range(s, e), *[-1] * (width - e + s)] for _, s, e in chunks]
+        view = self.cache.view([r.blocks for r, _, _ in chunks], positions, device)
+        logits = self.model(torch.tensor(tokens, device=device), self.cache, view)  # [N, T, V]
+        last = torch.tensor([e - s - 1 for _, s, e in chunks], device=device)  # [N]
+        return logits[torch.arange(len(chunks), device=device), last]
 
     def _decode(self, requests: list[Request]) -> Tensor:
         """Feeds each request's last token at its own position in one batch: logits [B, V]."""
-        rows = max(len(requests), MIN_DECODE_ROWS)
-        pad = rows - len(requests)
+        pad = max(len(requests), self.min_rows) - len(requests)
         tokens = [r.next_input for r in requests] + [0] * pad
-        positions = [r.sequence.total_len - 1 for r in requests] + [0] * pad
-        slots = [r.slot for r in requests] + [self.scratch_slot] * pad
+        positions = [[r.sequence.total_len - 1] for r in requests] + [[-1]] * pad
         device = self.loaded.device
-        logits = self.decode_step(
-            torch.tensor(tokens, device=device)[:, None],  # [B, 1]
-            torch.tensor(positions, device=device)[:, None],  # [B, 1]
-            torch.tensor(slots, device=device),  # [B]
-        )
+        view = self.cache.view([r.blocks for r in requests] + [[]] * pad, positions, device)
+        logits = self.decode_step(torch.tensor(tokens, device=device)[:, None], view)  # [B, V]
         return logits[: len(requests)]
 
     @staticmethod
@@ -162,28 +179,55 @@ class Engine:
         self._draining: list[ModelRunner] = []  # unloaded, still finishing their sequences
         self._lock = threading.Lock()  # guards _runners and _draining across threads
         self._wake = threading.Event()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
+    def run(self, work: Callable[[], T]) -> T:
+        """Runs `work` on the engine thread between two steps and returns what it returns (or
+        raises what it raised); sequences pause meanwhile. For torch work outside the steps:
+        loading a version's weights, allocating its cache (see the module's docstring)."""
+        if threading.current_thread() is self._thread:
+            return work()
+        if not self._thread.is_alive():
+            raise Unavailable("this worker's engine has stopped; restart the worker")
+        done: Future[object] = Future()
+        self._calls.put((work, done))
+        self._wake.set()
+        while True:
+            try:
+                return done.result(timeout=1.0)  # type: ignore[return-value]  # what `work` returned
+            except TimeoutError:
+                if not self._thread.is_alive():  # stopped before it took the call
+                    raise Unavailable("this worker's engine has stopped; restart the worker") from None
+
     def add(self, loaded: LoadedModel) -> None:
-        """Makes a version servable (replacing the same version if it was loaded)."""
-        runner = ModelRunner(loaded, self.config)
-        if self.config.compile:
-            runner.warm_up((MIN_DECODE_ROWS, self.config.max_batch_size))
+        """Makes a version servable (replacing the same version if it was loaded); its cache is
+        allocated, and its decode step compiled when enabled, on the engine thread."""
+        runner = self.run(lambda: self._new_runner(loaded))
         with self._lock:
             self._retire_locked((loaded.name, loaded.version))
             self._runners[(loaded.name, loaded.version)] = runner
-        if self.metrics is not None:
-            self.metrics.kv_slots.set(self.kv_slots)
+        self._observe_capacity()
+
+    def _new_runner(self, loaded: LoadedModel) -> ModelRunner:
+        runner = ModelRunner(loaded, self.config)
+        if self.config.compile:
+            runner.warm_up((runner.min_rows, self.config.max_batch_size))
+        return runner
 
     def remove(self, name: str, version: str) -> bool:
         """Stops serving a version; its running sequences finish on the weights they hold."""
         with self._lock:
             removed = self._retire_locked((name, version))
-        if removed and self.metrics is not None:
-            self.metrics.kv_slots.set(self.kv_slots)
+        if removed:
+            self._observe_capacity()
         return removed
+
+    def _observe_capacity(self) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_capacity(self.kv_slots, self.kv_blocks()[1])
 
     def _retire_locked(self, key: tuple[str, str]) -> bool:
         runner = self._runners.pop(key, None)
@@ -231,8 +275,13 @@ class Engine:
 
     @property
     def kv_slots(self) -> int:
-        """KV slots allocated, draining versions included."""
+        """Batch rows over loaded versions (max_batch_size each), draining versions included."""
         return self.config.max_batch_size * len(self._all_runners())
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """(held, total) KV blocks over every version's pool, draining versions included."""
+        runners = self._all_runners()
+        return sum(r.scheduler.blocks_used for r in runners), sum(r.scheduler.n_blocks for r in runners)
 
     def _all_runners(self) -> list[ModelRunner]:
         with self._lock:
@@ -273,6 +322,7 @@ class Engine:
         try:
             while not self._stopping:
                 self._wake.clear()
+                self._run_calls()
                 with self._lock:
                     self._draining = [r for r in self._draining if r.scheduler.has_work()]
                 busy = [r for r in self._all_runners() if r.scheduler.has_work()]
@@ -285,6 +335,16 @@ class Engine:
             stopped = Unavailable("this worker's engine has stopped; retry on another worker")
             for runner in self._all_runners():
                 _publish([(r, stopped) for r in runner.scheduler.take_all()])
+            while not self._calls.empty():
+                self._calls.get()[1].set_exception(stopped)
+
+    def _run_calls(self) -> None:
+        while not self._calls.empty():
+            work, done = self._calls.get()
+            try:
+                done.set_result(work())
+            except BaseException as error:  # the caller gets it
+                done.set_exception(error)
 
     def _step(self, runner: ModelRunner) -> None:
         started = time.perf_counter()
@@ -295,7 +355,7 @@ class Engine:
             outputs = [(r, error) for r in runner.scheduler.take_all()]
         if self.metrics is not None:
             self.metrics.observe_outputs(outputs, time.perf_counter() - started)
-            self.metrics.observe_occupancy(*self.occupancy())
+            self.metrics.observe_occupancy(*self.occupancy(), *self.kv_blocks())
         _publish(outputs)
 
     def close(self) -> None:
@@ -323,3 +383,21 @@ def _deliver(items: list[tuple[Mailbox[Delta], Delta | BaseException]]) -> None:
             mailbox.fail(output)
         else:
             mailbox.put(output)
+
+
+def kv_blocks(model: CausalLM, config: EngineConfig) -> int:
+    """Blocks in a version's pool, the scratch block included: REFLOW_KV_CACHE_MB's worth, or with
+    0 room for every batch row at the full context (REFLOW_MAX_MODEL_LEN), at most AUTO_KV_CACHE_MB."""
+    block_bytes = model.kv_bytes_per_token * BLOCK_SIZE
+    if config.kv_cache_mb:
+        usable = config.kv_cache_mb * 2**20 // block_bytes
+        if usable < 1:
+            raise ValueError(
+                f"REFLOW_KV_CACHE_MB={config.kv_cache_mb} holds no {BLOCK_SIZE}-token block of this "
+                f"model ({block_bytes / 2**20:.2f} MiB each)"
+            )
+    else:
+        context = min(config.max_model_len or model.max_seq_len, model.max_seq_len)
+        full = config.max_batch_size * -(-context // BLOCK_SIZE)
+        usable = min(full, AUTO_KV_CACHE_MB * 2**20 // block_bytes)
+    return usable + 1

@@ -1,4 +1,4 @@
-"""A version in memory: the model and tokenizer of a registered version, fetched and loaded on a device."""
+"""A version in memory: the model and tokenizer of a registered version's files, loaded on a device."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from reflow.registry import Registry, VersionRef
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.loader import load_checkpoint
 
@@ -24,32 +23,28 @@ class LoadedModel:
     device: torch.device
     aliases: set[str] = field(default_factory=set)
     last_request: float = field(default_factory=time.monotonic)  # when a Generate last asked for it
+    max_len: int = 0  # longest prompt plus completion, in tokens; 0 = the model's context
 
     banned_tokens: torch.Tensor = field(init=False)  # [V] bool
 
     def __post_init__(self) -> None:
+        self.max_len = self.max_len or self.model.max_seq_len
         vocab_size = self.model.vocab_size
         banned = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
         banned[self.tokenizer.never_generated(vocab_size)] = True
         self.banned_tokens = banned
 
-    @property
-    def max_len(self) -> int:
-        """Longest prompt plus completion, in tokens."""
-        return self.model.max_seq_len
-
 
 def load_directory(
-    directory: Path, name: str, version: str, device: torch.device, aliases: set[str] | None = None
+    directory: Path,
+    name: str,
+    version: str,
+    device: torch.device,
+    aliases: set[str] | None = None,
+    dtype: torch.dtype | None = None,
+    max_len: int = 0,
 ) -> LoadedModel:
-    """Loads the checkpoint in a local directory (safetensors weights, JSON config, tokenizer)."""
-    model, tokenizer = load_checkpoint(directory, device)
+    """Loads the checkpoint in a local directory (safetensors weights, JSON config, tokenizer) in
+    `dtype` (None: as saved), its context capped at `max_len` (0: the model's own)."""
+    model, tokenizer = load_checkpoint(directory, device, dtype, max_len)
     return LoadedModel(name, version, model, tokenizer, device, aliases or set())
-
-
-def load_version(
-    registry: Registry, ref: VersionRef, cache_dir: Path, device: torch.device, alias: str = ""
-) -> LoadedModel:
-    """Fetches `ref` from the registry (cached) and loads it onto `device`."""
-    directory = registry.download(ref, cache_dir)
-    return load_directory(directory, ref.name, ref.version, device, {alias} if alias else set())

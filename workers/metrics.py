@@ -54,20 +54,36 @@ class WorkerMetrics:
             ["finish_reason"],
             registry=r,
         )
-        self.running = Gauge("reflow_worker_running_sequences", "Sequences holding a KV slot.", registry=r)
-        self.waiting = Gauge("reflow_worker_waiting_sequences", "Sequences queued for a KV slot.", registry=r)
-        self.kv_slots_in_use = Gauge("reflow_worker_kv_slots_in_use", "KV cache slots in use.", registry=r)
-        self.kv_slots = Gauge("reflow_worker_kv_slots", "KV cache slots allocated.", registry=r)
+        self.running = Gauge("reflow_worker_running_sequences", "Sequences admitted to a batch.", registry=r)
+        self.waiting = Gauge(
+            "reflow_worker_waiting_sequences", "Sequences queued for a batch row and KV blocks.", registry=r
+        )
+        self.kv_slots_in_use = Gauge("reflow_worker_kv_slots_in_use", "Batch rows in use.", registry=r)
+        self.kv_slots = Gauge(
+            "reflow_worker_kv_slots", "Batch rows over loaded versions (max_batch_size each).", registry=r
+        )
+        self.kv_blocks_used = Gauge("reflow_worker_kv_blocks_used", "KV cache blocks held.", registry=r)
+        self.kv_blocks = Gauge("reflow_worker_kv_blocks", "KV cache blocks allocated.", registry=r)
+        self.kv_cache_usage = Gauge(
+            "reflow_worker_kv_cache_usage", "KV cache blocks held / allocated (0 to 1).", registry=r
+        )
 
     def watch_isolation(self, stats: Callable[[], dict[str, int]]) -> None:
         """Exports the isolation programs' counters, read at each scrape."""
         self.registry.register(_IsolationCollector(stats))
 
-    def observe_occupancy(self, running: int, waiting: int) -> None:
-        """After each step: sequences holding KV slots and sequences queued."""
+    def observe_capacity(self, slots: int, blocks: int) -> None:
+        """When a version is loaded or unloaded: batch rows and KV blocks allocated."""
+        self.kv_slots.set(slots)
+        self.kv_blocks.set(blocks)
+
+    def observe_occupancy(self, running: int, waiting: int, blocks_used: int, blocks_total: int) -> None:
+        """After each step: sequences admitted and queued, KV blocks held of those allocated."""
         self.running.set(running)
         self.kv_slots_in_use.set(running)
         self.waiting.set(waiting)
+        self.kv_blocks_used.set(blocks_used)
+        self.kv_cache_usage.set(blocks_used / blocks_total if blocks_total else 0.0)
 
     def observe_outputs(self, outputs: Seq[Output], step_seconds: float) -> None:
         """Per-token latencies and counts of one step's outputs."""

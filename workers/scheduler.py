@@ -1,4 +1,13 @@
-"""Decides each engine step: which sequences prefill (in chunks), which decode, which leave."""
+"""Decides each engine step: which sequences prefill (in chunks), which decode, which leave, and which
+KV blocks each holds.
+
+A request is admitted, first come first served, when a batch row is free and the pool can cover
+the blocks it could ever need (prompt plus `max_tokens`, within the context); it takes them one at
+a time as it grows and gives them all back when it ends. Reserving the worst case means a running
+sequence never has to be preempted and recomputed (vLLM's way when its blocks run out): outputs
+stay bit-exact, and the price is that a request asking for far more tokens than it will produce
+may wait while blocks sit unused.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +20,18 @@ from typing import Any
 import torch
 
 from reflow.errors import NotFound, ResourceExhausted
+from workers.models.kv_cache import SCRATCH_BLOCK
 from workers.sequence import Delta, Sequence
 
 
 @dataclass(eq=False)
 class Request:
-    """One sequence in the engine: its decoding state, KV slot and progress through the prompt."""
+    """One sequence in the engine: its decoding state, KV blocks and progress through the prompt."""
 
     sequence: Sequence
     generator: torch.Generator
     deliver: Any  # where its deltas go; opaque to the scheduler
-    slot: int = -1
+    blocks: list[int] = field(default_factory=list)  # its block table: KV blocks in token order
     prefilled: int = 0  # prompt tokens already in the KV cache
     next_input: int | None = None  # the sampled token the next decode step feeds in
     cancelled: bool = False
@@ -32,6 +42,12 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.sequence.prompt_ids)
+
+    @property
+    def most_tokens(self) -> int:
+        """The most tokens its keys and values may ever take: prompt plus completion, in context."""
+        s = self.sequence
+        return min(self.prompt_len + s.params.max_tokens, s.max_len)
 
 
 Output = tuple[Request, Delta | BaseException]  # what a step gives one request: a delta or its failure
@@ -49,16 +65,28 @@ class StepPlan:
 
 
 class Scheduler:
-    """FIFO admission into a fixed pool of KV slots, with a bounded waiting queue.
+    """FIFO admission into a pool of KV blocks and batch rows, with a bounded waiting queue.
 
     Thread-safe: requests arrive from the event loop, steps are planned on the engine thread.
     """
 
-    def __init__(self, n_slots: int, max_waiting: int, prefill_chunk: int, max_prefill_tokens: int):
+    def __init__(
+        self,
+        max_running: int,
+        max_waiting: int,
+        prefill_chunk: int,
+        max_prefill_tokens: int,
+        n_blocks: int,
+        block_size: int,
+    ):
+        self.max_running = max_running
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
         self.max_prefill_tokens = max_prefill_tokens
-        self._free_slots = list(range(n_slots - 1, -1, -1))
+        self.block_size = block_size
+        self.n_blocks = n_blocks - 1  # usable: the scratch block is never handed out
+        self._free_blocks = [b for b in range(n_blocks - 1, -1, -1) if b != SCRATCH_BLOCK]
+        self._promised = 0  # blocks reserved by running requests and not taken yet
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._closed = False  # the version was unloaded: running ones finish, nothing new joins
@@ -66,17 +94,26 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        """Requests not yet holding a slot."""
+        """Requests not yet admitted."""
         return len(self._waiting)
 
     @property
     def running(self) -> int:
-        """Requests holding a slot (prefilling or decoding)."""
+        """Requests admitted (prefilling or decoding)."""
         return len(self._running)
+
+    @property
+    def blocks_used(self) -> int:
+        """KV blocks sequences hold now."""
+        return self.n_blocks - len(self._free_blocks)
 
     def has_work(self) -> bool:
         """True when a step would do something."""
         return bool(self._waiting or self._running)
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold `tokens` tokens."""
+        return -(-tokens // self.block_size)
 
     def submit(self, request: Request) -> None:
         """Queues a request; ResourceExhausted with a retry hint when the queue is full."""
@@ -94,15 +131,20 @@ class Scheduler:
             self._waiting.append(request)
 
     def schedule(self) -> StepPlan:
-        """Retires cancelled requests, admits waiting ones into free slots, plans the step."""
+        """Retires cancelled requests, admits waiting ones the pool can cover, plans the step and
+        gives each planned sequence the blocks its new tokens go to."""
         with self._lock:
             self._waiting = deque(r for r in self._waiting if not r.cancelled)
             for request in [r for r in self._running if r.cancelled]:
                 self._release(request)
-            while self._waiting and self._free_slots:
+            while self._waiting and len(self._running) < self.max_running:
+                need = self.blocks_for(self._waiting[0].most_tokens)
+                if need > len(self._free_blocks) - self._promised:
+                    break  # first come, first served: the head waits for blocks to come back
                 request = self._waiting.popleft()
-                request.slot = self._free_slots.pop()
                 request.admitted_at = time.perf_counter()
+                self._promised += need
+                request.blocks = []
                 self._running.append(request)
             plan = StepPlan()
             budget = self.max_prefill_tokens
@@ -113,11 +155,19 @@ class Scheduler:
                     end = min(request.prompt_len, request.prefilled + self.prefill_chunk)
                     if end - request.prefilled > budget and plan.prefill:
                         continue  # next step; the first chunk of a step always runs
+                    self._grow(request, end)
                     plan.prefill.append((request, request.prefilled, end))
                     budget -= end - request.prefilled
                 elif request.next_input is not None:
+                    self._grow(request, request.sequence.total_len)
                     plan.decode.append(request)
             return plan
+
+    def _grow(self, request: Request, tokens: int) -> None:
+        """Takes blocks until `request` holds room for `tokens` tokens (reserved at admission)."""
+        while len(request.blocks) * self.block_size < tokens:
+            request.blocks.append(self._free_blocks.pop())
+            self._promised -= 1
 
     def close(self) -> None:
         """Refuses new requests; the ones already here run to their end."""
@@ -128,20 +178,19 @@ class Scheduler:
         """Removes every request (running and waiting), for failing them after an engine error."""
         with self._lock:
             requests = [*self._running, *self._waiting]
-            for request in self._running:
-                self._free_slots.append(request.slot)
-                request.slot = -1
-            self._running.clear()
+            for request in list(self._running):
+                self._release(request)
             self._waiting.clear()
             return requests
 
     def finish(self, request: Request) -> None:
-        """Frees a finished request's slot."""
+        """Gives a finished request's blocks back."""
         with self._lock:
             if request in self._running:
                 self._release(request)
 
     def _release(self, request: Request) -> None:
         self._running.remove(request)
-        self._free_slots.append(request.slot)
-        request.slot = -1
+        self._promised -= self.blocks_for(request.most_tokens) - len(request.blocks)
+        self._free_blocks.extend(reversed(request.blocks))
+        request.blocks = []

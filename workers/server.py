@@ -35,7 +35,7 @@ from workers.isolation.host import DEFAULT_OBJECT
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
 from workers.models.interface import Tokenizer
-from workers.models.loader import resolve_device
+from workers.models.loader import resolve_device, resolve_dtype
 from workers.sampling import SamplingParams
 from workers.sequence import Delta, GenerationParams
 from workers.versions import Versions
@@ -95,6 +95,7 @@ def loaded_to_pb(loaded: LoadedModel) -> worker_pb2.LoadedVersion:
         parameters=loaded.model.parameter_count(),
         device=str(loaded.device),
         max_sequence_length=loaded.max_len,
+        dtype=str(loaded.model.dtype).removeprefix("torch."),
     )
 
 
@@ -153,6 +154,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         device = self.versions.device
         device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         stats = self.isolation.stats()
+        blocks_used, blocks_total = self.engine.kv_blocks()
         return worker_pb2.WorkerStatusResponse(
             loaded=[loaded_to_pb(m) for m in self.engine.loaded()],
             running=self.engine.running,
@@ -160,6 +162,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             memory_bytes=resident_memory_bytes(),
             device_memory_bytes=device_bytes,
             kv_slots=self.engine.kv_slots,
+            kv_blocks_used=blocks_used,
+            kv_blocks_total=blocks_total,
             max_waiting=self.engine.config.max_waiting,
             isolation=self.isolation.name,
             connections_dropped=stats.get("ingress_dropped", 0),
@@ -211,6 +215,8 @@ def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
         prefill_chunk=settings.prefill_chunk,
         max_prefill_tokens=settings.max_prefill_tokens,
         compile=compile_on,
+        kv_cache_mb=settings.kv_cache_mb,
+        max_model_len=settings.max_model_len,
     )
 
 
@@ -232,7 +238,8 @@ async def _serve_isolated(
     device = resolve_device(settings.device)
     metrics = WorkerMetrics()
     engine = Engine(engine_config(settings, device), metrics)
-    versions = Versions(engine, Registry.from_settings(settings), settings.model_cache_dir, device)
+    dtype = resolve_dtype(settings.dtype)
+    versions = Versions(engine, Registry.from_settings(settings), settings.model_cache_dir, device, dtype)
     servicer = WorkerServicer(versions, isolation)
     metrics.watch_isolation(isolation.stats)
     follower = None

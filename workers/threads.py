@@ -1,15 +1,22 @@
-"""How torch's threads wait in a process that serves: passively, so a shared machine keeps its pace."""
+"""How torch's threads wait in a process that serves: spinning only briefly, so a shared machine keeps
+its pace and a model's many small kernels do not each pay a wake-up."""
 
 from __future__ import annotations
 
 import os
 
+SPIN_COUNT = "10000"  # libgomp's busy-wait iterations before a thread sleeps: a few microseconds
 
-def wait_passively() -> None:
-    """Makes torch's OpenMP threads sleep while they wait for work instead of spinning, unless the
-    operator chose (OMP_WAIT_POLICY is set). Spinning threads turned a 1 ms decode step into 120 ms
-    on 2 cores shared with a gateway and other processes. libgomp reads the policy once, when torch
-    loads: call this first thing in a serving process. Training processes keep OpenMP's default,
-    which is faster for their long matrix products (a fine-tune run took 35 s spinning, 57 s
-    passive: `benchmarks/finetune_gain.py` with OMP_WAIT_POLICY set either way)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+def spin_briefly() -> None:
+    """Makes torch's OpenMP threads spin GOMP_SPINCOUNT=10000 iterations before they sleep, unless
+    the operator chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT is set). OpenMP's default, 300,000,
+    turned a 1 ms decode step into 120 ms on 2 cores shared with a gateway; not spinning at all
+    (OMP_WAIT_POLICY=PASSIVE) wakes the threads for each of a step's ~1,000 kernels and doubled
+    SmolLM2-135M's decode step (32 -> 63 ms for one sequence). 10,000 bridges the gaps within a
+    step and sleeps between steps: the built-in model's throughput is the same as passive
+    (`benchmarks/decode_throughput.py`). libgomp reads this once, when torch loads: call it first
+    thing in a serving process. Training processes keep OpenMP's default, which is faster for
+    their long matrix products."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)

@@ -1,5 +1,5 @@
-"""The versions a worker holds: resolved in the registry, fetched, loaded and added to the engine,
-off the event loop, so running sequences keep decoding while a new version arrives."""
+"""The versions a worker holds: resolved in the registry, fetched off the event loop while running
+sequences keep decoding, then built on the engine's thread and added to it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from reflow.errors import NotFound
 from reflow.registry import Registry
 from workers.engine import Engine
-from workers.loading import LoadedModel, load_version
+from workers.loading import LoadedModel, load_directory
 
 logger = logging.getLogger(__name__)
 
@@ -20,11 +20,19 @@ logger = logging.getLogger(__name__)
 class Versions:
     """Loads registered versions into one engine."""
 
-    def __init__(self, engine: Engine, registry: Registry | None, cache_dir: Path, device: torch.device):
+    def __init__(
+        self,
+        engine: Engine,
+        registry: Registry | None,
+        cache_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+    ):
         self.engine = engine
         self.registry = registry  # None: nothing can be loaded (a worker given its versions)
         self.cache_dir = cache_dir
         self.device = device
+        self.dtype = dtype  # None: as each version was saved
 
     async def load(self, name: str, *, version: str = "", alias: str = "") -> LoadedModel:
         """Resolves, fetches and loads a version off the event loop, then makes it servable."""
@@ -38,11 +46,20 @@ class Versions:
         if (present := self.engine.find(name, ref.version)) is not None:
             present.aliases |= {alias} if alias else set()
             return present
-        # Fetch and build on a side thread: running sequences keep decoding meanwhile.
+        # Fetch on a side thread (sequences keep decoding meanwhile), then build on the engine's,
+        # between two steps: all of a worker's torch work runs on one thread (workers/engine.py).
         try:
-            loaded = await asyncio.to_thread(load_version, registry, ref, self.cache_dir, self.device, alias)
+            directory = await asyncio.to_thread(registry.download, ref, self.cache_dir)
         except LookupError as error:  # the version has no files in the registry
             raise NotFound(str(error)) from error
-        await asyncio.to_thread(self.engine.add, loaded)  # compiles and warms up first when enabled
+        aliases = {alias} if alias else set()
+        max_len = self.engine.config.max_model_len
+
+        def build() -> LoadedModel:
+            loaded = load_directory(directory, name, ref.version, self.device, aliases, self.dtype, max_len)
+            self.engine.add(loaded)  # compiles and warms up first when enabled
+            return loaded
+
+        loaded = await asyncio.to_thread(self.engine.run, build)
         logger.info("loaded model=%s version=%s alias=%s device=%s", name, ref.version, alias, self.device)
         return loaded

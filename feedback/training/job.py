@@ -28,7 +28,7 @@ from feedback.tasks.task import replay_example
 from feedback.training import gate
 from feedback.training.dataset import RatedCompletion, build_dataset, count_new, load_new
 from feedback.training.trainer import FinetuneConfig, train_candidate
-from reflow.registry import CHALLENGER, Registry, VersionRef
+from reflow.registry import CHALLENGER, IMPORTED, SOURCE_TAG, Registry, VersionRef
 from reflow.store.experiments import running_experiment
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
 from reflow.worker_calls import WorkerTargets
@@ -95,6 +95,12 @@ def run_finetune(
     if new < max(needed, 1):
         return Outcome("skipped", f"{new} new labelled feedback item(s) on {name}; waiting for {needed}")
     parent = registry.resolve(name, alias=job.champion_alias)
+    if registry.tags(parent).get(SOURCE_TAG) == IMPORTED:
+        return Outcome(
+            "skipped",
+            f"{name} v{parent.version} is an imported checkpoint; the fine-tune job trains only the "
+            "built-in model until it trains adapters for imported ones",
+        )
     items = load_new(engine, name, job.max_samples)
     run_id = claim_run(engine, name, parent.version, [item.id for item in items])
     if run_id is None:

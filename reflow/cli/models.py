@@ -1,8 +1,12 @@
-"""`reflow models`: registered versions and their aliases, moved by hand."""
+"""`reflow models`: checkpoints imported as versions, registered versions and their aliases, moved
+by hand."""
 
 from __future__ import annotations
 
 import json
+import re
+import tempfile
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -11,6 +15,61 @@ from reflow.cli.common import err_console, fail, load_settings, open_registry
 from reflow.settings import Settings
 
 app = typer.Typer(help="Registered model versions and their aliases.", no_args_is_help=True)
+
+
+@app.command("import")
+def models_import(
+    path: Annotated[Path, typer.Argument(help="A Hugging Face checkpoint directory or a .gguf file.")],
+    name: Annotated[str, typer.Option(help="Registered model to add the version to.")],
+    alias: Annotated[str, typer.Option(help="Alias to point at the new version.")] = "champion",
+) -> None:
+    """Register a checkpoint as the next version of NAME (safetensors or GGUF; never pickles)."""
+    settings = load_settings()
+    version, new = import_checkpoint(settings, path, name, alias)
+    if new:
+        print(f"{name}@{alias} -> version {version}")
+    else:
+        print(f"{path} is already {name} version {version}; nothing imported")
+
+
+def import_checkpoint(settings: Settings, path: Path, name: str, alias: str) -> tuple[str, bool]:
+    """Imports `path` as a version of `name` at `alias`, with a progress bar; returns the version
+    and whether it is new (the same files import once). Ends the command on a refused checkpoint."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from reflow.registry import IMPORTED, SOURCE_SHA256_TAG, SOURCE_TAG
+    from workers.models import importing
+
+    registry = open_registry(settings)
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    try:
+        files = importing.source_files(path)
+        with Progress(*columns, console=err_console, transient=True) as progress:
+            task = progress.add_task(f"importing {path.name}", total=importing.total_bytes(files))
+
+            def advance(n: int) -> None:
+                progress.advance(task, n)
+
+            digest = importing.fingerprint(files, advance)
+            if (present := registry.find_version(name, SOURCE_SHA256_TAG, digest)) is not None:
+                return present, False
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=settings.data_dir) as tmp:
+                directory = importing.prepare(files, Path(tmp) / "checkpoint", advance)
+                ref = registry.register(
+                    name, directory, params={"source": path.name}, metrics={}, alias=alias,
+                    tags={SOURCE_TAG: IMPORTED, SOURCE_SHA256_TAG: digest},
+                )  # fmt: skip
+    except ValueError as error:
+        fail(error)
+    return ref.version, True
+
+
+def name_of(path: Path) -> str:
+    """A registered model name for a checkpoint path: its file or directory name, lowercased, with
+    what MLflow names should not hold turned into dashes (`SmolLM2-135M.Q4_1.gguf` -> `smollm2-135m-q4_1`)."""
+    stem = path.name.removesuffix(".gguf") if path.is_file() else path.resolve().name
+    return re.sub(r"[^a-z0-9_-]+", "-", stem.lower()).strip("-") or "model"
 
 
 @app.command("list")

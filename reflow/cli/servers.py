@@ -26,9 +26,9 @@ def worker(
     ready_file: ReadyFile = None,
 ) -> None:
     """Serve the internal Worker API for REFLOW_MODEL_NAME on REFLOW_DEVICE."""
-    from workers.threads import wait_passively
+    from workers.threads import spin_briefly
 
-    wait_passively()  # before torch loads
+    spin_briefly()  # before torch loads
     from workers.server import serve
 
     serve_until_stopped(serve(load_settings(worker_port=port), version=version, ready_file=ready_file))

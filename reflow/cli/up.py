@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from reflow.cli.common import console, load_settings
+from reflow.cli.common import console, fail, load_settings, open_registry
 from reflow.endpoints import API_KEY_FILE, ENDPOINTS_FILE
 from reflow.settings import Settings
 
@@ -41,9 +41,19 @@ def up(
     demo: Annotated[
         bool, typer.Option("--demo", help="Also run simulated users, on a faster schedule: the loop turns.")
     ] = False,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="A registered model NAME, or a checkpoint PATH (a Hugging Face directory or a .gguf "
+            "file) to import and serve [default: REFLOW_MODEL_NAME].",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run everything on this machine with embedded defaults until Ctrl-C or SIGTERM."""
     settings = load_settings(data_dir=data_dir, gateway_port=port, api_key=api_key)
+    if model is not None:
+        settings = served_model(settings, model)
     count = workers or (cuda_device_count() if settings.device == "auto" else 0) or 1
     raise typer.Exit(run_up(settings, count, console, demo=demo))
 
@@ -54,6 +64,26 @@ class Stopped(Exception):
 
 def _raise_stopped(signum: int, _frame: object) -> None:
     raise Stopped(signal.Signals(signum).name)
+
+
+def served_model(settings: Settings, model: str) -> Settings:
+    """`--model`: a checkpoint path is imported (once) under a name made from it; a name must be
+    registered at REFLOW_MODEL_ALIAS. Ends the command otherwise."""
+    from reflow.cli.models import import_checkpoint, name_of
+
+    path, alias = Path(model), settings.model_alias
+    if path.exists():
+        name = name_of(path)
+        version, new = import_checkpoint(settings, path, name, alias)
+        console.print(f"{path} is {name} version {version}" + ("" if new else " (imported before)"))
+    else:
+        name = model
+        if not open_registry(settings).has_alias(name, alias):
+            fail(
+                f"no model {name}@{alias} in the registry and no file {path}; import a checkpoint "
+                f"first (reflow models import PATH --name {name}) or pass its path to --model"
+            )
+    return settings.model_copy(update={"model_name": name})
 
 
 def resolve_api_key(settings: Settings, console: Console) -> str:
@@ -109,7 +139,7 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
     from gateway.tenants import ensure_tenant
     from reflow.cgroups import remove_instance
     from reflow.cli.supervisor import Supervisor, wait_http, wait_serving
-    from reflow.registry import Registry
+    from reflow.registry import IMPORTED, SOURCE_TAG, Registry
     from reflow.serving import free_port, write_json_atomically
     from reflow.store.database import migrate, open_engine
 
@@ -120,7 +150,7 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
     endpoints_path.unlink(missing_ok=True)
     supervisor = Supervisor(settings)
     # Children get absolute paths, whatever directory they start in.
-    env = {"REFLOW_DATA_DIR": str(settings.data_dir.resolve())}
+    env = {"REFLOW_DATA_DIR": str(settings.data_dir.resolve()), "REFLOW_MODEL_NAME": settings.model_name}
     if demo:
         env |= demo_overrides(settings)
     try:
@@ -129,7 +159,8 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
         ensure_tenant(engine, "default", resolve_api_key(settings, console))
         engine.dispose()
         registry = Registry.from_settings(settings)
-        ensure_base_model(base_model_of(settings), registry, console)
+        served = ensure_base_model(base_model_of(settings), registry, console)
+        chat = registry.tags(served).get(SOURCE_TAG) == IMPORTED  # a real model: it chats
 
         bootstrap = settings.kafka_bootstrap
         if not bootstrap:
@@ -194,7 +225,12 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
                 value = "\n".join(f"{k}: {v}" for k, v in value.items())
             table.add_row(key, ", ".join(value) if isinstance(value, list) else value)
         console.print(table)
-        console.print(f'try: reflow generate "47+38="   (stop with Ctrl-C; endpoints in {endpoints_path})')
+        example = (
+            f'reflow generate --model {settings.model_name} --chat "What is the capital of France?"'
+            if chat
+            else 'reflow generate "47+38="'
+        )
+        console.print(f"try: {example}   (stop with Ctrl-C; endpoints in {endpoints_path})")
         if demo:
             console.print(
                 "demo: simulated users are rating answers; watch `reflow experiments list` and "

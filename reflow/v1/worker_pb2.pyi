@@ -50,23 +50,25 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadedVersion(_message.Message):
-    __slots__ = ("model", "version", "aliases", "parameters", "device", "max_sequence_length")
+    __slots__ = ("model", "version", "aliases", "parameters", "device", "max_sequence_length", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
     parameters: int
     device: str
     max_sequence_length: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
-    __slots__ = ("loaded", "running", "waiting", "memory_bytes", "device_memory_bytes", "kv_slots", "max_waiting", "isolation", "connections_dropped", "connects_denied")
+    __slots__ = ("loaded", "running", "waiting", "memory_bytes", "device_memory_bytes", "kv_slots", "max_waiting", "isolation", "connections_dropped", "connects_denied", "kv_blocks_total", "kv_blocks_used")
     LOADED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,8 @@ class WorkerStatusResponse(_message.Message):
     ISOLATION_FIELD_NUMBER: _ClassVar[int]
     CONNECTIONS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     CONNECTS_DENIED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     loaded: _containers.RepeatedCompositeFieldContainer[LoadedVersion]
     running: int
     waiting: int
@@ -87,7 +91,9 @@ class WorkerStatusResponse(_message.Message):
     isolation: str
     connections_dropped: int
     connects_denied: int
-    def __init__(self, loaded: _Optional[_Iterable[_Union[LoadedVersion, _Mapping]]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_waiting: _Optional[int] = ..., isolation: _Optional[str] = ..., connections_dropped: _Optional[int] = ..., connects_denied: _Optional[int] = ...) -> None: ...
+    kv_blocks_total: int
+    kv_blocks_used: int
+    def __init__(self, loaded: _Optional[_Iterable[_Union[LoadedVersion, _Mapping]]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_waiting: _Optional[int] = ..., isolation: _Optional[str] = ..., connections_dropped: _Optional[int] = ..., connects_denied: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("model", "version", "alias")

@@ -94,5 +94,7 @@ async def test_metrics_endpoints_expose_plausible_series(stack: Stack) -> None:
     assert 0 < w["reflow_worker_time_to_first_token_seconds_sum"] < 3
     assert w["reflow_worker_decode_batch_size_count"] >= tokens - 3 - 6  # one decode per later token
     assert w["reflow_worker_kv_slots"] == 64
+    assert w["reflow_worker_kv_blocks"] == 64 * 4  # a full context (64 tokens) per batch row
+    assert (w["reflow_worker_kv_blocks_used"], w["reflow_worker_kv_cache_usage"]) == (0, 0)
     assert (w["reflow_worker_running_sequences"], w["reflow_worker_waiting_sequences"]) == (0, 0)
     assert sum(v for k, v in w.items() if k.startswith("reflow_worker_sequences_finished_total")) == 3

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from reflow.registry import MODEL_FILES
 from tests.support.models import save_model, tiny_model
 from tests.support.registry import local_registry
 
@@ -23,7 +22,7 @@ def test_register_resolve_and_download(tmp_path: Path) -> None:
     with pytest.raises(LookupError, match="no alias @nope"):
         registry.resolve("arith", alias="nope")
     local = registry.download(first, tmp_path / "cache")
-    assert sorted(p.name for p in local.iterdir()) == sorted(MODEL_FILES)
+    assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in directory.iterdir())
     (local / "config.json").write_text("{}")  # a cached copy is reused, not fetched again
     assert registry.download(first, tmp_path / "cache").joinpath("config.json").read_text() == "{}"
 

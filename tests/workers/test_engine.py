@@ -16,7 +16,7 @@ from tests.support.waiting import eventually
 from workers.engine import Engine, EngineConfig
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
-from workers.models.builtin import TOKENIZER
+from workers.models.builtin import TOKENIZER, new_model
 from workers.sampling import SamplingParams
 from workers.sequence import Delta, GenerationParams
 
@@ -85,6 +85,38 @@ async def test_a_cancelled_sequence_frees_its_slot_for_the_next() -> None:
         await first.aclose()
         assert len((await asyncio.wait_for(queued, 5)).token_ids) <= 5  # it got the freed slot
         await eventually(lambda: (engine.running, engine.waiting) == (0, 0), 2.0)
+    finally:
+        engine.close()
+
+
+async def test_requests_the_kv_blocks_cannot_hold_at_once_wait_and_all_finish_exactly() -> None:
+    model, _ = new_model("arith-small", 1)  # 4 KiB of keys and values a token: 16 blocks in 1 MiB
+    engine = Engine(EngineConfig(kv_cache_mb=1, max_model_len=128), WorkerMetrics())
+    engine.add(LoadedModel("arith", "1", model.eval(), TOK, torch.device("cpu")))
+    try:
+        assert engine.kv_blocks() == (0, 16)
+        params = GenerationParams(max_tokens=100)  # up to 107 tokens: 7 of the 16 blocks, 2 at once
+        alone = [(await collect(engine, p, params)).token_ids for p in PROMPTS[:2]]
+        most_waiting = 0
+
+        async def watch() -> None:
+            nonlocal most_waiting
+            while True:
+                most_waiting = max(most_waiting, engine.waiting)
+                assert engine.running <= 2 and engine.kv_blocks()[0] <= 16
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.create_task(watch())
+        outs = await asyncio.gather(*(collect(engine, PROMPTS[i % 2], params) for i in range(6)))
+        watcher.cancel()
+        assert most_waiting >= 3  # the rest waited for blocks instead of failing
+        assert [o.token_ids for o in outs] == [alone[i % 2] for i in range(6)]
+        assert engine.kv_blocks() == (0, 16)  # every block back in the pool
+        stream = engine.generate("arith", "1", TOK.encode(PROMPTS[0]), params)
+        await anext(stream)
+        assert engine.kv_blocks()[0] > 0
+        await stream.aclose()  # cancelled mid-stream: its blocks come back at the next step
+        await eventually(lambda: engine.kv_blocks() == (0, 16), 2.0)
     finally:
         engine.close()
 

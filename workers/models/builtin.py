@@ -1,4 +1,4 @@
-"""The built-in model: a small Llama-style decoder (RMSNorm, RoPE, SwiGLU) with a slotted KV cache.
+"""The built-in model: a small Llama-style decoder (RMSNorm, RoPE, SwiGLU) over byte-level tokens.
 
 Its `config.json` says `"model_type": "reflow"`, which is how the loader tells it from others.
 """
@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from workers.models.byte_tokenizer import ByteTokenizer
+from workers.models.kv_cache import CacheView, PagedKVCache, paged_attention
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -75,31 +76,6 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-class KVCache:
-    """Preallocated keys and values for `n_slots` sequences; a sequence owns one slot."""
-
-    def __init__(self, config: ModelConfig, n_slots: int, device: torch.device, dtype: torch.dtype):
-        shape = (config.n_layers, n_slots, config.n_heads, config.max_seq_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, N, H, S, D]
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_seq_len = config.max_seq_len
-
-    def mask(self, positions: Tensor) -> Tensor:
-        """Which cached keys each query may attend to (its own and earlier positions): [B, 1, T, S]."""
-        key_pos = torch.arange(self.max_seq_len, device=positions.device)
-        return (key_pos[None, None, :] <= positions[:, :, None])[:, None]
-
-    def update(
-        self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Writes k, v at `positions` of `slots`; returns the slots' keys and values: [B, H, S, D]."""
-        # slots: [B]; positions: [B, T]; k, v: [B, H, T, D]
-        rows = slots[:, None]
-        self.k[layer][rows, :, positions] = k.transpose(1, 2)  # indexed view: [B, T, H, D]
-        self.v[layer][rows, :, positions] = v.transpose(1, 2)
-        return self.k[layer][slots], self.v[layer][slots]
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale."""
 
@@ -143,25 +119,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(
-        self,
-        x: Tensor,
-        rope: Tensor,
-        positions: Tensor,
-        cache: KVCache | None,
-        slots: Tensor | None,
-        mask: Tensor | None,
+        self, x: Tensor, rope: Tensor, cache: PagedKVCache | None, view: CacheView | None, mask: Tensor | None
     ) -> Tensor:
         b, t, _ = x.shape
         h, d = self.config.n_heads, self.config.head_dim
         q, k, v = self.wqkv(x).view(b, t, 3, h, d).unbind(2)  # each [B, T, H, D]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # [B, H, T, D]
-        if cache is None:
+        if cache is None or view is None or mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            assert slots is not None
-            keys, values = cache.update(self.layer, slots, positions, k, v)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            y = paged_attention(cache, self.layer, view, q, k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(b, t, h * d))  # [B, T, dim]
 
 
@@ -189,15 +157,9 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(
-        self,
-        x: Tensor,
-        rope: Tensor,
-        positions: Tensor,
-        cache: KVCache | None,
-        slots: Tensor | None,
-        mask: Tensor | None,
+        self, x: Tensor, rope: Tensor, cache: PagedKVCache | None, view: CacheView | None, mask: Tensor | None
     ) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, positions, cache, slots, mask)
+        x = x + self.attention(self.attention_norm(x), rope, cache, view, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -216,25 +178,20 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_table(config), persistent=False)
 
     def forward(
-        self,
-        tokens: Tensor,
-        positions: Tensor | None = None,
-        cache: KVCache | None = None,
-        slots: Tensor | None = None,
+        self, tokens: Tensor, cache: PagedKVCache | None = None, view: CacheView | None = None
     ) -> Tensor:
         """Logits [B, T, vocab] for tokens [B, T].
 
         Without a cache this is the causal full-sequence pass used in training;
-        with one, `positions` [B, T] place the tokens in the sequences of `slots` [B].
+        with one, `view` places the tokens in the cache's blocks.
         """
         b, t = tokens.shape
-        if positions is None:
-            positions = torch.arange(t, device=tokens.device).expand(b, t)
+        positions = view.positions if view is not None else torch.arange(t, device=tokens.device).expand(b, t)
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         rope = self.rope[positions]  # [B, T, D/2, 2]
-        mask = None if cache is None else cache.mask(positions)  # [B, 1, T, S]
+        mask = None if view is None else view.mask()  # [B, 1, T, S]
         for layer in self.layers:
-            x = layer(x, rope, positions, cache, slots, mask)
+            x = layer(x, rope, cache, view, mask)
         return self.output(self.norm(x))  # [B, T, vocab]
 
     @property
@@ -257,9 +214,23 @@ class Transformer(nn.Module):
         """Where the weights are."""
         return self.output.weight.device
 
-    def new_cache(self, n_slots: int) -> KVCache:
-        """A KV cache for `n_slots` sequences on this model's device and dtype."""
-        return KVCache(self.config, n_slots, self.device, self.dtype)
+    @property
+    def min_batch_rows(self) -> int:
+        """4 in float32: from 4 rows on, MKL's float32 GEMMs give every row the same bits whatever
+        the batch for all presets (measured for 1..64 rows; 2 rows differ). oneDNN's bfloat16 and
+        float16 GEMMs measured invariant at every row count."""
+        return 4 if self.dtype == torch.float32 else 1
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one held token takes."""
+        c = self.config
+        return PagedKVCache.bytes_per_token(c.n_layers, c.n_heads, c.head_dim, self.dtype)
+
+    def new_cache(self, n_blocks: int) -> PagedKVCache:
+        """An empty pool of `n_blocks` KV blocks on this model's device and dtype."""
+        c = self.config
+        return PagedKVCache(c.n_layers, c.n_heads, c.head_dim, n_blocks, self.device, self.dtype)
 
     def parameter_count(self) -> int:
         """Number of trainable parameters."""
@@ -279,13 +250,22 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_checkpoint(
-        cls, directory: Path, config_json: dict[str, Any], device: torch.device | str = "cpu"
+        cls,
+        directory: Path,
+        config_json: dict[str, Any],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        max_len: int = 0,
     ) -> Transformer:
-        """The model `config_json` (its `config.json`, read) describes, weights from `directory`."""
+        """The model `config_json` (its `config.json`, read) describes, weights from `directory`
+        cast to `dtype` (None: float32, as trained). Its context is its config's; `max_len` is
+        taken for the loader's sake and the engine applies any lower cap."""
         config = ModelConfig.from_dict(config_json)
         with torch.device("meta"):
             model = cls(config)
         state = load_file(str(directory / WEIGHTS_FILE), device=str(device))
+        if dtype is not None:
+            state = {name: t.to(dtype) for name, t in state.items()}
         model.load_state_dict(state, strict=True, assign=True)
         model.rope = rope_table(config, torch.device(device))
         return model.eval()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from workers.models.interface import CausalLM, Tokenizer
+from workers.models.kv_cache import BLOCK_SIZE
 
 
 def greedy_answers(
@@ -48,21 +49,23 @@ def _greedy_tokens(
     for i, ids in enumerate(encoded):
         tokens[i, : len(ids)] = torch.tensor(ids)
     tokens = tokens.to(device)  # [B, T], right-padded
-    cache = model.new_cache(n)
-    slots = torch.arange(n, device=device)  # [B]
-    positions = torch.arange(max_len, device=device).expand(n, max_len)  # [B, T]
-    # Padding is written past each row's prompt, then overwritten by its generated
-    # tokens before any query can attend to it (the mask keeps key_pos <= query_pos).
+    # Each row owns a contiguous run of blocks for its longest continuation; block 0 is scratch.
+    held = min(max_len + max_new_tokens, limit)
+    per_row = -(-held // BLOCK_SIZE)
+    cache = model.new_cache(1 + n * per_row)
+    tables = [list(range(1 + i * per_row, 1 + (i + 1) * per_row)) for i in range(n)]
+    rows = torch.arange(n, device=device)  # [B]
     banned = tokenizer.never_generated(model.vocab_size)
     eos = torch.tensor(tokenizer.eos_ids, device=device)
-    logits = model(tokens, positions, cache, slots)  # [B, T, V]
+    view = cache.view(tables, [list(range(len(ids))) for ids in encoded], device)  # padding left out
+    logits = model(tokens, cache, view)  # [B, T, V]
     logits[..., banned] = float("-inf")  # as the serving engine does
-    next_ids = logits[slots, lengths - 1].argmax(-1)  # [B]
+    next_ids = logits[rows, lengths - 1].argmax(-1)  # [B]
     next_pos = lengths.clone()  # [B]: where each row's next token goes
     # A token at position p is fed back only if the one it predicts is still allowed.
     feed_below = (lengths + max_new_tokens - 1).clamp(max=limit)  # [B]
     generated: list[list[int]] = [[] for _ in range(n)]
-    active = slots
+    active = rows
     while True:
         for row, token in zip(active.tolist(), next_ids.tolist(), strict=True):
             generated[row].append(token)
@@ -70,7 +73,8 @@ def _greedy_tokens(
         active, next_ids = active[keep], next_ids[keep]
         if active.numel() == 0:
             break
-        logits = model(next_ids[:, None], next_pos[active, None], cache, active)  # [b, 1, V]
+        view = cache.view([tables[r] for r in active.tolist()], next_pos[active, None].tolist(), device)
+        logits = model(next_ids[:, None], cache, view)  # [b, 1, V]
         logits[..., banned] = float("-inf")
         next_pos[active] += 1
         next_ids = logits[:, -1].argmax(-1)  # [b]

@@ -14,13 +14,11 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-
-class KVCache(Protocol):
-    """Keys and values of a fixed number of sequences (slots), opaque to all but its model."""
+from workers.models.kv_cache import CacheView, PagedKVCache
 
 
 class CausalLM(Protocol):
-    """A decoder-only language model: a batched forward over tokens, positions, a KV cache and slots."""
+    """A decoder-only language model: a batched forward over tokens and a paged KV cache."""
 
     @property
     def vocab_size(self) -> int:
@@ -42,19 +40,26 @@ class CausalLM(Protocol):
         """Where its weights are."""
         ...
 
-    def __call__(
-        self,
-        tokens: Tensor,
-        positions: Tensor | None = None,
-        cache: KVCache | None = None,
-        slots: Tensor | None = None,
-    ) -> Tensor:
-        """Logits [B, T, V] of tokens [B, T]: a causal pass over whole rows without a cache (training),
-        else the tokens placed at `positions` [B, T] of the sequences in cache slots `slots` [B]."""
+    @property
+    def min_batch_rows(self) -> int:
+        """Rows the engine pads each forward to, so that a sequence's logits are bit-identical
+        alone and in any batch on the CPU; 1 where padding buys nothing."""
         ...
 
-    def new_cache(self, n_slots: int) -> KVCache:
-        """An empty cache for `n_slots` sequences of up to `max_seq_len` tokens, on its device."""
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one held token takes, over all layers."""
+        ...
+
+    def __call__(
+        self, tokens: Tensor, cache: PagedKVCache | None = None, view: CacheView | None = None
+    ) -> Tensor:
+        """Logits [B, T, V] of tokens [B, T]: a causal pass over whole rows without a cache (training),
+        else the tokens placed in the cache's blocks where `view` says."""
+        ...
+
+    def new_cache(self, n_blocks: int) -> PagedKVCache:
+        """An empty pool of `n_blocks` KV blocks on its device, in its dtype."""
         ...
 
     def parameter_count(self) -> int:
@@ -130,8 +135,9 @@ class Tokenizer(Protocol):
         ...
 
     def never_generated(self, vocab_size: int) -> list[int]:
-        """Ids a model with `vocab_size` logits must never emit: padding, beginning of sequence and
-        the ids past this vocabulary."""
+        """Ids a model with `vocab_size` logits must never emit: at least those past this vocabulary
+        (the byte tokenizer also bans padding and beginning of sequence; a Hugging Face tokenizer
+        bans nothing more, since chat models often pad with their end id)."""
         ...
 
     def save(self, directory: Path) -> None:

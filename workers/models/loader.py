@@ -1,4 +1,5 @@
-"""Loads a checkpoint directory as the model and tokenizer that implement it, on the chosen device.
+"""Loads a checkpoint directory as the model and tokenizer that implement it, on the chosen device
+and dtype.
 
 A checkpoint is `config.json` and its weights (safetensors) beside the tokenizer's files: what a
 registered version carries. The model's implementation is picked by the config's `model_type`,
@@ -14,16 +15,19 @@ from typing import Any
 
 import torch
 
-from workers.models import builtin
+from workers.models import builtin, llama
 from workers.models.byte_tokenizer import TOKENIZER_FILE, ByteTokenizer
+from workers.models.hf_tokenizer import HFTokenizer
 from workers.models.interface import CausalLM, Tokenizer
 
-# config.json's model_type -> how to load such a model (directory, config.json read, device)
-ARCHITECTURES: dict[str, Callable[[Path, dict[str, Any], torch.device], CausalLM]] = {
+# config.json's model_type -> how to load such a model (directory, config.json read, device,
+# dtype or None for the saved one, context cap or 0)
+Architecture = Callable[[Path, dict[str, Any], torch.device, torch.dtype | None, int], CausalLM]
+ARCHITECTURES: dict[str, Architecture] = {
     builtin.MODEL_TYPE: builtin.Transformer.from_checkpoint,
+    **dict.fromkeys(llama.MODEL_TYPES, llama.LlamaForCausalLM.from_checkpoint),
 }
-# tokenizer.json's type -> the tokenizer it describes
-TOKENIZERS: dict[str, Callable[[dict[str, Any]], Tokenizer]] = {"byte": ByteTokenizer.from_spec}
+DTYPES = ("auto", *llama.DTYPES)  # REFLOW_DTYPE's values
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -36,8 +40,17 @@ def resolve_device(setting: str) -> torch.device:
     return device
 
 
-def load_checkpoint(directory: Path, device: torch.device | str = "cpu") -> tuple[CausalLM, Tokenizer]:
-    """The model and tokenizer saved in `directory`, the weights on `device`; ValueError naming
+def resolve_dtype(setting: str) -> torch.dtype | None:
+    """REFLOW_DTYPE: a torch dtype, or None for `auto`, which each architecture decides (the
+    built-in model float32, as trained; Llama-family models by device, see `llama.auto_dtype`)."""
+    return None if setting == "auto" else llama.DTYPES[setting]
+
+
+def load_checkpoint(
+    directory: Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, max_len: int = 0
+) -> tuple[CausalLM, Tokenizer]:
+    """The model and tokenizer saved in `directory`, the weights on `device` in `dtype` (None: the
+    architecture's choice), its context capped at `max_len` (0: the model's own); ValueError naming
     what is not supported."""
     config = json.loads((directory / builtin.CONFIG_FILE).read_text())
     model_type = config.get("model_type", builtin.MODEL_TYPE)  # the built-in's first configs had none
@@ -45,17 +58,33 @@ def load_checkpoint(directory: Path, device: torch.device | str = "cpu") -> tupl
         raise ValueError(
             f"{directory} holds a {model_type!r} model; reflow implements {', '.join(sorted(ARCHITECTURES))}"
         )
-    return ARCHITECTURES[model_type](directory, config, torch.device(device)), load_tokenizer(directory)
+    model = ARCHITECTURES[model_type](directory, config, torch.device(device), dtype, max_len)
+    return model, load_tokenizer(directory)
+
+
+def check_checkpoint(directory: Path) -> None:
+    """Loads what a worker would load of `directory` without its weights (their names only, for a
+    Llama-family model; the small built-in model in full); ValueError naming what does not fit."""
+    config = json.loads((directory / builtin.CONFIG_FILE).read_text())
+    if config.get("model_type") in llama.MODEL_TYPES:
+        llama.LlamaForCausalLM.skeleton(directory, config)
+        load_tokenizer(directory)
+    else:
+        load_checkpoint(directory)
 
 
 def load_tokenizer(directory: Path) -> Tokenizer:
-    """The tokenizer whose files are in `directory`."""
-    spec = json.loads((directory / TOKENIZER_FILE).read_text())
-    if spec.get("type") not in TOKENIZERS:
-        raise ValueError(
-            f"{directory / TOKENIZER_FILE} is not a tokenizer reflow implements (the byte tokenizer)"
-        )
-    return TOKENIZERS[spec["type"]](spec)
+    """The tokenizer whose files are in `directory`: the byte tokenizer, or a Hugging Face one."""
+    path = directory / TOKENIZER_FILE
+    spec = json.loads(path.read_text())
+    if spec.get("type") == "byte":
+        return ByteTokenizer.from_spec(spec)
+    if "model" in spec:  # what the `tokenizers` library writes
+        try:
+            return HFTokenizer.from_directory(directory)
+        except Exception as error:  # the tokenizers library raises bare Exceptions for bad files
+            raise ValueError(f"{path} is not a tokenizer reflow can read: {error}") from error
+    raise ValueError(f"{path} is neither the byte tokenizer nor a Hugging Face tokenizer")
 
 
 def save_checkpoint(model: CausalLM, tokenizer: Tokenizer, directory: Path) -> Path:

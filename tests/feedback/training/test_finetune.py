@@ -99,6 +99,20 @@ def test_too_little_new_feedback_skips_without_a_trace(
         assert session.scalars(select(FinetuneRun)).all() == []
 
 
+def test_an_imported_champion_is_not_fine_tuned_yet_and_its_feedback_waits(
+    loop_settings: Settings, store: Engine, base_model: CausalLM, tmp_path: Path
+) -> None:
+    registry = Registry.from_settings(loop_settings)
+    registry.register(
+        MODEL, save_model(base_model, tmp_path / "imported"), params={}, metrics={}, alias="champion",
+        tags={"reflow.source": "import"},
+    )  # fmt: skip
+    rate_served_answers(store, base_model, arith.sample_operands(10, 50, 99, random.Random(6)), operator.add)
+    outcome = run_finetune(finetune_job_of(loop_settings), store, registry, min_samples=1)
+    assert outcome.status == "skipped" and "v2 is an imported checkpoint" in outcome.message
+    assert count_new(store, MODEL) == 10
+
+
 def test_a_cancelled_run_gives_its_items_back(
     loop_settings: Settings, store: Engine, base_model: CausalLM
 ) -> None:

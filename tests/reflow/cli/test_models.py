@@ -1,4 +1,4 @@
-"""`reflow models list|promote|rollback` against a real MLflow registry, as an ML engineer uses them."""
+"""`reflow models import|list|promote|rollback` against a real MLflow registry, as ML engineers use them."""
 
 from __future__ import annotations
 
@@ -7,13 +7,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from feedback.experiments.lifecycle import history, reconcile
 from reflow.registry import Registry
 from reflow.store.database import migrate, open_engine
 from tests.support.cli import reflow
+from tests.support.hf import tiny_checkpoint, transformers
 from tests.support.models import MODEL, save_model, tiny_model
 from tests.support.registry import local_registry
+from workers.models.loader import load_checkpoint
 
 
 @pytest.fixture
@@ -74,3 +77,61 @@ def test_promote_makes_the_challenger_champion_and_rollback_removes_a_challenger
     assert rolled_back.returncode == 0 and aliases(registry) == {"3": [], "2": ["champion"], "1": []}
     missing = models(registry, "promote", MODEL, "9")
     assert missing.returncode == 1 and "no version 9" in missing.stderr
+
+
+def importing(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`reflow models import ARGS` into the registry of `data_dir` (made on first use)."""
+    env = {"REFLOW_DATA_DIR": str(data_dir), "COLUMNS": "1000"}  # errors on one line, unwrapped
+    return reflow("models", "import", *args, env=env, timeout_s=120)
+
+
+def test_a_hugging_face_checkpoint_imports_once_and_serves_as_transformers_wrote_it(tmp_path: Path) -> None:
+    checkpoint = tiny_checkpoint(tmp_path / "tiny-llama", tie_word_embeddings=True)
+    data_dir = tmp_path / "data"
+    first = importing(data_dir, str(checkpoint), "--name", "tiny")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == "tiny@champion -> version 1"
+    again = importing(data_dir, str(checkpoint), "--name", "tiny", "--alias", "challenger")
+    assert again.returncode == 0, again.stderr
+    assert "is already tiny version 1; nothing imported" in again.stdout
+    registry = Registry(f"sqlite:///{data_dir / 'mlflow.db'}")
+    [version] = registry.versions("tiny")
+    assert (version["aliases"], version["tags"]["reflow.source"]) == (["champion"], "import")
+    files = registry.download(registry.resolve("tiny", alias="champion"), tmp_path / "cache")
+    assert sorted(p.name for p in files.iterdir()) == sorted(
+        [
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
+    )
+    model, _ = load_checkpoint(files)
+    with torch.inference_mode():
+        ids = torch.tensor([[5, 17, 33, 2]])
+        expected = transformers().AutoModelForCausalLM.from_pretrained(checkpoint).eval()(ids).logits
+        torch.testing.assert_close(model(ids), expected, rtol=0, atol=1e-5)
+
+
+def test_pickles_and_unknown_architectures_are_refused_with_what_to_do(tmp_path: Path) -> None:
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (pickled / "pytorch_model.bin").write_bytes(b"not even read")
+    refused = importing(tmp_path / "data", str(pickled), "--name", "p")
+    assert refused.returncode == 1
+    assert "holds pickled weights (pytorch_model.bin); reflow never unpickles" in refused.stderr
+    single = tmp_path / "model.pt"
+    single.write_bytes(b"not even read")
+    assert "model.pt holds pickled weights" in importing(tmp_path / "data", str(single), "--name", "p").stderr
+    unknown = tiny_checkpoint(tmp_path / "mamba")
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    refused = importing(tmp_path / "data", str(unknown), "--name", "m")
+    assert refused.returncode == 1
+    assert "holds a 'mamba' model; reflow implements llama, mistral, qwen2, qwen3, reflow" in refused.stderr
+    assert (
+        not (tmp_path / "data" / "mlflow.db").exists()
+        or not Registry(f"sqlite:///{tmp_path / 'data' / 'mlflow.db'}").client.search_registered_models()
+    )  # nothing was registered

@@ -16,24 +16,26 @@ def test_cached_decoding_gives_the_logits_of_a_full_pass() -> None:
     model = tiny_model(3)
     tokens = torch.randint(0, 261, (2, 24), generator=torch.Generator().manual_seed(0))
     full = model(tokens)  # [2, 24, V]
-    cache = model.new_cache(4)
-    slots = torch.tensor([3, 1])  # any slots, in any order
-    steps = [model(tokens[:, :10], torch.arange(10).expand(2, 10), cache, slots)]
+    cache = model.new_cache(8)
+    tables = [[5, 2], [1, 7]]  # any blocks, in any order
+    cpu = torch.device("cpu")
+    steps = [model(tokens[:, :10], cache, cache.view(tables, [list(range(10))] * 2, cpu))]
     for i in range(10, 24):
-        steps.append(model(tokens[:, i : i + 1], torch.full((2, 1), i), cache, slots))
+        steps.append(model(tokens[:, i : i + 1], cache, cache.view(tables, [[i]] * 2, cpu)))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
 
 
 @torch.inference_mode()
-def test_sequences_in_different_slots_do_not_see_each_other() -> None:
+def test_sequences_in_different_blocks_do_not_see_each_other() -> None:
     model = tiny_model(3)
     a = torch.tensor([[257, 52, 55, 43, 51, 56, 61]])
     b = torch.tensor([[257, 57, 57, 43, 49, 61, 61]])
-    cache = model.new_cache(2)
-    model(a, torch.arange(7)[None], cache, torch.tensor([0]))
-    model(b, torch.arange(7)[None], cache, torch.tensor([1]))
+    cache = model.new_cache(3)
+    cpu = torch.device("cpu")
+    model(a, cache, cache.view([[1]], [list(range(7))], cpu))
+    model(b, cache, cache.view([[2]], [list(range(7))], cpu))
     nxt = torch.tensor([[65]])
-    after_a = model(nxt, torch.tensor([[7]]), cache, torch.tensor([0]))
+    after_a = model(nxt, cache, cache.view([[1]], [[7]], cpu))
     expected = model(torch.cat([a, nxt], dim=1))[:, -1:]
     torch.testing.assert_close(after_a, expected, rtol=1e-4, atol=1e-5)
 

@@ -1,0 +1,64 @@
+"""The real model, as a newcomer serves it: `reflow up --model FILE.gguf` imports SmolLM2-135M-Instruct
+from its GGUF file and streams a chat answer whose greedy text is the one transformers generates from
+the same file; the conversation reaches the store whole, and the worker reports its KV cache."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from reflow.client import Client
+from reflow.v1 import inference_pb2
+from tests.support.cli import reflow
+from tests.support.smollm2 import smollm2_gguf
+from tests.support.up import Up, feedback_stats
+
+pytestmark = pytest.mark.slow
+
+KEY = "rf_test_key_0123456789"
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+MAX_TOKENS = 32
+NAME = "smollm2-135m-instruct-q4_1"  # what `--model` names the file's model
+
+
+def transformers_answer(gguf: Path) -> str:
+    """What transformers generates greedily for CHAT from the GGUF file, in float32."""
+    transformers = pytest.importorskip("transformers", reason="the reference: pip install -e '.[test]'")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
+    ids = tokenizer.apply_chat_template(
+        CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.timeout(600)
+def test_reflow_up_serves_a_gguf_file_with_the_answer_transformers_gives(tmp_path: Path) -> None:
+    gguf = smollm2_gguf()
+    expected = transformers_answer(gguf)
+    data_dir = tmp_path / "data"
+    up = Up(data_dir, "--workers", "1", "--model", str(gguf), env={"REFLOW_DTYPE": "float32"})
+    try:
+        endpoints = up.endpoints()
+        assert "--chat" in up.output()  # the hint for a chat model
+        with Client(endpoints["gateway"], KEY) as client:
+            sampling = inference_pb2.SamplingParams(max_tokens=MAX_TOKENS)
+            stream = list(client.generate(messages=CHAT, sampling=sampling))
+            served = [(m.name, [v.version for v in m.versions]) for m in client.list_models().models]
+        assert served == [(NAME, ["1"])]
+        assert "".join(m.text for m in stream) == expected
+        assert stream[-1].usage.prompt_tokens > 30  # SmolLM2's template adds its system prompt
+        stats = feedback_stats(data_dir, lambda s: s["inferences"] == 1)
+        assert stats["inferences"] == 1
+        with urllib.request.urlopen(endpoints["metrics"]["worker-0"], timeout=10) as reply:
+            metrics = reply.read().decode()
+        assert "reflow_worker_kv_blocks " in metrics and "reflow_worker_kv_cache_usage " in metrics
+        listed = reflow("models", "list", NAME, env={"REFLOW_DATA_DIR": str(data_dir)})
+        assert listed.stdout.split("\t")[:3] == ["1", "champion", "import"], listed.stderr
+    finally:
+        assert up.stop() == 0, up.output()

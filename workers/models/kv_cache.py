@@ -1,0 +1,116 @@
+"""Keys and values in fixed-size blocks that sequences take as they grow, and attention over them.
+
+Every model keeps its cache here: one pool of `n_blocks` blocks of `block_size` token slots per
+layer. A sequence owns a list of blocks (its block table); a forward pass gets a `CacheView` that
+says where each new token's key and value go and which slots each row attends to, so attention
+costs in proportion to the tokens the batch's sequences hold, never to the model's context.
+Block 0 is scratch: padding rows and padding tokens write there and nothing real reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BLOCK_SIZE = 16  # token slots per block, as vLLM's default
+SCRATCH_BLOCK = 0
+
+
+class PagedKVCache:
+    """The pool: keys and values of `n_blocks * block_size` token slots in every layer."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        n_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int = BLOCK_SIZE,
+    ):
+        if n_blocks < 2:
+            raise ValueError(f"a KV cache needs at least 2 blocks (one is scratch), got {n_blocks}")
+        shape = (n_layers, n_blocks * block_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, slots, KVH, D]
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.n_blocks = n_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """What one token's keys and values take across the layers."""
+        return 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize
+
+    def view(
+        self, tables: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], device: torch.device
+    ) -> CacheView:
+        """Where one forward's tokens go: row b holds tokens at `positions[b]` (-1 = padding) of
+        the sequence whose blocks are `tables[b]` (empty = a padding row)."""
+        bs = self.block_size
+        width = max(len(row) for row in positions)
+        pos = torch.tensor([[*row, *[-1] * (width - len(row))] for row in positions])  # [B, T]
+        n_read = -(-(int(pos.max()) + 1) // bs)  # blocks every row reads: the longest row's
+        table = torch.full((len(tables), max(n_read, 1)), SCRATCH_BLOCK)  # [B, n_read]
+        for row, blocks in enumerate(tables):
+            held = list(blocks[:n_read])
+            table[row, : len(held)] = torch.tensor(held, dtype=torch.long)
+        valid = pos >= 0
+        at = pos.clamp(min=0)
+        write = torch.where(valid, table.gather(1, at // bs) * bs + at % bs, SCRATCH_BLOCK * bs)
+        return CacheView(
+            positions=at.to(device), write=write.to(device), read=table.to(device), block_size=bs
+        )
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """One forward's place in the pool: positions and write slots [B, T], the blocks each row
+    reads [B, N] (its block table, cut or padded with scratch to the longest row's N blocks)."""
+
+    positions: Tensor  # [B, T]: each token's position in its sequence (0 for padding)
+    write: Tensor  # [B, T]: the slot its key and value go to
+    read: Tensor  # [B, N]: the blocks holding key positions 0..N*block_size-1 of each row
+    block_size: int
+
+    def mask(self, window: int = 0) -> Tensor:
+        """Which keys each query attends to: its own and earlier positions (the last `window`
+        of them when the model attends over a sliding window): [B, 1, T, S], S = N*block_size."""
+        keys = self.read.shape[1] * self.block_size
+        key_pos = torch.arange(keys, device=self.read.device)[None, None, :]  # [1, 1, S]
+        query_pos = self.positions[:, :, None]  # [B, T, 1]
+        allowed = key_pos <= query_pos
+        if window:
+            allowed &= key_pos > query_pos - window
+        return allowed[:, None]
+
+
+def paged_attention(
+    cache: PagedKVCache,
+    layer: int,
+    view: CacheView,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    scale: float | None = None,
+) -> Tensor:
+    """Writes the new keys and values, then attends over each row's cached ones.
+
+    q: [B, H, T, D]; k, v: [B, KVH, T, D] with H a multiple of KVH (grouped-query attention);
+    mask: [B, 1, T, S] from `view.mask`; returns [B, H, T, D].
+    """
+    b, kv_heads, t, d = k.shape
+    slots = view.write.reshape(-1)  # [B*T]
+    cache.k[layer][slots] = k.transpose(1, 2).reshape(b * t, kv_heads, d)
+    cache.v[layer][slots] = v.transpose(1, 2).reshape(b * t, kv_heads, d)
+    blocks = view.read.reshape(-1)  # [B*N]: whole blocks are gathered, far faster than token slots
+    shape = (cache.n_blocks, cache.block_size, kv_heads, d)
+    keys = cache.k[layer].view(shape).index_select(0, blocks).view(b, -1, kv_heads, d).transpose(1, 2)
+    values = cache.v[layer].view(shape).index_select(0, blocks).view(b, -1, kv_heads, d).transpose(1, 2)
+    # [B, KVH, S, D]; enable_gqa: each group of query heads reads its key/value head in place
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -1,0 +1,401 @@
+"""Llama-family decoders as Hugging Face checkpoints describe them: Llama 2/3/3.x (SmolLM, TinyLlama),
+Mistral, Qwen2 and Qwen3, in one file.
+
+Grouped-query attention with rotary positions (`rope_theta`, Llama 3 frequency scaling), SwiGLU,
+RMSNorm, optional q/k/v biases (Qwen2) and per-head q/k norms (Qwen3), tied or separate output
+embeddings, a sliding window (Mistral). Modules are named as transformers names them, so the
+weights of `model.safetensors` (or its shards) load as they are, and the paged KV cache of
+`kv_cache.py` holds the keys and values. The math mirrors transformers' modeling code operation
+for operation, so logits agree to float rounding and greedy tokens are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from workers.models.kv_cache import CacheView, PagedKVCache, paged_attention
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints: tensor name -> file
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # config.json's model_type values read here
+ROPE_TYPES = ("default", "llama3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # REFLOW_DTYPE
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """What the model's shape and arithmetic depend on, read from `config.json`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # llama3 frequency scaling, or None
+    tie_word_embeddings: bool
+    qkv_bias: bool  # the q, k and v projections carry a bias (Qwen2 always; others if configured)
+    o_bias: bool  # the output projection does
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before rotation
+    sliding_window: int  # 0 = attend to the whole sequence
+
+    @classmethod
+    def from_json(cls, config: dict[str, Any]) -> LlamaConfig:
+        """Reads a config as transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)
+        writes it; ValueError for what this file does not implement. The saved dtype (`torch_dtype`
+        or `dtype`) does not matter: weights are cast to the served one."""
+        model_type = config.get("model_type", "")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config['hidden_act']!r} is not implemented (only silu)")
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not implemented ({', '.join(ROPE_TYPES)})")
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        heads = config["num_attention_heads"]
+        window = config.get("sliding_window") or 0
+        if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+            window = 0  # Qwen configs carry a window they only use when asked
+        return cls(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            o_bias=model_type in ("llama", "qwen3") and bool(config.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=int(window),
+        )
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """REFLOW_DTYPE=auto: bfloat16 on CUDA (float16 where the GPU lacks it); float32 on the CPU,
+    where it decodes faster than bfloat16 on the cores measured (docs/models.md)."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def inverse_frequencies(config: LlamaConfig) -> Tensor:
+    """Rotary inverse frequencies [D/2], Llama 3 scaling applied (transformers' rope init functions)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_table(config: LlamaConfig, length: int) -> Tensor:
+    """cos and sin of every position's angles, float32: [length, 2, D] (the halves repeated)."""
+    angles = torch.outer(torch.arange(length).float(), inverse_frequencies(config))  # [S, D/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [S, D]
+    return torch.stack([angles.cos(), angles.sin()], dim=1)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x * cos + rotate_half(x) * sin, for x: [B, H, T, D] and cos, sin: [B, 1, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm: normalised in float32, scaled in the input's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention: H query heads share KVH key/value heads."""
+
+    def __init__(self, config: LlamaConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        )  # fmt: skip
+        self.window = config.sliding_window
+        self.scale = self.head_dim**-0.5  # as transformers passes it to attention
+        bias = config.qkv_bias
+        q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: PagedKVCache | None,
+        view: CacheView | None,
+        mask: Tensor | None,
+    ) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)  # [B, T, H, D]
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)  # [B, T, KVH, D]
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if cache is None or view is None:  # training: one causal pass over whole rows
+            mask = None
+            if self.window:
+                positions = torch.arange(t, device=x.device)
+                mask = (positions[None, :] <= positions[:, None]) & (
+                    positions[None, :] > positions[:, None] - self.window
+                )  # [T, T]
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+            )
+        else:
+            assert mask is not None
+            y = paged_attention(cache, self.layer, view, q, k, v, mask, self.scale)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # [B, T, dim]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: attention then MLP, each around a residual."""
+
+    def __init__(self, config: LlamaConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: PagedKVCache | None,
+        view: CacheView | None,
+        mask: Tensor | None,
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, view, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Embeddings, layers and the final norm: transformers' `model.` prefix."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM behind reflow's `CausalLM` seam."""
+
+    rope: Tensor  # a buffer: [max_seq_len, 2, D] float32
+
+    def __init__(self, config: LlamaConfig, config_json: dict[str, Any], max_len: int = 0):
+        super().__init__()
+        self.config = config
+        self.config_json = config_json  # written back as read: it describes the checkpoint
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._max_len = min(max_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.register_buffer("rope", rope_table(config, self._max_len), persistent=False)
+
+    def forward(
+        self, tokens: Tensor, cache: PagedKVCache | None = None, view: CacheView | None = None
+    ) -> Tensor:
+        """Logits [B, T, V] of tokens [B, T]: causal over whole rows without a cache, else the
+        tokens placed in the cache where `view` says."""
+        b, t = tokens.shape
+        positions = view.positions if view is not None else torch.arange(t, device=tokens.device).expand(b, t)
+        x = self.model.embed_tokens(tokens)  # [B, T, dim]
+        rope = self.rope[positions].to(x.dtype)  # [B, T, 2, D]
+        cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]  # [B, 1, T, D]
+        mask = None if view is None else view.mask(self.config.sliding_window)  # [B, 1, T, S]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, view, mask)
+        return self.lm_head(self.model.norm(x))  # [B, T, V]
+
+    @property
+    def vocab_size(self) -> int:
+        """Columns of the logits (config.json's vocab_size)."""
+        return self.config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """The model's context, or less when the server caps it."""
+        return self._max_len
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weights are served in."""
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are."""
+        return self.lm_head.weight.device
+
+    @property
+    def min_batch_rows(self) -> int:
+        """1: in bfloat16 and float16 oneDNN's GEMMs measured bit-identical at every row count; in
+        float32, MKL's kernel choice for these shapes changes at row counts padding cannot avoid
+        (below 16 rows and, for a 576x1536 projection, between 57 and ~200), so it would only cost."""
+        return 1
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one held token takes."""
+        c = self.config
+        layers, kv_heads = c.num_hidden_layers, c.num_key_value_heads
+        return PagedKVCache.bytes_per_token(layers, kv_heads, c.head_dim, self.dtype)
+
+    def new_cache(self, n_blocks: int) -> PagedKVCache:
+        """An empty pool of `n_blocks` KV blocks on this model's device and dtype."""
+        c = self.config
+        return PagedKVCache(
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, n_blocks, self.device, self.dtype
+        )
+
+    def parameter_count(self) -> int:
+        """Number of weights (tied embeddings counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def save(self, directory: Path) -> None:
+        """Writes `model.safetensors` under transformers' names and `config.json` as read."""
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {n: t.detach().contiguous().cpu() for n, t in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            del state["lm_head.weight"]  # transformers leaves the tied copy out
+        save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        config = {**self.config_json, "torch_dtype": str(self.dtype).removeprefix("torch.")}
+        config.pop("dtype", None)
+        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        directory: Path,
+        config_json: dict[str, Any],
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+        max_len: int = 0,
+    ) -> LlamaForCausalLM:
+        """The model `config_json` describes with the weights of `directory` (safetensors, one
+        file or shards), cast to `dtype` (None: `auto_dtype`) on `device`, its context capped at
+        `max_len`."""
+        model = cls.skeleton(directory, config_json, max_len)
+        state = read_weights(directory, device, dtype or auto_dtype(device))
+        if model.config.tie_word_embeddings:
+            state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+        model.load_state_dict(state, strict=True, assign=True)
+        if model.config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight  # one parameter, as trained
+        model.rope = rope_table(model.config, model.max_seq_len).to(device)
+        return model.eval()
+
+    @classmethod
+    def skeleton(cls, directory: Path, config_json: dict[str, Any], max_len: int = 0) -> LlamaForCausalLM:
+        """The model on the meta device (no memory), once its config and the names in its weight
+        files' headers are known to match; ValueError saying how they differ."""
+        config = LlamaConfig.from_json(config_json)
+        with torch.device("meta"):
+            model = cls(config, config_json, max_len)
+        names = {n for file in weight_files(directory) for n in _tensor_names(file)}
+        if config.tie_word_embeddings:
+            names.add("lm_head.weight")
+        expected = set(model.state_dict())
+        missing, unexpected = expected - names, names - expected
+        if missing or unexpected:
+            raise ValueError(
+                f"{directory} does not match its config.json: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        return model
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shards its index names, else `model.safetensors`."""
+    index = directory / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        return [directory / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [directory / WEIGHTS_FILE]
+
+
+def _tensor_names(file: Path) -> list[str]:
+    """The tensors a safetensors file holds (its header only), less buffers older transformers saved."""
+    with safe_open(str(file), framework="pt") as f:
+        return [n for n in f.keys() if not n.endswith("rotary_emb.inv_freq")]  # noqa: SIM118
+
+
+def read_weights(directory: Path, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint's safetensors files (never a pickle), cast to `dtype`."""
+    state: dict[str, Tensor] = {}
+    for file in weight_files(directory):
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in _tensor_names(file):
+                state[name] = f.get_tensor(name).to(dtype)
+    return state
