@@ -25,6 +25,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,8 +141,11 @@ def summarize(runs: list[Run]) -> tuple[float, float, float, float, float]:
 
 
 def register_random_model(settings: Settings, preset: str, seed: int = 0, alias: str = "champion") -> Path:
-    """Registers a randomly initialised `preset` model (throughput does not depend on the weights)."""
-    model, tokenizer = new_model(preset, seed)
+    """Registers a randomly initialised `preset` model (throughput does not depend on the weights).
+    It is made on a thread that then ends, so that this process keeps no OpenMP team besides its
+    engine's: a second one throttles both (workers/engine.py)."""
+    with ThreadPoolExecutor(1) as pool:
+        model, tokenizer = pool.submit(new_model, preset, seed).result()
     directory = save_checkpoint(model, tokenizer, settings.data_dir / f"random-model-{seed}")
     registry = Registry.from_settings(settings)
     registry.register(settings.model_name, directory, params={"preset": preset}, metrics={}, alias=alias)
@@ -179,8 +183,8 @@ def main() -> None:
             wait_serving(gateway)
 
             async def measure() -> None:
-                engine = Engine()
-                engine.add(load_directory(directory, "arith", "1", resolve_device("cpu")))
+                engine = Engine()  # the version built on its thread, as a worker builds it
+                engine.add(engine.run(lambda: load_directory(directory, "arith", "1", resolve_device("cpu"))))
                 await engine_run(engine, requests[:8], 8)  # warm up both paths
                 await grpc_run(gateway, api_key, requests[:8], 8)
                 for _ in range(args.runs):

@@ -4,6 +4,7 @@ the same file; the conversation reaches the store whole, and the worker reports 
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from pathlib import Path
 
@@ -60,5 +61,9 @@ def test_reflow_up_serves_a_gguf_file_with_the_answer_transformers_gives(tmp_pat
         assert "reflow_worker_kv_blocks " in metrics and "reflow_worker_kv_cache_usage " in metrics
         listed = reflow("models", "list", NAME, env={"REFLOW_DATA_DIR": str(data_dir)})
         assert listed.stdout.split("\t")[:3] == ["1", "champion", "import"], listed.stderr
+        status = reflow("workers", "status", "--json", env={"REFLOW_DATA_DIR": str(data_dir)})
+        [worker] = json.loads(status.stdout)
+        assert worker["kv_blocks_used"] == 0 and worker["kv_blocks_total"] > 0
+        assert [(v["model"], v["dtype"]) for v in worker["loaded"]] == [(NAME, "float32")]
     finally:
         assert up.stop() == 0, up.output()

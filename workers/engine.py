@@ -66,8 +66,9 @@ class ModelRunner:
         self.model = loaded.model
         n_blocks = kv_blocks(self.model, config)
         self.cache = self.model.new_cache(n_blocks)
-        # bounded so that one sequence always fits the pool
-        loaded.max_len = min(loaded.max_len, (n_blocks - 1) * BLOCK_SIZE)
+        # REFLOW_MAX_MODEL_LEN, bounded so that one sequence always fits the pool
+        capped = min(loaded.max_len, config.max_model_len or loaded.max_len)
+        loaded.max_len = min(capped, (n_blocks - 1) * BLOCK_SIZE)
         self.scheduler = Scheduler(
             config.max_batch_size, config.max_waiting, config.prefill_chunk, config.max_prefill_tokens,
             n_blocks, BLOCK_SIZE,

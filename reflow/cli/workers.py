@@ -35,7 +35,8 @@ def workers_status(
             "address": address, "isolation": status.isolation,
             "connections_dropped": status.connections_dropped, "connects_denied": status.connects_denied,
             "running": status.running, "waiting": status.waiting, "memory_bytes": status.memory_bytes,
-            "loaded": [{"model": v.model, "version": v.version, "aliases": list(v.aliases)}
+            "kv_blocks_used": status.kv_blocks_used, "kv_blocks_total": status.kv_blocks_total,
+            "loaded": [{"model": v.model, "version": v.version, "aliases": list(v.aliases), "dtype": v.dtype}
                        for v in status.loaded],
         })  # fmt: skip
     if as_json:
@@ -47,7 +48,8 @@ def workers_status(
                 continue
             served = ", ".join(f"{v['model']}/{v['version']}" + "".join(f" @{a}" for a in v["aliases"])
                                for v in row["loaded"])  # fmt: skip
-            print(f"{row['address']}\t{served or '-'}\trunning {row['running']}, waiting {row['waiting']}\t"
+            print(f"{row['address']}\t{served or '-'}\trunning {row['running']}, waiting {row['waiting']}, "
+                  f"KV blocks {row['kv_blocks_used']}/{row['kv_blocks_total']}\t"
                   f"isolation {row['isolation']}: {row['connections_dropped']} connections dropped, "
                   f"{row['connects_denied']} connects denied")  # fmt: skip
     if any("error" in row for row in rows):

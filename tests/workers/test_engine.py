@@ -121,6 +121,19 @@ async def test_requests_the_kv_blocks_cannot_hold_at_once_wait_and_all_finish_ex
         engine.close()
 
 
+async def test_max_model_len_caps_the_context_and_sizes_the_cache() -> None:
+    engine = new_engine(max_model_len=32, max_batch_size=4)  # the tiny model's own context is 64
+    try:
+        assert engine.kv_blocks() == (0, 4 * 2)  # 32 tokens in 16-token blocks, per batch row
+        with pytest.raises(InvalidArgument, match="the prompt is 41 tokens; model arith/1 takes at most 31"):
+            await collect(engine, "9" * 40, GenerationParams(max_tokens=5))
+        out = await collect(engine, "1+1=", GenerationParams(max_tokens=60))
+        assert len(out.token_ids) <= 32 - 5  # prompt and completion within the 32 tokens
+        assert out.token_ids == reference_greedy(tiny_model(0), "1+1=", len(out.token_ids))
+    finally:
+        engine.close()
+
+
 async def test_a_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
     engine = new_engine(max_batch_size=1, max_waiting=1)
     try:
