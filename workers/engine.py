@@ -32,7 +32,6 @@ from reflow.errors import InvalidArgument, NotFound, Unavailable
 from reflow.streaming import Mailbox
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
-from workers.models.interface import CausalLM
 from workers.models.kv_cache import BLOCK_SIZE, CacheView
 from workers.sampling import make_generator, sample
 from workers.scheduler import Output, Request, Scheduler
@@ -64,11 +63,10 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig):
         self.loaded = loaded
         self.model = loaded.model
-        n_blocks = kv_blocks(self.model, config)
+        context = min(loaded.max_len, config.max_model_len or loaded.max_len)  # REFLOW_MAX_MODEL_LEN
+        n_blocks = kv_blocks(self.model.kv_bytes_per_token, context, config)
         self.cache = self.model.new_cache(n_blocks)
-        # REFLOW_MAX_MODEL_LEN, bounded so that one sequence always fits the pool
-        capped = min(loaded.max_len, config.max_model_len or loaded.max_len)
-        loaded.max_len = min(capped, (n_blocks - 1) * BLOCK_SIZE)
+        loaded.max_len = min(context, (n_blocks - 1) * BLOCK_SIZE)  # one sequence always fits the pool
         self.scheduler = Scheduler(
             config.max_batch_size, config.max_waiting, config.prefill_chunk, config.max_prefill_tokens,
             n_blocks, BLOCK_SIZE,
@@ -386,10 +384,10 @@ def _deliver(items: list[tuple[Mailbox[Delta], Delta | BaseException]]) -> None:
             mailbox.put(output)
 
 
-def kv_blocks(model: CausalLM, config: EngineConfig) -> int:
+def kv_blocks(bytes_per_token: int, context: int, config: EngineConfig) -> int:
     """Blocks in a version's pool, the scratch block included: REFLOW_KV_CACHE_MB's worth, or with
-    0 room for every batch row at the full context (REFLOW_MAX_MODEL_LEN), at most AUTO_KV_CACHE_MB."""
-    block_bytes = model.kv_bytes_per_token * BLOCK_SIZE
+    0 room for every batch row at the full `context`, at most AUTO_KV_CACHE_MB."""
+    block_bytes = bytes_per_token * BLOCK_SIZE
     if config.kv_cache_mb:
         usable = config.kv_cache_mb * 2**20 // block_bytes
         if usable < 1:
@@ -398,7 +396,6 @@ def kv_blocks(model: CausalLM, config: EngineConfig) -> int:
                 f"model ({block_bytes / 2**20:.2f} MiB each)"
             )
     else:
-        context = min(config.max_model_len or model.max_seq_len, model.max_seq_len)
         full = config.max_batch_size * -(-context // BLOCK_SIZE)
         usable = min(full, AUTO_KV_CACHE_MB * 2**20 // block_bytes)
     return usable + 1

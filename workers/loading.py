@@ -45,6 +45,7 @@ def load_directory(
     max_len: int = 0,
 ) -> LoadedModel:
     """Loads the checkpoint in a local directory (safetensors weights, JSON config, tokenizer) in
-    `dtype` (None: as saved), its context capped at `max_len` (0: the model's own)."""
+    `dtype` (None: the architecture's choice, REFLOW_DTYPE=auto), its context capped at `max_len`
+    (0: the model's own)."""
     model, tokenizer = load_checkpoint(directory, device, dtype, max_len)
     return LoadedModel(name, version, model, tokenizer, device, aliases or set())

@@ -86,7 +86,6 @@ class Scheduler:
         self.block_size = block_size
         self.n_blocks = n_blocks - 1  # usable: the scratch block is never handed out
         self._free_blocks = [b for b in range(n_blocks - 1, -1, -1) if b != SCRATCH_BLOCK]
-        self._promised = 0  # blocks reserved by running requests and not taken yet
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._closed = False  # the version was unloaded: running ones finish, nothing new joins
@@ -138,12 +137,11 @@ class Scheduler:
             for request in [r for r in self._running if r.cancelled]:
                 self._release(request)
             while self._waiting and len(self._running) < self.max_running:
-                need = self.blocks_for(self._waiting[0].most_tokens)
-                if need > len(self._free_blocks) - self._promised:
+                promised = sum(self.blocks_for(r.most_tokens) - len(r.blocks) for r in self._running)
+                if self.blocks_for(self._waiting[0].most_tokens) > len(self._free_blocks) - promised:
                     break  # first come, first served: the head waits for blocks to come back
                 request = self._waiting.popleft()
                 request.admitted_at = time.perf_counter()
-                self._promised += need
                 request.blocks = []
                 self._running.append(request)
             plan = StepPlan()
@@ -167,7 +165,6 @@ class Scheduler:
         """Takes blocks until `request` holds room for `tokens` tokens (reserved at admission)."""
         while len(request.blocks) * self.block_size < tokens:
             request.blocks.append(self._free_blocks.pop())
-            self._promised -= 1
 
     def close(self) -> None:
         """Refuses new requests; the ones already here run to their end."""
@@ -191,6 +188,5 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._running.remove(request)
-        self._promised -= self.blocks_for(request.most_tokens) - len(request.blocks)
         self._free_blocks.extend(reversed(request.blocks))
         request.blocks = []

@@ -32,7 +32,7 @@ class Versions:
         self.registry = registry  # None: nothing can be loaded (a worker given its versions)
         self.cache_dir = cache_dir
         self.device = device
-        self.dtype = dtype  # None: as each version was saved
+        self.dtype = dtype  # None: each architecture's choice (REFLOW_DTYPE=auto)
 
     async def load(self, name: str, *, version: str = "", alias: str = "") -> LoadedModel:
         """Resolves, fetches and loads a version off the event loop, then makes it servable."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -99,7 +98,6 @@ def prepare(files: list[Path], directory: Path, progress: Progress | None = None
                     target.write(chunk)
                     if progress is not None:
                         progress(len(chunk))
-            shutil.copystat(file, directory / file.name)
     check_checkpoint(directory)
     return directory
 

@@ -2,7 +2,7 @@
 
 Every model keeps its cache here: one pool of `n_blocks` blocks of `block_size` token slots per
 layer. A sequence owns a list of blocks (its block table); a forward pass gets a `CacheView` that
-says where each new token's key and value go and which slots each row attends to, so attention
+says where each new token's key and value go and which blocks each row attends to, so attention
 costs in proportion to the tokens the batch's sequences hold, never to the model's context.
 Block 0 is scratch: padding rows and padding tokens write there and nothing real reads it.
 """
