@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ class Run:
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
     kv_ratio: list[float] = field(default_factory=list)  # blocks' token slots / tokens held
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # request index -> token ids
 
     def record(self, sent: float, first: float, done: float, tokens: int) -> None:
         self.tokens += tokens
@@ -108,20 +110,24 @@ def pct(values: list[float], q: int) -> float:
     return 1000 * ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def reflow_run(engine: Engine, loaded: LoadedModel, prompts: list[list[int]], c: int, n: int) -> Run:
-    """The prompts through the engine, at most `c` in flight."""
+async def reflow_run(
+    engine: Engine, arms: Sequence[LoadedModel], prompts: list[list[int]], c: int, n: int
+) -> Run:
+    """The prompts through the engine, at most `c` in flight, request i to version arms[i % len(arms)]."""
     run, semaphore, held = Run(), asyncio.Semaphore(c), {}
     params = GenerationParams(max_tokens=n)
 
     async def one(i: int, prompt: list[int]) -> None:
+        loaded = arms[i % len(arms)]
         async with semaphore:
-            sent, first, tokens = time.perf_counter(), 0.0, 0
+            sent, first, ids = time.perf_counter(), 0.0, []
             async for delta in engine.generate(loaded.name, loaded.version, prompt, params):
                 first = first or time.perf_counter()
-                tokens += len(delta.token_ids)
-                held[i] = len(prompt) + tokens - 1  # keys and values in the cache
+                ids += delta.token_ids
+                held[i] = len(prompt) + len(ids) - 1  # keys and values in the cache
             held.pop(i)
-            run.record(sent, first, time.perf_counter(), tokens)
+            run.record(sent, first, time.perf_counter(), len(ids))
+            run.outputs[i] = ids
 
     async def watch_kv() -> None:
         while True:
@@ -204,10 +210,10 @@ def compare(engine: Engine, checkpoint: Path, dtype: torch.dtype, tokens: int, s
     prompts = chat_prompts(loaded.tokenizer, 32)
     print(f"\n{name}: prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
     engine.add(loaded)
-    asyncio.run(reflow_run(engine, loaded, prompts[:2], 2, 8))  # warm up
+    asyncio.run(reflow_run(engine, [loaded], prompts[:2], 2, 8))  # warm up
     runs = {}
     for c in LEVELS:
-        runs[c] = asyncio.run(reflow_run(engine, loaded, prompts[: sequential if c == 1 else c], c, tokens))
+        runs[c] = asyncio.run(reflow_run(engine, [loaded], prompts[: sequential if c == 1 else c], c, tokens))
         print(runs[c].line(f"reflow, {c} concurrent"))
     engine.remove(loaded.name, loaded.version)
     bytes_per_token = loaded.model.kv_bytes_per_token

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -75,18 +76,26 @@ def _with_store(job: Callable[[Settings, Engine, Registry], None]) -> None:
 
 def finetune_job_of(settings: Settings) -> FinetuneJob:
     """The fine-tune job REFLOW_MODEL_NAME, REFLOW_FINETUNE_* and REFLOW_AB_TRAFFIC describe."""
+    from feedback.training.gate import Limits
     from feedback.training.job import FinetuneJob
-    from feedback.training.trainer import FinetuneConfig
+    from feedback.training.trainer import LORA_RECIPE, FinetuneConfig
     from reflow.worker_calls import WorkerTargets
+    from workers.models.lora import LoraConfig
 
-    recipe = FinetuneConfig(
-        steps=settings.finetune_steps, batch_size=settings.finetune_batch_size, lr=settings.finetune_lr
-    )
+    chosen = {"steps": settings.finetune_steps, "batch_size": settings.finetune_batch_size,
+              "lr": settings.finetune_lr}  # fmt: skip
+    overrides: dict[str, Any] = {key: value for key, value in chosen.items() if value is not None}
+    adapter = LoraConfig(settings.lora_rank, settings.lora_alpha, tuple(settings.lora_targets))
+    limits = Limits(
+        accuracy_drop=settings.finetune_regression_tolerance, kl=settings.finetune_max_regression_kl,
+        nll_increase=settings.finetune_max_regression_nll_increase,
+    )  # fmt: skip
     return FinetuneJob(
         model=settings.model_name, champion_alias=settings.model_alias, task=settings.task,
         min_samples=settings.finetune_min_samples, max_samples=settings.finetune_max_samples,
-        holdout_fraction=settings.finetune_holdout_fraction,
-        regression_tolerance=settings.finetune_regression_tolerance, recipe=recipe,
+        holdout_fraction=settings.finetune_holdout_fraction, limits=limits,
+        recipe=replace(FinetuneConfig(), **overrides),
+        lora_recipe=replace(LORA_RECIPE, lora=adapter, **overrides), method=settings.finetune_method,
         device=settings.device, cache_dir=settings.model_cache_dir, traffic=settings.ab_traffic,
         workers=WorkerTargets.from_settings(settings),
     )  # fmt: skip
@@ -103,7 +112,9 @@ def evaluate_job_of(settings: Settings) -> EvaluateJob:
         max_error_rate_increase=settings.ab_max_error_rate_increase,
         max_latency_ratio=settings.ab_max_latency_ratio, max_duration_s=settings.ab_max_duration_s,
     )  # fmt: skip
-    return EvaluateJob(settings.model_name, rules, WorkerTargets.from_settings(settings))
+    return EvaluateJob(
+        settings.model_name, rules, WorkerTargets.from_settings(settings), settings.model_cache_dir
+    )
 
 
 def new_scheduler(engine: Engine) -> BackgroundScheduler:

@@ -21,6 +21,10 @@ MODEL_ARTIFACT_PATH = "model"
 # What every version carries; beside them it may carry more of the same kinds (weight shards and
 # their index, the tokenizer's config, a chat template, generation defaults).
 REQUIRED_FILES = ("config.json", "tokenizer.json")
+# What a LoRA adapter version carries instead: PEFT's files (workers/models/lora.py), served over
+# the weights of the version its BASE_VERSION_TAG names.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+BASE_VERSION_TAG = "reflow.base_version"
 # The only kinds of file a version may carry: safetensors weights, JSON, a Jinja chat template.
 # Never a pickle.
 VERSION_FILE_SUFFIXES = (".safetensors", ".json", ".jinja")
@@ -33,7 +37,8 @@ def version_files(model_dir: Path) -> list[Path]:
     """The files of `model_dir` a version carries; FileNotFoundError naming what is missing."""
     files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in VERSION_FILE_SUFFIXES)
     names = {p.name for p in files}
-    missing = [f for f in REQUIRED_FILES if f not in names]
+    required = ADAPTER_FILES if ADAPTER_FILES[0] in names else REQUIRED_FILES
+    missing = [f for f in required if f not in names]
     if missing or not any(p.suffix == ".safetensors" for p in files):
         raise FileNotFoundError(f"{model_dir} lacks {missing or ['*.safetensors weights']}")
     return files
@@ -201,15 +206,17 @@ class Registry:
     def register_version(
         self, name: str, run_id: str, source: str, *, alias: str, tags: dict[str, str] | None = None
     ) -> VersionRef:
-        """Registers the model a run logged as a new version of `name` and points `alias` at it."""
+        """Registers the model a run logged as a new version of `name` and points `alias` at it
+        (none when `alias` is empty)."""
         from mlflow.exceptions import MlflowException
 
         with contextlib.suppress(MlflowException):  # already registered
             self.client.create_registered_model(name)
         mv = self.client.create_model_version(name, source, run_id=run_id, tags=tags or {})
-        self.client.set_registered_model_alias(name, alias, mv.version)
-        logger.info("registered model=%s version=%s alias=%s", name, mv.version, alias)
-        return VersionRef(name, str(mv.version), (alias,))
+        if alias:
+            self.client.set_registered_model_alias(name, alias, mv.version)
+        logger.info("registered model=%s version=%s alias=%s", name, mv.version, alias or "-")
+        return VersionRef(name, str(mv.version), (alias,) if alias else ())
 
     def register(
         self,

@@ -1,7 +1,8 @@
 """The whole learning loop, as a newcomer runs it: `reflow up --demo` from the base champion, and
 no human step. Simulated users rate answers over a range the base model mostly gets wrong; the
 scheduler fine-tunes a challenger, the experiment promotes it, every worker serves it, and no
-request fails on the way."""
+request fails on the way: for the built-in model (a full fine-tune) and for a Llama checkpoint (a
+LoRA adapter, merged when promoted)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from feedback.experiments.lifecycle import experiments
 from feedback.tasks import get_task
 from feedback.training.evaluation import base_model_metrics
 from reflow.client import Client
-from reflow.registry import Registry
+from reflow.registry import BASE_VERSION_TAG, IMPORTED, SOURCE_TAG, Registry
 from reflow.store.database import open_engine
-from reflow.store.tables import FinetuneRun, aware
-from tests.support.models import MODEL, save_model
+from reflow.store.tables import FinetuneRun, Inference, aware
+from tests.support.models import MODEL, save_as_llama, save_model
 from tests.support.up import Up
 from tests.support.waiting import wait_for
 from workers.models.interface import CausalLM
@@ -45,34 +46,7 @@ def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, b
     registry.register(
         MODEL, save_model(base_model, tmp_path / "base"), params={}, metrics={}, alias="champion"
     )
-    up = Up(data_dir, "--workers", "1", "--demo", env=FAST_LOOP)
-    try:
-        endpoints = up.endpoints()
-        started = time.monotonic()
-
-        def promoted() -> str | None:
-            assert up.process.poll() is None, up.output()
-            version = registry.resolve(MODEL, alias="champion").version
-            return version if version != "1" else None
-
-        try:
-            champion = wait_for(promoted, LOOP_TIMEOUT_S, what="a promotion", interval_s=2)
-        except AssertionError as error:
-            raise AssertionError(f"{error}:\n{up.output()}") from None
-        turned_s = time.monotonic() - started
-
-        with Client(endpoints["gateway"], "rf_test_key_0123456789") as client:
-            wait_for(
-                lambda: _champion_served(client) == (champion, 1),
-                15,
-                what="the worker serving the new champion",
-            )
-        with urllib.request.urlopen(endpoints["metrics"]["gateway"], timeout=10) as reply:
-            codes = re.findall(r'reflow_gateway_requests_total\{code="(\w+)",method="Generate"\} (\S+)',
-                               reply.read().decode())  # fmt: skip
-        assert {code for code, n in codes if float(n)} == {"OK"}, codes  # no failed request
-    finally:
-        assert up.stop() == 0, up.output()
+    champion, turned_s = turn_the_loop(Up(data_dir, "--workers", "1", "--demo", env=FAST_LOOP), registry)
 
     store = open_engine(f"sqlite:///{data_dir / 'reflow.db'}")
     (experiment, look), *_ = experiments(store)
@@ -106,6 +80,85 @@ def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, b
     print(f"fine-tune job {finetune_s:.0f}s, experiment {experiment_s:.0f}s")
     print(f"loop turned in {turned_s:.0f}s: wide-range accuracy {before['accuracy_wide_range']:.1%} -> "
           f"{after['accuracy_wide_range']:.1%}")  # fmt: skip
+
+
+@pytest.mark.timeout(LOOP_TIMEOUT_S + 300)
+def test_the_loop_turns_on_a_llama_checkpoint_with_a_lora_adapter_served_beside_the_champion(
+    tmp_path: Path, base_model: CausalLM
+) -> None:
+    """The same turn on a Llama-family checkpoint (the demo model in Hugging Face's names): the job
+    trains an adapter, the worker serves it over the champion's weights in the same batches, the
+    promotion merges it into a new full version, and every worker serves that."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    registry = Registry(f"sqlite:///{data_dir / 'mlflow.db'}", (data_dir / "mlartifacts").as_uri())
+    checkpoint = save_as_llama(base_model, tmp_path / "llama")  # type: ignore[arg-type]
+    registry.register(MODEL, checkpoint, params={}, metrics={}, alias="champion", tags={SOURCE_TAG: IMPORTED})
+    # arith asks more of an adapter than terse does: the full fine-tune's steps and rows, rank 16
+    lora = {"REFLOW_TASK": "arith", "REFLOW_FINETUNE_STEPS": "200", "REFLOW_FINETUNE_BATCH_SIZE": "32",
+            "REFLOW_LORA_RANK": "16", "REFLOW_LORA_ALPHA": "32"}  # fmt: skip
+    champion, turned_s = turn_the_loop(
+        Up(data_dir, "--workers", "1", "--demo", env=FAST_LOOP | lora), registry
+    )
+
+    merged = registry.client.get_model_version(MODEL, champion)
+    adapter = merged.tags["reflow.merged_from"]
+    assert merged.tags["reflow.source"] == "merge" and merged.tags["reflow.parent_version"] == "1"
+    assert registry.tags(registry.resolve(MODEL, version=adapter))[BASE_VERSION_TAG] == "1"
+    store = open_engine(f"sqlite:///{data_dir / 'reflow.db'}")
+    (experiment, look), *_ = experiments(store)
+    with Session(store) as session:
+        (run,) = session.scalars(select(FinetuneRun).where(FinetuneRun.version == adapter)).all()
+        served = {row.version for row in session.scalars(select(Inference))}
+    store.dispose()
+    assert (experiment.status, experiment.challenger_version) == ("promoted", adapter)
+    assert look is not None and look.challenger.rate > look.champion.rate
+    assert {"1", adapter} <= served  # the adapter answered its arm's users
+    artifacts = {a.path for a in registry.client.list_artifacts(run.mlflow_run_id, "model")}
+    assert {"model/adapter_config.json", "model/adapter_model.safetensors"} <= artifacts
+    assert "model/model.safetensors" not in artifacts  # an adapter is megabytes, not a model
+    promoted, tokenizer = load_checkpoint(
+        registry.download(registry.resolve(MODEL, version=champion), tmp_path)
+    )
+    before = base_model_metrics(base_model, tokenizer, get_task("arith"))
+    after = base_model_metrics(promoted, tokenizer, get_task("arith"))
+    assert after["accuracy_wide_range"] - before["accuracy_wide_range"] >= 0.20, (before, after)
+    assert before["accuracy_in_range"] - after["accuracy_in_range"] <= 0.02, (before, after)
+    print(f"loop turned in {turned_s:.0f}s: wide-range accuracy {before['accuracy_wide_range']:.1%} -> "
+          f"{after['accuracy_wide_range']:.1%}")  # fmt: skip
+
+
+def turn_the_loop(up: Up, registry: Registry) -> tuple[str, float]:
+    """Waits for `reflow up --demo` to promote a new champion and for the worker to serve it, with
+    no failed request on the way; returns the champion's version and how long the turn took."""
+    try:
+        endpoints = up.endpoints()
+        started = time.monotonic()
+
+        def promoted() -> str | None:
+            assert up.process.poll() is None, up.output()
+            version = registry.resolve(MODEL, alias="champion").version
+            return version if version != "1" else None
+
+        try:
+            champion = wait_for(promoted, LOOP_TIMEOUT_S, what="a promotion", interval_s=2)
+        except AssertionError as error:
+            raise AssertionError(f"{error}:\n{up.output()}") from None
+        turned_s = time.monotonic() - started
+
+        with Client(endpoints["gateway"], "rf_test_key_0123456789") as client:
+            wait_for(
+                lambda: _champion_served(client) == (champion, 1),
+                15,
+                what="the worker serving the new champion",
+            )
+        with urllib.request.urlopen(endpoints["metrics"]["gateway"], timeout=10) as reply:
+            codes = re.findall(r'reflow_gateway_requests_total\{code="(\w+)",method="Generate"\} (\S+)',
+                               reply.read().decode())  # fmt: skip
+        assert {code for code, n in codes if float(n)} == {"OK"}, codes  # no failed request
+    finally:
+        assert up.stop() == 0, up.output()
+    return champion, turned_s
 
 
 def _champion_served(client: Client) -> tuple[str, int] | None:

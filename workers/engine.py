@@ -33,6 +33,7 @@ from reflow.streaming import Mailbox
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
 from workers.models.kv_cache import BLOCK_SIZE, CacheView
+from workers.models.lora import AdapterRows, AdapterSet
 from workers.sampling import make_generator, sample
 from workers.scheduler import Output, Request, Scheduler
 from workers.sequence import Delta, GenerationParams, Sequence
@@ -58,11 +59,16 @@ class EngineConfig:
 
 
 class ModelRunner:
-    """One loaded version: its KV block pool, scheduler, and batched decode step (compiled or eager)."""
+    """One loaded version: its KV block pool, scheduler, and batched decode step (compiled or eager),
+    and the LoRA adapters served over its weights: their rows join the same steps and forwards."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig):
         self.loaded = loaded
         self.model = loaded.model
+        self.adapters: dict[str, LoadedModel] = {}  # adapter version -> loaded: new requests go there
+        self._set = AdapterSet()  # what the forwards apply: served adapters and retiring ones in use
+        self._slots: list[str] = []  # adapter version of each slot of _set
+        self._adapters_lock = threading.Lock()  # a request never joins an adapter being unstacked
         context = min(loaded.max_len, config.max_model_len or loaded.max_len)  # REFLOW_MAX_MODEL_LEN
         n_blocks = kv_blocks(self.model.kv_bytes_per_token, context, config)
         self.cache = self.model.new_cache(n_blocks)
@@ -76,12 +82,49 @@ class ModelRunner:
         # batch mix on the CPU (docs/batching.md)
         self.min_rows = self.model.min_batch_rows
         # Never inductor `freezing`: it bakes weights in, and in-place weight loads go silently wrong.
-        self.decode_step: Callable[[Tensor, CacheView], Tensor] = (
+        self.decode_step: Callable[[Tensor, CacheView, AdapterRows | None], Tensor] = (
             torch.compile(self._decode_step, dynamic=True) if config.compile else self._decode_step
         )
 
-    def _decode_step(self, tokens: Tensor, view: CacheView) -> Tensor:
-        return self.model(tokens, self.cache, view)[:, -1]  # [B, V]
+    def _decode_step(self, tokens: Tensor, view: CacheView, adapters: AdapterRows | None) -> Tensor:
+        return self.model(tokens, self.cache, view, adapters)[:, -1]  # [B, V]
+
+    def add_adapter(self, loaded: LoadedModel) -> None:
+        """Serves an adapter over this version's weights from the next step (replacing the same
+        version's): its tensors are stacked beside the others', nothing is copied or recompiled."""
+        assert loaded.adapter is not None
+        self.retire_adapter(loaded.version)
+        self._prune_adapters()
+        loaded.max_len = self.loaded.max_len
+        self._set.add(loaded.adapter)
+        self._slots.append(loaded.version)
+        self.adapters[loaded.version] = loaded
+
+    def retire_adapter(self, version: str) -> bool:
+        """Stops sending new requests through an adapter; its running ones finish on it."""
+        with self._adapters_lock:
+            return self.adapters.pop(version, None) is not None
+
+    def submit(self, request: Request) -> None:
+        """Queues a request for the base weights or one of the adapters served over them."""
+        with self._adapters_lock:
+            if request.adapter and request.adapter not in self.adapters:
+                raise NotFound(f"adapter {self.loaded.name}/{request.adapter} was unloaded just now")
+            self.scheduler.submit(request)
+
+    def _prune_adapters(self) -> None:
+        """Unstacks retired adapters no request goes through any more (on the engine thread)."""
+        with self._adapters_lock:
+            for slot in reversed(range(len(self._slots))):
+                version = self._slots[slot]
+                if version not in self.adapters and not self.scheduler.uses_adapter(version):
+                    self._set.remove(slot)
+                    del self._slots[slot]
+
+    def _adapter_rows(self, requests: list[Request], rows: int) -> AdapterRows | None:
+        """The adapters of a forward over `requests`, padded to `rows` rows of the base alone."""
+        slots = [self._slots.index(r.adapter) if r.adapter else None for r in requests]
+        return self._set.rows(slots + [None] * (rows - len(requests)))
 
     @torch.inference_mode()
     def warm_up(self, batch_sizes: tuple[int, ...]) -> None:
@@ -89,11 +132,13 @@ class ModelRunner:
         device = self.loaded.device
         for rows in batch_sizes:
             tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
-            self.decode_step(tokens, self.cache.view([[]] * rows, [[-1]] * rows, device))
+            self.decode_step(tokens, self.cache.view([[]] * rows, [[-1]] * rows, device), None)
 
     @torch.inference_mode()
     def step(self, metrics: WorkerMetrics | None) -> list[Output]:
         """One engine step for this version; a failure fails the sequences of the forward it hit."""
+        if len(self._slots) > len(self.adapters):
+            self._prune_adapters()
         plan = self.scheduler.schedule()
         if metrics is not None and plan.decode:
             metrics.batch_size.observe(len(plan.decode))
@@ -140,7 +185,8 @@ class ModelRunner:
         tokens = [[*r.sequence.prompt_ids[s:e], *[0] * (width - e + s)] for r, s, e in chunks]
         positions = [[*range(s, e), *[-1] * (width - e + s)] for _, s, e in chunks]
         view = self.cache.view([r.blocks for r, _, _ in chunks], positions, device)
-        logits = self.model(torch.tensor(tokens, device=device), self.cache, view)  # [N, T, V]
+        adapters = self._adapter_rows([r for r, _, _ in chunks], len(chunks))
+        logits = self.model(torch.tensor(tokens, device=device), self.cache, view, adapters)  # [N, T, V]
         last = torch.tensor([e - s - 1 for _, s, e in chunks], device=device)  # [N]
         return logits[torch.arange(len(chunks), device=device), last]
 
@@ -151,7 +197,8 @@ class ModelRunner:
         positions = [[r.sequence.total_len - 1] for r in requests] + [[-1]] * pad
         device = self.loaded.device
         view = self.cache.view([r.blocks for r in requests] + [[]] * pad, positions, device)
-        logits = self.decode_step(torch.tensor(tokens, device=device)[:, None], view)  # [B, V]
+        adapters = self._adapter_rows(requests, len(requests) + pad)
+        logits = self.decode_step(torch.tensor(tokens, device=device)[:, None], view, adapters)  # [B, V]
         return logits[: len(requests)]
 
     @staticmethod
@@ -203,7 +250,12 @@ class Engine:
 
     def add(self, loaded: LoadedModel) -> None:
         """Makes a version servable (replacing the same version if it was loaded); its cache is
-        allocated, and its decode step compiled when enabled, on the engine thread."""
+        allocated, and its decode step compiled when enabled, on the engine thread. An adapter
+        joins the runner of its base version, which must be loaded."""
+        if loaded.adapter is not None:
+            base = self._base_runner(loaded.name, loaded.base_version)
+            self.run(lambda: base.add_adapter(loaded))
+            return
         runner = self.run(lambda: self._new_runner(loaded))
         with self._lock:
             self._retire_locked((loaded.name, loaded.version))
@@ -217,8 +269,12 @@ class Engine:
         return runner
 
     def remove(self, name: str, version: str) -> bool:
-        """Stops serving a version; its running sequences finish on the weights they hold."""
+        """Stops serving a version (a base version's adapters with it); its running sequences
+        finish on the weights they hold."""
         with self._lock:
+            for runner in self._runners.values():
+                if runner.loaded.name == name and runner.retire_adapter(version):
+                    return True
             removed = self._retire_locked((name, version))
         if removed:
             self._observe_capacity()
@@ -238,23 +294,39 @@ class Engine:
         return True
 
     def loaded(self) -> list[LoadedModel]:
-        """Every servable version."""
-        return [r.loaded for r in self._runners.values()]
+        """Every servable version, adapters after the version they are served over."""
+        return [m for r in list(self._runners.values()) for m in (r.loaded, *list(r.adapters.values()))]
 
     def find(self, name: str, version: str) -> LoadedModel | None:
         """The loaded version, or None."""
-        runner = self._runners.get((name, version))
-        return None if runner is None else runner.loaded
+        found = self._lookup(name, version)
+        return None if found is None else found[1]
 
     def get(self, name: str, version: str) -> LoadedModel:
         """The loaded version; NotFound names what is loaded instead."""
-        return self._runner(name, version).loaded
+        return self._serving(name, version)[1]
 
-    def _runner(self, name: str, version: str) -> ModelRunner:
+    def _lookup(self, name: str, version: str) -> tuple[ModelRunner, LoadedModel] | None:
+        """The runner that serves a version, and the version: a base one's, or an adapter's."""
+        runner = self._runners.get((name, version))
+        if runner is not None:
+            return runner, runner.loaded
+        for runner in list(self._runners.values()):
+            if runner.loaded.name == name and (adapter := runner.adapters.get(version)) is not None:
+                return runner, adapter
+        return None
+
+    def _serving(self, name: str, version: str) -> tuple[ModelRunner, LoadedModel]:
+        found = self._lookup(name, version)
+        if found is None:
+            have = ", ".join(f"{m.name}/{m.version}" for m in self.loaded()) or "nothing"
+            raise NotFound(f"{name}/{version} is not loaded on this worker (loaded: {have})")
+        return found
+
+    def _base_runner(self, name: str, version: str) -> ModelRunner:
         runner = self._runners.get((name, version))
         if runner is None:
-            have = ", ".join(f"{n}/{v}" for n, v in self._runners) or "nothing"
-            raise NotFound(f"{name}/{version} is not loaded on this worker (loaded: {have})")
+            raise NotFound(f"{name}/{version}, the base of an adapter, is not loaded on this worker")
         return runner
 
     @property
@@ -292,8 +364,8 @@ class Engine:
         """Streams the deltas of one completion; leaving early frees its slot at the next step."""
         if not self._thread.is_alive():
             raise Unavailable("this worker's engine has stopped; restart the worker")
-        runner = self._runner(name, version)
-        max_len = runner.loaded.max_len
+        runner, loaded = self._serving(name, version)
+        max_len = loaded.max_len
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")
         if len(prompt_ids) >= max_len:
@@ -303,8 +375,9 @@ class Engine:
         mailbox: Mailbox[Delta] = Mailbox(Delta.merge)
         loop = asyncio.get_running_loop()
         sequence = Sequence(prompt_ids, params, runner.loaded.tokenizer, max_len)
-        request = Request(sequence, make_generator(params.sampling), (loop, mailbox))
-        runner.scheduler.submit(request)
+        adapter = version if loaded.adapter is not None else ""
+        request = Request(sequence, make_generator(params.sampling), (loop, mailbox), adapter=adapter)
+        runner.submit(request)
         self._wake.set()
         finished = False
         try:

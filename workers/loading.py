@@ -10,6 +10,7 @@ import torch
 
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.loader import load_checkpoint
+from workers.models.lora import Adapter
 
 
 @dataclass
@@ -24,6 +25,8 @@ class LoadedModel:
     aliases: set[str] = field(default_factory=set)
     last_request: float = field(default_factory=time.monotonic)  # when a Generate last asked for it
     max_len: int = 0  # longest prompt plus completion, in tokens; 0 = the model's context
+    adapter: Adapter | None = None  # a LoRA adapter served over the weights of version `base_version`
+    base_version: str = ""
 
     banned_tokens: torch.Tensor = field(init=False)  # [V] bool
 
@@ -49,3 +52,16 @@ def load_directory(
     (0: the model's own)."""
     model, tokenizer = load_checkpoint(directory, device, dtype, max_len)
     return LoadedModel(name, version, model, tokenizer, device, aliases or set())
+
+
+def load_adapter(
+    directory: Path, version: str, base: LoadedModel, aliases: set[str] | None = None
+) -> LoadedModel:
+    """The LoRA adapter in a local directory (PEFT's files) as a version served over `base`'s
+    weights, in their dtype; ValueError when it does not fit the base model."""
+    adapter = Adapter.load(directory, base.device, base.model.dtype)
+    adapter.check(base.model)  # type: ignore[arg-type]  # a CausalLM is an nn.Module
+    return LoadedModel(
+        base.name, version, base.model, base.tokenizer, base.device, aliases or set(),
+        max_len=base.max_len, adapter=adapter, base_version=base.version,
+    )  # fmt: skip

@@ -31,6 +31,7 @@ class Request:
     sequence: Sequence
     generator: torch.Generator
     deliver: Any  # where its deltas go; opaque to the scheduler
+    adapter: str = ""  # the adapter version its rows go through; "" = the base weights alone
     blocks: list[int] = field(default_factory=list)  # its block table: KV blocks in token order
     prefilled: int = 0  # prompt tokens already in the KV cache
     next_input: int | None = None  # the sampled token the next decode step feeds in
@@ -109,6 +110,11 @@ class Scheduler:
     def has_work(self) -> bool:
         """True when a step would do something."""
         return bool(self._waiting or self._running)
+
+    def uses_adapter(self, version: str) -> bool:
+        """True while a running or waiting request goes through adapter `version`."""
+        with self._lock:
+            return any(r.adapter == version for r in (*self._running, *self._waiting))
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks that hold `tokens` tokens."""

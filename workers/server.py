@@ -36,6 +36,7 @@ from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
 from workers.models.interface import Tokenizer
 from workers.models.loader import resolve_device, resolve_dtype
+from workers.models.prompts import prompt_ids
 from workers.sampling import SamplingParams
 from workers.sequence import Delta, GenerationParams
 from workers.versions import Versions
@@ -65,10 +66,9 @@ def prompt_ids_of(request: worker_pb2.WorkerGenerateRequest, tokenizer: Tokenize
     if not request.messages:
         return tokenizer.encode(request.prompt)
     try:
-        text = tokenizer.render_chat([{"role": m.role, "content": m.content} for m in request.messages])
+        return prompt_ids(tokenizer, tuple((m.role, m.content) for m in request.messages))
     except ValueError as error:  # no chat template, or one that refuses the conversation
         raise InvalidArgument(f"{request.model}/{request.version}: {error}") from None
-    return tokenizer.encode(text, bos=False)
 
 
 def delta_to_pb(delta: Delta) -> worker_pb2.WorkerGenerateResponse:
@@ -96,6 +96,8 @@ def loaded_to_pb(loaded: LoadedModel) -> worker_pb2.LoadedVersion:
         device=str(loaded.device),
         max_sequence_length=loaded.max_len,
         dtype=str(loaded.model.dtype).removeprefix("torch."),
+        base_version=loaded.base_version,
+        adapter_parameters=loaded.adapter.parameter_count() if loaded.adapter is not None else 0,
     )
 
 

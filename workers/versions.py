@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from reflow.errors import NotFound
-from reflow.registry import Registry
+from reflow.registry import BASE_VERSION_TAG, Registry
 from workers.engine import Engine
-from workers.loading import LoadedModel, load_directory
+from workers.loading import LoadedModel, load_adapter, load_directory
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ class Versions:
         self.dtype = dtype  # None: each architecture's choice (REFLOW_DTYPE=auto)
 
     async def load(self, name: str, *, version: str = "", alias: str = "") -> LoadedModel:
-        """Resolves, fetches and loads a version off the event loop, then makes it servable."""
+        """Resolves, fetches and loads a version off the event loop, then makes it servable; an
+        adapter version is served over its base version's weights, loaded first when missing."""
         if self.registry is None:
             raise NotFound("this worker has no registry to load from")
         registry = self.registry
@@ -54,9 +55,16 @@ class Versions:
             raise NotFound(str(error)) from error
         aliases = {alias} if alias else set()
         max_len = self.engine.config.max_model_len
+        base_version = (await asyncio.to_thread(registry.tags, ref)).get(BASE_VERSION_TAG, "")
+        base = await self.load(name, version=base_version) if base_version else None
 
         def build() -> LoadedModel:
-            loaded = load_directory(directory, name, ref.version, self.device, aliases, self.dtype, max_len)
+            if base is not None:  # a few MB of adapter: stacked beside the base's, nothing compiled
+                loaded = load_adapter(directory, ref.version, base, aliases)
+            else:
+                loaded = load_directory(
+                    directory, name, ref.version, self.device, aliases, self.dtype, max_len
+                )
             self.engine.add(loaded)  # compiles and warms up first when enabled
             return loaded
 

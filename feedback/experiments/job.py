@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from sqlalchemy import Engine
 
@@ -42,6 +43,7 @@ class EvaluateJob:
     model: str
     rules: Rules
     workers: WorkerTargets
+    cache_dir: Path  # local copies of versions, for merging a promoted adapter
 
 
 def evaluate_experiments(job: EvaluateJob, engine: Engine, registry: Registry) -> list[Evaluation]:
@@ -52,7 +54,7 @@ def evaluate_experiments(job: EvaluateJob, engine: Engine, registry: Registry) -
     half_applied = decided(engine)
     for experiment, look in half_applied:
         logger.info("experiment %d: applying its %s decision again", experiment.id, look.outcome)
-        apply(engine, registry, experiment, look.outcome, look.reason)
+        apply(job, engine, registry, experiment, look.outcome, look.reason)
     models = {job.model} | {e.model for e in running_experiments(engine)}
     evaluations = []
     for model in sorted(models):
@@ -84,11 +86,12 @@ def evaluate_one(
         decision.outcome, decision.reason,
     )  # fmt: skip
     if decision.outcome != "continue":
-        apply(engine, registry, experiment, decision.outcome, decision.reason)
+        apply(job, engine, registry, experiment, decision.outcome, decision.reason)
     return Evaluation(experiment, decision)
 
 
 def apply(
+    job: EvaluateJob,
     engine: Engine,
     registry: Registry,
     experiment: RunningExperiment,
@@ -96,10 +99,11 @@ def apply(
     reason: str,
 ) -> None:
     """Moves the aliases as `outcome` says and ends the experiment with its final status.
-    `promote` makes the challenger the champion; every other outcome removes the challenger
-    alias, if it still points at this experiment's challenger."""
+    `promote` makes the challenger the champion (an adapter merged into its base first); every
+    other outcome removes the challenger alias, if it still points at this experiment's
+    challenger."""
     if outcome == "promote":
-        promote(registry, experiment.model, experiment.challenger_version)
+        promote(registry, experiment.model, experiment.challenger_version, job.cache_dir)
     else:
         roll_back(registry, experiment.model, version=experiment.challenger_version)
     end(engine, experiment.id, ENDED_BY[outcome], reason, was=DECIDING)

@@ -8,8 +8,9 @@ REFLOW_REGISTRY_POLL_S.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
-from reflow.registry import CHALLENGER, CHAMPION, Registry
+from reflow.registry import BASE_VERSION_TAG, CHALLENGER, CHAMPION, Registry
 from reflow.v1 import worker_pb2
 from reflow.worker_calls import WorkerTargets, call_workers
 
@@ -17,15 +18,24 @@ logger = logging.getLogger(__name__)
 PUSH_TIMEOUT_S = 120.0  # a worker loads, compiles and warms the new version before it answers
 
 
-def promote(registry: Registry, name: str, version: str) -> None:
-    """Makes `version` the champion; it stops being the challenger if it was one."""
-    registry.set_alias(name, CHAMPION, version)
+def promote(registry: Registry, name: str, version: str, cache_dir: Path) -> str:
+    """Makes `version` the champion and returns the champion's version: `version` itself, or for a
+    LoRA adapter its base with the adapter merged in, registered as a new version (merging.py says
+    why). It stops being the challenger if it was one."""
+    champion = version
+    base = registry.tags(registry.resolve(name, version=version)).get(BASE_VERSION_TAG)
+    if base:
+        from feedback.experiments.merging import merged_version  # torch: only when there is one
+
+        champion = merged_version(registry, registry.resolve(name, version=version), base, cache_dir)
+    registry.set_alias(name, CHAMPION, champion)
     try:
         challenger = registry.resolve(name, alias=CHALLENGER).version
     except LookupError:
-        return
+        return champion
     if challenger == version:
         registry.delete_alias(name, CHALLENGER)
+    return champion
 
 
 def roll_back(registry: Registry, name: str, version: str = "") -> bool:

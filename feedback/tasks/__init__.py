@@ -7,8 +7,9 @@ from typing import Any
 
 from feedback.tasks.arith import Arith
 from feedback.tasks.task import Task
+from feedback.tasks.terse import Terse
 
-TASKS: dict[str, Callable[..., Task]] = {"arith": Arith}
+TASKS: dict[str, Callable[..., Task]] = {"arith": Arith, "terse": Terse}
 
 
 def get_task(name: str, **options: Any) -> Task:

@@ -72,6 +72,7 @@ class Arith:
     base: tuple[int, int] = (0, 49)
     traffic: tuple[int, int] = (0, 99)
     name: ClassVar[str] = "arith"
+    chat: ClassVar[bool] = False  # the byte-level demo model reads "A+B=" as it is
 
     def base_prompts(self, n: int, rng: random.Random) -> list[str]:
         return [format_prompt(a, b) for a, b in sample_operands(n, *self.base, rng)]

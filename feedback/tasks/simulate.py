@@ -19,12 +19,13 @@ from datetime import UTC, datetime
 
 import grpc
 
-from feedback.events import FeedbackEvent, InferenceEvent, Latency, TokenUsage
-from feedback.tasks.task import Task
+from feedback.events import ChatMessage, FeedbackEvent, InferenceEvent, Latency, TokenUsage
+from feedback.tasks.task import Task, as_prompt
 from reflow.errors import RETRY_PUSHBACK_KEY
 from reflow.v1 import inference_pb2, inference_pb2_grpc
 from workers.models.greedy import greedy_answers
 from workers.models.interface import CausalLM, Tokenizer
+from workers.models.prompts import prompt_ids
 
 MAX_IN_FLIGHT = 64  # requests a simulation keeps open at once; beyond that it falls behind its rate
 RETRIES = 20  # times a user comes back after RESOURCE_EXHAUSTED before giving up
@@ -101,9 +102,12 @@ async def _ask(
     ratings: asyncio.Queue[inference_pb2.Feedback | None],
 ) -> None:
     """One user's request, and its rating queued."""
-    request = inference_pb2.GenerateRequest(
-        model=model, prompt=prompt, user_id=user, sampling=inference_pb2.SamplingParams(max_tokens=48)
-    )
+    sampling = inference_pb2.SamplingParams(max_tokens=48)
+    request = inference_pb2.GenerateRequest(model=model, user_id=user, sampling=sampling)
+    if task.chat:  # the worker renders it with the model's chat template
+        request.messages.append(inference_pb2.ChatMessage(role="user", content=prompt))
+    else:
+        request.prompt = prompt
     report.requests += 1
     text: list[str] = []
     request_id = version = ""
@@ -189,17 +193,20 @@ def rated_offline(
 
     For measuring and testing the fine-tune job alone; a wrong `answer_key` makes harmful feedback.
     """
-    answers = greedy_answers(model, tokenizer, prompts)
+    answers = greedy_answers(model, tokenizer, [as_prompt(task, p) for p in prompts])
     now = datetime.now(UTC)
     events: list[InferenceEvent | FeedbackEvent] = []
     for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
         request_id, wanted = f"offline-{i}", (answer_key or task.answer)(prompt) or ""
-        right = answer.strip() == wanted
+        right = task.is_correct(prompt, answer) if answer_key is None else answer.strip() == wanted
         events.append(InferenceEvent(
-            request_id=request_id, tenant=tenant, model=model_name, version=version, prompt=prompt,
+            request_id=request_id, tenant=tenant, model=model_name, version=version,
+            prompt="" if task.chat else prompt,
+            messages=[ChatMessage(role="user", content=prompt)] if task.chat else None,
             reasoning=task.thought(prompt) or "", completion=answer, finish_reason="STOP",
             usage=TokenUsage(
-                prompt_tokens=len(tokenizer.encode(prompt)), completion_tokens=0, reasoning_tokens=0
+                prompt_tokens=len(prompt_ids(tokenizer, as_prompt(task, prompt))), completion_tokens=0,
+                reasoning_tokens=0,
             ),
             latency=Latency(first_token_ms=0.0, total_ms=0.0), time=now,
         ))  # fmt: skip

@@ -13,12 +13,14 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
+from workers.models.prompts import Prompt, user_turn
+
 
 @dataclass(frozen=True)
 class Example:
-    """A completion of a prompt: an optional thought, then the answer."""
+    """A completion of a prompt (text, or a conversation): an optional thought, then the answer."""
 
-    prompt: str
+    prompt: Prompt
     thought: str | None
     answer: str
 
@@ -31,6 +33,12 @@ class Task(Protocol):
         """What `reflow simulate --task` calls it."""
         ...
 
+    @property
+    def chat(self) -> bool:
+        """True: each prompt is sent as the user's message of a one-message conversation and
+        rendered with the model's chat template; False: as raw text."""
+        ...
+
     def base_prompts(self, n: int, rng: random.Random) -> list[str]:
         """`n` prompts from the base model's training distribution."""
         ...
@@ -40,7 +48,8 @@ class Task(Protocol):
         ...
 
     def answer(self, prompt: str) -> str | None:
-        """The right answer to `prompt`; None when it is not one of this task's prompts."""
+        """The right answer to `prompt`; None when it is not one of this task's prompts (or, for
+        a chat task's base prompts, when any good answer will do: replay then uses the champion's)."""
         ...
 
     def is_correct(self, prompt: str, answer: str) -> bool:
@@ -52,12 +61,17 @@ class Task(Protocol):
         ...
 
 
+def as_prompt(task: Task, text: str) -> Prompt:
+    """One of the task's prompts as the model is given it."""
+    return user_turn(text) if task.chat else text
+
+
 def reference_example(task: Task, prompt: str) -> Example:
     """The task's own completion of one of its prompts: its reasoning, then the right answer."""
     answer = task.answer(prompt)
     if answer is None:
         raise ValueError(f"{prompt!r} is not a prompt of the {task.name} task")
-    return Example(prompt, task.thought(prompt), answer)
+    return Example(as_prompt(task, prompt), task.thought(prompt), answer)
 
 
 def replay_example(task: Task, rng: random.Random) -> Example:

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from feedback.tasks.task import Example
 from reflow.store.tables import RATES, FeedbackItem, Inference
+from workers.models.prompts import Prompt, conversation
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class RatedCompletion:
     completion: str
     rating: int
     correction: str
+    messages: list[dict[str, str]] = field(default_factory=list)  # a chat completion's conversation
+
+    @property
+    def model_prompt(self) -> Prompt:
+        """What the model was given: the conversation of a chat completion, else the prompt text."""
+        return conversation(self.messages) if self.messages else self.prompt
 
 
 @dataclass
@@ -40,7 +47,7 @@ class Dataset:
     supervised: list[Example] = field(default_factory=list)
     desirable: list[Example] = field(default_factory=list)
     undesirable: list[Example] = field(default_factory=list)
-    held_out: list[tuple[str, str]] = field(default_factory=list)  # (prompt, expected answer)
+    held_out: list[tuple[Prompt, str]] = field(default_factory=list)  # (prompt, expected answer)
     size: int = 0  # labelled items it was built from
     digest: str = ""  # sha256 of the items, to recognise the same data
 
@@ -73,7 +80,14 @@ def load_new(engine: Engine, model: str, limit: int) -> list[RatedCompletion]:
         rows = session.execute(_unused_labelled(model).order_by(FeedbackItem.id).limit(limit)).all()
     return [
         RatedCompletion(
-            fb.id, fb.feedback_id, inf.prompt, inf.reasoning, inf.completion, fb.rating, fb.correction
+            fb.id,
+            fb.feedback_id,
+            inf.prompt,
+            inf.reasoning,
+            inf.completion,
+            fb.rating,
+            fb.correction,
+            list(inf.messages or []),
         )
         for fb, inf in rows
     ]
@@ -88,20 +102,22 @@ def is_held_out(feedback_id: str, fraction: float) -> bool:
 def build_dataset(
     items: list[RatedCompletion], holdout_fraction: float, thought_for: Callable[[str], str | None]
 ) -> Dataset:
-    """Examples from `items`; `thought_for(prompt)` gives the reasoning a correction is taught with
-    (the task's canonical one, or None to teach the bare answer)."""
+    """Examples from `items`, each prompt as the model was given it; `thought_for(prompt)` gives the
+    reasoning a correction is taught with (the task's canonical one, or None to teach the bare
+    answer)."""
     dataset = Dataset(size=len(items))
     digest = hashlib.sha256()
     for item in items:
         digest.update(f"{item.feedback_id}\t{item.rating}\t{item.correction}\n".encode())
-        generated = Example(item.prompt, item.reasoning or None, item.completion)
+        prompt = item.model_prompt
+        generated = Example(prompt, item.reasoning or None, item.completion)
         wanted = item.correction.strip() or (item.completion.strip() if item.rating > 0 else "")
         if is_held_out(item.feedback_id, holdout_fraction):
             if wanted:
-                dataset.held_out.append((item.prompt, wanted))
+                dataset.held_out.append((prompt, wanted))
             continue
         if item.correction.strip():
-            dataset.supervised.append(Example(item.prompt, thought_for(item.prompt), item.correction.strip()))
+            dataset.supervised.append(Example(prompt, thought_for(item.prompt), item.correction.strip()))
         elif item.rating > 0:
             dataset.supervised.append(generated)
         if item.rating > 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from feedback.tasks.task import Task
+from feedback.tasks.task import Task, as_prompt
 from workers.models.greedy import greedy_answers
 from workers.models.interface import CausalLM, Tokenizer
 
@@ -14,7 +14,7 @@ BASE_MODEL_PROBLEMS = 500
 
 def accuracy(model: CausalLM, tokenizer: Tokenizer, task: Task, prompts: list[str], **kw: int) -> float:
     """Share of `prompts` whose greedy answer the task's oracle accepts; `kw` goes to `greedy_answers`."""
-    answers = greedy_answers(model, tokenizer, prompts, **kw)
+    answers = greedy_answers(model, tokenizer, [as_prompt(task, p) for p in prompts], **kw)
     return sum(task.is_correct(p, a) for p, a in zip(prompts, answers, strict=True)) / len(prompts)
 
 

@@ -10,24 +10,26 @@ import torch
 
 from feedback.tasks.task import Example
 from workers.models.interface import Tokenizer
+from workers.models.prompts import Prompt, prompt_ids
 
 
 def training_example(
-    tokenizer: Tokenizer, prompt: str, answer: str, thought: str | None
+    tokenizer: Tokenizer, prompt: Prompt, answer: str, thought: str | None
 ) -> tuple[list[int], list[int]]:
-    """Token ids of `<bos>prompt<think>thought</think>answer<eos>` and its loss mask.
+    """Token ids of `<bos>prompt<think>thought</think>answer<eos>` and its loss mask; a
+    conversation's prompt is rendered with the chat template the model serves with.
 
     The mask is 1 on the completion (everything the model generates, the
     special tokens included) and 0 on `<bos>` and the prompt. Without a
     thought (or a model that does not reason) the completion is `answer<eos>`,
     with no think tags.
     """
-    prompt_ids = tokenizer.encode(prompt)
+    given = prompt_ids(tokenizer, prompt)
     completion = [*tokenizer.encode(answer, bos=False), tokenizer.eos_ids[0]]
     markers = tokenizer.reasoning_markers
     if thought is not None and markers is not None:
         completion = [markers[0], *tokenizer.encode(thought, bos=False), markers[1], *completion]
-    return prompt_ids + completion, [0] * len(prompt_ids) + [1] * len(completion)
+    return given + completion, [0] * len(given) + [1] * len(completion)
 
 
 def example_rows(tokenizer: Tokenizer, examples: list[Example]) -> list[tuple[list[int], list[int]]]:

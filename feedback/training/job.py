@@ -8,6 +8,7 @@ registered or rejected run keeps them, a failed one gives them back to the next 
 from __future__ import annotations
 
 import logging
+import random
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,18 +25,24 @@ from sqlalchemy.orm import Session
 from feedback.experiments.lifecycle import reconcile
 from feedback.experiments.promotion import push_to_workers
 from feedback.tasks import get_task
-from feedback.tasks.task import replay_example
+from feedback.tasks.task import Example, Task, as_prompt, replay_example
 from feedback.training import gate
 from feedback.training.dataset import RatedCompletion, build_dataset, count_new, load_new
 from feedback.training.trainer import FinetuneConfig, train_candidate
-from reflow.registry import CHALLENGER, IMPORTED, SOURCE_TAG, Registry, VersionRef
+from reflow.registry import BASE_VERSION_TAG, CHALLENGER, Registry, VersionRef
 from reflow.store.experiments import running_experiment
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
 from reflow.worker_calls import WorkerTargets
+from workers.models.builtin import Transformer
+from workers.models.greedy import greedy_answers
+from workers.models.interface import CausalLM, Tokenizer
 from workers.models.loader import load_checkpoint, resolve_device, save_checkpoint
 
 logger = logging.getLogger(__name__)
 STALE_AFTER = timedelta(minutes=30)  # a `running` row older than this belongs to a killed job
+METHODS = ("auto", "full", "lora")  # REFLOW_FINETUNE_METHOD
+REPLAY_POOL = 64  # base prompts a chat task's replay draws from, answered once by the champion
+PROGRESS_LOGS = 10  # log lines over a run's steps
 
 
 class Cancelled(Exception):
@@ -65,8 +72,10 @@ class FinetuneJob:
     min_samples: int  # new labelled items a scheduled run waits for
     max_samples: int  # most items one run takes
     holdout_fraction: float
-    regression_tolerance: float
-    recipe: FinetuneConfig  # its seed is set per run
+    limits: gate.Limits
+    recipe: FinetuneConfig  # a full fine-tune's; its seed is set per run
+    lora_recipe: FinetuneConfig  # a LoRA fine-tune's
+    method: str  # METHODS: auto trains adapters for Llama-family champions, the built-in model in full
     device: str
     cache_dir: Path  # local copies of downloaded versions
     traffic: float  # the challenger's share in the experiment it opens
@@ -95,11 +104,11 @@ def run_finetune(
     if new < max(needed, 1):
         return Outcome("skipped", f"{new} new labelled feedback item(s) on {name}; waiting for {needed}")
     parent = registry.resolve(name, alias=job.champion_alias)
-    if registry.tags(parent).get(SOURCE_TAG) == IMPORTED:
+    if registry.tags(parent).get(BASE_VERSION_TAG):  # promotion merges adapters: only by hand
         return Outcome(
             "skipped",
-            f"{name} v{parent.version} is an imported checkpoint; the fine-tune job trains only the "
-            "built-in model until it trains adapters for imported ones",
+            f"{name} v{parent.version}, the champion, is an adapter (set by hand?); promote a full version ("
+            "`reflow models promote` merges an adapter into one) before training over it",
         )
     items = load_new(engine, name, job.max_samples)
     run_id = claim_run(engine, name, parent.version, [item.id for item in items])
@@ -133,27 +142,38 @@ def _train_and_judge(
     device = resolve_device(job.device)
     name, parent = parent_ref.name, parent_ref.version
     champion, tokenizer = load_checkpoint(registry.download(parent_ref, job.cache_dir), device)
-    config = replace(job.recipe, seed=run_id)
-    replay = partial(replay_example, task)
-    candidate, history = train_candidate(champion, tokenizer, dataset, replay, config, progress)
+    config = replace(recipe_for(job, champion), seed=run_id)
+    replay = replay_source(task, champion, tokenizer)
+    logged = _logging_progress(run_id, progress)
+    candidate, history = train_candidate(champion, tokenizer, dataset, replay, config, logged)
     train_s = time.perf_counter() - started
     logger.info("fine-tune run %d trained in %.1fs on %d items", run_id, train_s, dataset.size)
     before = gate.measure(champion, tokenizer, task, dataset.held_out)
     after = gate.measure(candidate, tokenizer, task, dataset.held_out)
+    if task.chat:
+        after |= gate.regression_shift(
+            champion, candidate, tokenizer, gate.champion_answers(champion, tokenizer)
+        )
     logger.info("fine-tune run %d evaluated in %.1fs", run_id, time.perf_counter() - started - train_s)
-    verdict = gate.judge(before, after, job.regression_tolerance)
+    verdict = gate.judge(before, after, job.limits)
     metrics = {
         **{f"champion_{k}": v for k, v in before.items()},
         **{f"candidate_{k}": v for k, v in after.items()},
         "samples": float(dataset.size), "supervised_examples": float(len(dataset.supervised)),
         "rated_examples": float(dataset.rated), "train_seconds": train_s,
+        "trained_parameters": float(sum(p.numel() for p in candidate.parameters())),
     }  # fmt: skip
+    lora = config.lora
     params = {
-        **asdict(config), "parent_version": parent, "feedback_first_id": first_id,
-        "feedback_last_id": last_id, "dataset_size": dataset.size, "dataset_sha256": dataset.digest,
-        "holdout_fraction": job.holdout_fraction, "regression_tolerance": job.regression_tolerance,
+        **{k: v for k, v in asdict(config).items() if k != "lora"}, "parent_version": parent,
+        "method": "lora" if lora else "full", "feedback_first_id": first_id, "feedback_last_id": last_id,
+        "dataset_size": dataset.size, "dataset_sha256": dataset.digest,
+        "holdout_fraction": job.holdout_fraction, "regression_tolerance": job.limits.accuracy_drop,
+        "max_regression_kl": job.limits.kl, "max_regression_nll_increase": job.limits.nll_increase,
         "device": str(device),
     }  # fmt: skip
+    if lora:
+        params |= {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": ",".join(lora.targets)}
     fields = ("loss", "sft", "kto", "kl", "kto_reference_point")
     curves = {f"train_{field}": [getattr(s, field) for s in history] for field in fields}
     tags = {"reflow.source": "finetune", "reflow.parent_version": parent, "reflow.verdict": verdict.reason}
@@ -165,11 +185,16 @@ def _train_and_judge(
         )  # fmt: skip
     version = ""
     if verdict.register:
+        version_tags = {
+            "reflow.parent_version": parent,
+            "reflow.run_id": mlflow_run,
+            "reflow.finetune_run": str(run_id),
+        }
+        if lora:  # served over the parent's weights
+            version_tags[BASE_VERSION_TAG] = parent
         version = registry.register_version(
-            name, mlflow_run, source, alias=CHALLENGER,
-            tags={"reflow.parent_version": parent, "reflow.run_id": mlflow_run,
-                  "reflow.finetune_run": str(run_id)},
-        ).version  # fmt: skip
+            name, mlflow_run, source, alias=CHALLENGER, tags=version_tags
+        ).version
     status = "registered" if verdict.register else "rejected"
     _finish(
         engine, run_id, status=status, message=verdict.reason, samples=dataset.size,
@@ -183,6 +208,45 @@ def _train_and_judge(
         except Exception:  # the run stands; the evaluate job opens the experiment, workers poll
             logger.exception("fine-tune run %d: opening the experiment failed; the evaluate job will", run_id)
     return Outcome(status, verdict.reason, run_id, version, metrics)
+
+
+def recipe_for(job: FinetuneJob, champion: CausalLM) -> FinetuneConfig:
+    """The recipe REFLOW_FINETUNE_METHOD picks for this champion; ValueError for LoRA on the
+    built-in model, whose layers take no adapters."""
+    builtin = isinstance(champion, Transformer)
+    method = job.method if job.method != "auto" else ("full" if builtin else "lora")
+    if method == "lora" and builtin:
+        raise ValueError("the built-in model takes no LoRA adapters; set REFLOW_FINETUNE_METHOD=full or auto")
+    return job.lora_recipe if method == "lora" else job.recipe
+
+
+def replay_source(task: Task, champion: CausalLM, tokenizer: Tokenizer) -> Callable[[random.Random], Example]:
+    """What a run replays against forgetting: the task's base problems with their reference
+    completions, or, for a task whose base prompts have no one right answer (chat), the champion's
+    own greedy answers to a fixed pool of them, computed once."""
+    rng = random.Random(0)
+    if task.answer(task.base_prompts(1, rng)[0]) is not None:
+        return partial(replay_example, task)
+    prompts = [as_prompt(task, p) for p in task.base_prompts(REPLAY_POOL, random.Random(1))]
+    answers = greedy_answers(champion, tokenizer, prompts, max_new_tokens=gate.REGRESSION_ANSWER_TOKENS)
+    pool = [Example(p, None, a) for p, a in zip(prompts, answers, strict=True)]  # empty ones too: its own
+    return lambda draw: draw.choice(pool)
+
+
+def _logging_progress(
+    run_id: int, progress: Callable[[int, int, float], None] | None
+) -> Callable[[int, int, float], None]:
+    """`progress`, and a log line every tenth of the run (the scheduler's job has no progress bar)."""
+    started = time.perf_counter()
+
+    def report(step: int, total: int, loss: float) -> None:
+        if step == total or step % max(1, total // PROGRESS_LOGS) == 0:
+            elapsed = time.perf_counter() - started
+            logger.info("fine-tune run %d: step %d/%d, loss %.4f, %.0fs", run_id, step, total, loss, elapsed)
+        if progress is not None:
+            progress(step, total, loss)
+
+    return report
 
 
 def claim_run(engine: Engine, model: str, parent: str, feedback_ids: list[int]) -> int | None:

@@ -7,8 +7,10 @@ Each step's loss is
 
 where the SFT batch mixes feedback examples with `replay_fraction` of problems from the base
 model's own distribution, so learning the new range does not unlearn the old one. The champion's
-weights are never changed: the candidate is a copy, and the champion, switched to eval mode and
-frozen, is the reference.
+weights are never changed. A full fine-tune trains a copy, and the champion, switched to eval mode
+and frozen, is the reference. A LoRA fine-tune trains only a low-rank adapter over the champion's
+frozen weights, and the reference is the champion itself with the adapter switched off, so no
+second copy of the model is held.
 """
 
 from __future__ import annotations
@@ -17,21 +19,24 @@ import copy
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from feedback.tasks.task import Example
 from feedback.training.dataset import Dataset
 from feedback.training.examples import example_rows, learning_rate, pad_rows, training_example
 from feedback.training.kto import KtoResult, kto_loss, sequence_logps
 from workers.models.interface import CausalLM, Tokenizer
+from workers.models.lora import AdaptedModel, Adapter, LoraConfig
 
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """One fine-tune run's recipe; the defaults suit the demo model on two CPU cores."""
+    """One fine-tune run's recipe; the defaults suit a full fine-tune of the demo model on two CPU
+    cores (LORA_RECIPE is the one for Llama-family models)."""
 
     steps: int = 200
     batch_size: int = 32  # supervised rows per step, replay included
@@ -47,6 +52,15 @@ class FinetuneConfig:
     kl_weight: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
+    lora: LoraConfig | None = None  # None: every weight is trained (a full fine-tune)
+
+
+# Sized for SmolLM2-135M-Instruct on two CPU cores (docs/finetuning.md): an adapter learns a format
+# in tens of steps at a higher learning rate than full weights take, and each step's rows cost a
+# forward and backward through the whole model, so batches are small and KTO's are smaller.
+LORA_RECIPE = FinetuneConfig(
+    steps=20, batch_size=8, lr=1e-3, warmup_steps=3, kto_batch_size=4, lora=LoraConfig()
+)
 
 
 @dataclass(frozen=True)
@@ -68,14 +82,21 @@ def train_candidate(
     config: FinetuneConfig,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> tuple[CausalLM, list[StepLog]]:
-    """A fine-tuned copy of `champion` and the per-step log; deterministic for a seed on CPU.
+    """The candidate and the per-step log; deterministic for a seed on CPU. The candidate is a
+    fine-tuned copy of `champion`, or with `config.lora` an `AdaptedModel`: the champion seen
+    through the trained adapter.
 
     `replay(rng)` draws one problem of the base distribution; `progress(step, total, loss)` is
     called after every step.
     """
     device = champion.device
     reference = champion.eval()
-    policy = copy.deepcopy(champion).train()
+    policy: CausalLM
+    if config.lora is not None:  # the adapter's tensors are the only parameters
+        base = cast(nn.Module, champion)  # every CausalLM reflow has is a torch module
+        policy = AdaptedModel(base, Adapter.new(base, config.lora, config.seed)).train()
+    else:
+        policy = copy.deepcopy(champion).train()
     for parameter in reference.parameters():
         parameter.requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.0)

@@ -98,9 +98,10 @@ def experiments_report(
     experiment_id: int,
     out: Annotated[Path, typer.Option("--out", help="PNG file to write.")],
 ) -> None:
-    """Plot an experiment: per-arm positive rate over time with 95% bands, samples, the decision."""
+    """Plot an experiment: per-arm positive rate with 95% intervals at each evaluation, the test's
+    statistic against its threshold, samples, the decision."""
     from feedback.experiments.report import plot_experiment
 
     experiment, looks = _history(experiment_id)
-    plot_experiment(experiment, looks, out)
+    plot_experiment(experiment, looks, out, alpha=load_settings().ab_alpha)
     print(f"wrote {out}")

@@ -124,16 +124,18 @@ def _follow_aliases(settings: Settings, registry: Any, name: str) -> None:
 
 @app.command("promote")
 def models_promote(name: str, version: str) -> None:
-    """Make VERSION the champion (no longer the challenger); the workers follow at once."""
+    """Make VERSION the champion (no longer the challenger; a LoRA adapter is merged into its base
+    as a new version first); the workers follow at once."""
     from feedback.experiments.promotion import promote
 
     settings = load_settings()
     registry = open_registry(settings)
     try:
-        promote(registry, name, version)
+        champion = promote(registry, name, version, settings.model_cache_dir)
     except LookupError as error:
         fail(f"{error}")
-    print(f"{name}@champion -> version {version}")
+    merged = f" (adapter v{version} merged into it)" if champion != version else ""
+    print(f"{name}@champion -> version {champion}{merged}")
     _follow_aliases(settings, registry, name)
 
 

@@ -14,8 +14,8 @@ def simulate(
     task: Annotated[str | None, typer.Option(help="The task users ask [default: REFLOW_TASK].")] = None,
     rate: Annotated[float, typer.Option(min=0.01, help="Requests per second.")] = 5.0,
     duration: Annotated[float, typer.Option(min=0.0, help="Seconds to run; 0 = until stopped.")] = 60.0,
-    lo: Annotated[int, typer.Option(min=0, help="Smallest operand (arith).")] = 0,
-    hi: Annotated[int, typer.Option(min=0, help="Largest operand (arith).")] = 99,
+    lo: Annotated[int | None, typer.Option(min=0, help="Smallest operand (arith) [default: 0].")] = None,
+    hi: Annotated[int | None, typer.Option(min=0, help="Largest operand (arith) [default: 99].")] = None,
     users: Annotated[int, typer.Option(min=1, help="Distinct simulated users.")] = 500,
     seed: Annotated[int, typer.Option(help="Seed of the operands and users.")] = 0,
     target: Annotated[
@@ -29,11 +29,13 @@ def simulate(
     from feedback.tasks import get_task
     from feedback.tasks.simulate import simulate as run_simulation
 
+    ranged = lo is not None or hi is not None  # only arith takes operand ranges
+    lo, hi = lo or 0, 99 if hi is None else hi
     if lo > hi:
         fail(f"--lo {lo} is above --hi {hi}", 2)
     settings = settings_with(api_key=api_key or None)
     try:
-        asked = get_task(task or settings.task, traffic=(lo, hi))
+        asked = get_task(task or settings.task, **({"traffic": (lo, hi)} if ranged else {}))
     except ValueError as error:
         fail(f"{error}", 2)
     columns = (

@@ -22,10 +22,11 @@ if TYPE_CHECKING:
     from feedback.training.bootstrap import BaseModelSpec
 
 # `reflow up --demo`: fine-tune every minute, send half the users to a challenger, decide every
-# 10 s; users (under the default tenant's 600 requests a minute) ask over 0-99, where the base
-# model is mostly wrong and learns from their corrections.
+# 10 s; users (under the default tenant's 600 requests a minute) ask the task's live traffic (for
+# arith, sums over 0-99), where the base model is mostly wrong and learns from their corrections.
 DEMO_SETTINGS = {"finetune_interval_s": "60", "ab_traffic": "0.5", "ab_evaluate_s": "10"}
-DEMO_SIMULATION = ["--rate", "8", "--duration", "0", "--lo", "0", "--hi", "99", "--users", "1000"]
+DEMO_SIMULATION = ["--rate", "8", "--duration", "0", "--users", "1000"]
+CHAT_TASK = "terse"  # what a chat model's users ask unless REFLOW_TASK says otherwise
 
 
 def up(
@@ -139,9 +140,11 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
     from gateway.tenants import ensure_tenant
     from reflow.cgroups import remove_instance
     from reflow.cli.supervisor import Supervisor, wait_http, wait_serving
-    from reflow.registry import IMPORTED, SOURCE_TAG, Registry
+    from reflow.registry import Registry
     from reflow.serving import free_port, write_json_atomically
     from reflow.store.database import migrate, open_engine
+    from workers.models.builtin import MODEL_TYPE as BUILTIN
+    from workers.models.loader import model_type
 
     signal.signal(signal.SIGINT, _raise_stopped)
     signal.signal(signal.SIGTERM, _raise_stopped)
@@ -160,7 +163,9 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
         engine.dispose()
         registry = Registry.from_settings(settings)
         served = ensure_base_model(base_model_of(settings), registry, console)
-        chat = registry.tags(served).get(SOURCE_TAG) == IMPORTED  # a real model: it chats
+        chat = model_type(registry.download(served, settings.model_cache_dir)) != BUILTIN  # a real model
+        if chat and "task" not in settings.model_fields_set:
+            env["REFLOW_TASK"] = CHAT_TASK  # the fine-tune job's and the simulated users'
 
         bootstrap = settings.kafka_bootstrap
         if not bootstrap:

@@ -36,7 +36,8 @@ def workers_status(
             "connections_dropped": status.connections_dropped, "connects_denied": status.connects_denied,
             "running": status.running, "waiting": status.waiting, "memory_bytes": status.memory_bytes,
             "kv_blocks_used": status.kv_blocks_used, "kv_blocks_total": status.kv_blocks_total,
-            "loaded": [{"model": v.model, "version": v.version, "aliases": list(v.aliases), "dtype": v.dtype}
+            "loaded": [{"model": v.model, "version": v.version, "aliases": list(v.aliases), "dtype": v.dtype,
+                        "base_version": v.base_version, "adapter_parameters": v.adapter_parameters}
                        for v in status.loaded],
         })  # fmt: skip
     if as_json:
@@ -47,6 +48,7 @@ def workers_status(
                 print(f"{row['address']}\tunreachable: {row['error']}")
                 continue
             served = ", ".join(f"{v['model']}/{v['version']}" + "".join(f" @{a}" for a in v["aliases"])
+                               + (f" (adapter over v{v['base_version']})" if v["base_version"] else "")
                                for v in row["loaded"])  # fmt: skip
             print(f"{row['address']}\t{served or '-'}\trunning {row['running']}, waiting {row['waiting']}, "
                   f"KV blocks {row['kv_blocks_used']}/{row['kv_blocks_total']}\t"

@@ -50,7 +50,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadedVersion(_message.Message):
-    __slots__ = ("model", "version", "aliases", "parameters", "device", "max_sequence_length", "dtype")
+    __slots__ = ("model", "version", "aliases", "parameters", "device", "max_sequence_length", "dtype", "base_version", "adapter_parameters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,8 @@ class LoadedVersion(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
@@ -65,7 +67,9 @@ class LoadedVersion(_message.Message):
     device: str
     max_sequence_length: int
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    base_version: str
+    adapter_parameters: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., base_version: _Optional[str] = ..., adapter_parameters: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
     __slots__ = ("loaded", "running", "waiting", "memory_bytes", "device_memory_bytes", "kv_slots", "max_waiting", "isolation", "connections_dropped", "connects_denied", "kv_blocks_total", "kv_blocks_used")

@@ -1,5 +1,5 @@
 """Tiny random Hugging Face checkpoints, written by transformers itself (the reference the Llama family
-is held to), with a word-level tokenizer over their vocabulary."""
+is held to), with a word-level tokenizer over their vocabulary; random LoRA adapters over them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from typing import Any
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch import nn
+
+from workers.models.lora import Adapter, LoraConfig
 
 VOCAB = 128
 EOS = 1
@@ -48,3 +51,13 @@ def tiny_checkpoint(
     reference.save_pretrained(directory)
     write_tokenizer(directory)
     return directory
+
+
+def random_adapter(model: nn.Module, config: LoraConfig, seed: int) -> Adapter:
+    """An adapter whose B is no longer zero, as after training: it changes the logits."""
+    adapter = Adapter.new(model, config, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, b in adapter.weights.values():
+            b.copy_(torch.randn(b.shape, generator=generator) * 0.3)
+    return adapter

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from workers.models.byte_tokenizer import ByteTokenizer
 from workers.models.kv_cache import CacheView, PagedKVCache, paged_attention
+from workers.models.lora import AdapterRows
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -178,13 +179,20 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_table(config), persistent=False)
 
     def forward(
-        self, tokens: Tensor, cache: PagedKVCache | None = None, view: CacheView | None = None
+        self,
+        tokens: Tensor,
+        cache: PagedKVCache | None = None,
+        view: CacheView | None = None,
+        adapters: AdapterRows | None = None,
     ) -> Tensor:
         """Logits [B, T, vocab] for tokens [B, T].
 
         Without a cache this is the causal full-sequence pass used in training;
-        with one, `view` places the tokens in the cache's blocks.
+        with one, `view` places the tokens in the cache's blocks. It takes no adapters: the
+        demo model is fine-tuned in full (its layers are not named as Hugging Face names them).
         """
+        if adapters is not None:
+            raise ValueError("the built-in model takes no LoRA adapters")
         b, t = tokens.shape
         positions = view.positions if view is not None else torch.arange(t, device=tokens.device).expand(b, t)
         x = self.tok_embeddings(tokens)  # [B, T, dim]

@@ -3,21 +3,25 @@ for the fine-tune job's gate, the base model's bootstrap and offline simulations
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.kv_cache import BLOCK_SIZE
+from workers.models.prompts import Prompt, prompt_ids
 
 
 def greedy_answers(
     model: CausalLM,
     tokenizer: Tokenizer,
-    prompts: list[str],
+    prompts: Sequence[Prompt],
     *,
     max_new_tokens: int = 48,
     batch_size: int = 256,
 ) -> list[str]:
-    """Greedy answer text for each prompt, decoded `batch_size` prompts at a time with the KV cache.
+    """Greedy answer text for each prompt (text, or a conversation rendered with the model's chat
+    template), decoded `batch_size` prompts at a time with the KV cache.
 
     The answer is the text after `</think>` (after the prompt when the model does not
     think) up to `<eos>`; it is empty when a thought is never closed.
@@ -32,11 +36,11 @@ def greedy_answers(
 
 @torch.inference_mode()
 def _greedy_tokens(
-    model: CausalLM, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int
+    model: CausalLM, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_new_tokens: int
 ) -> list[list[int]]:
     """Greedy continuations of one batch of prompts, each ending at `<eos>` or a length limit."""
     device = model.device
-    encoded = [tokenizer.encode(p) for p in prompts]
+    encoded = [prompt_ids(tokenizer, p) for p in prompts]
     n = len(encoded)
     lengths = torch.tensor([len(ids) for ids in encoded], device=device)  # [B]
     max_len = int(lengths.max())

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from workers.models.kv_cache import CacheView, PagedKVCache
+from workers.models.lora import AdapterRows
 
 
 class CausalLM(Protocol):
@@ -52,10 +53,15 @@ class CausalLM(Protocol):
         ...
 
     def __call__(
-        self, tokens: Tensor, cache: PagedKVCache | None = None, view: CacheView | None = None
+        self,
+        tokens: Tensor,
+        cache: PagedKVCache | None = None,
+        view: CacheView | None = None,
+        adapters: AdapterRows | None = None,
     ) -> Tensor:
         """Logits [B, T, V] of tokens [B, T]: a causal pass over whole rows without a cache (training),
-        else the tokens placed in the cache's blocks where `view` says."""
+        else the tokens placed in the cache's blocks where `view` says; each row through its LoRA
+        adapter where `adapters` gives it one (ValueError for a model that takes none)."""
         ...
 
     def new_cache(self, n_blocks: int) -> PagedKVCache:

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from workers.models.kv_cache import CacheView, PagedKVCache, paged_attention
+from workers.models.lora import AdapterRows, project
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -155,6 +156,9 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int):
         super().__init__()
         self.layer = layer
+        self.names = {
+            p: f"model.layers.{layer}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+        }
         self.heads, self.kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim
         )  # fmt: skip
@@ -177,11 +181,15 @@ class Attention(nn.Module):
         cache: PagedKVCache | None,
         view: CacheView | None,
         mask: Tensor | None,
+        adapters: AdapterRows | None,
     ) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)  # [B, T, H, D]
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)  # [B, T, KVH, D]
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        names = self.names
+        q = project(self.q_proj, x, adapters, names["q_proj"]).view(
+            b, t, self.heads, self.head_dim
+        )  # [B, T, H, D]
+        k = project(self.k_proj, x, adapters, names["k_proj"]).view(b, t, self.kv_heads, self.head_dim)
+        v = project(self.v_proj, x, adapters, names["v_proj"]).view(b, t, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
@@ -199,20 +207,25 @@ class Attention(nn.Module):
         else:
             assert mask is not None
             y = paged_attention(cache, self.layer, view, q, k, v, mask, self.scale)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # [B, T, dim]
+        y = y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return project(self.o_proj, y, adapters, names["o_proj"])  # [B, T, dim]
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, layer: int):
         super().__init__()
+        self.names = {p: f"model.layers.{layer}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, adapters: AdapterRows | None) -> Tensor:
+        names = self.names
+        gate = project(self.gate_proj, x, adapters, names["gate_proj"])
+        up = project(self.up_proj, x, adapters, names["up_proj"])
+        return project(self.down_proj, F.silu(gate) * up, adapters, names["down_proj"])
 
 
 class DecoderLayer(nn.Module):
@@ -221,7 +234,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -233,9 +246,10 @@ class DecoderLayer(nn.Module):
         cache: PagedKVCache | None,
         view: CacheView | None,
         mask: Tensor | None,
+        adapters: AdapterRows | None,
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, view, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, view, mask, adapters)
+        return x + self.mlp(self.post_attention_layernorm(x), adapters)
 
 
 class Decoder(nn.Module):
@@ -263,10 +277,14 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope", rope_table(config, self._max_len), persistent=False)
 
     def forward(
-        self, tokens: Tensor, cache: PagedKVCache | None = None, view: CacheView | None = None
+        self,
+        tokens: Tensor,
+        cache: PagedKVCache | None = None,
+        view: CacheView | None = None,
+        adapters: AdapterRows | None = None,
     ) -> Tensor:
         """Logits [B, T, V] of tokens [B, T]: causal over whole rows without a cache, else the
-        tokens placed in the cache where `view` says."""
+        tokens placed in the cache where `view` says; each row through its adapter, if any."""
         b, t = tokens.shape
         positions = view.positions if view is not None else torch.arange(t, device=tokens.device).expand(b, t)
         x = self.model.embed_tokens(tokens)  # [B, T, dim]
@@ -274,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]  # [B, 1, T, D]
         mask = None if view is None else view.mask(self.config.sliding_window)  # [B, 1, T, S]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, view, mask)
+            x = layer(x, cos, sin, cache, view, mask, adapters)
         return self.lm_head(self.model.norm(x))  # [B, T, V]
 
     @property

@@ -53,13 +53,19 @@ def load_checkpoint(
     architecture's choice), its context capped at `max_len` (0: the model's own); ValueError naming
     what is not supported."""
     config = json.loads((directory / builtin.CONFIG_FILE).read_text())
-    model_type = config.get("model_type", builtin.MODEL_TYPE)  # the built-in's first configs had none
-    if model_type not in ARCHITECTURES:
+    kind = model_type(directory, config)
+    if kind not in ARCHITECTURES:
         raise ValueError(
-            f"{directory} holds a {model_type!r} model; reflow implements {', '.join(sorted(ARCHITECTURES))}"
+            f"{directory} holds a {kind!r} model; reflow implements {', '.join(sorted(ARCHITECTURES))}"
         )
-    model = ARCHITECTURES[model_type](directory, config, torch.device(device), dtype, max_len)
+    model = ARCHITECTURES[kind](directory, config, torch.device(device), dtype, max_len)
     return model, load_tokenizer(directory)
+
+
+def model_type(directory: Path, config: dict[str, Any] | None = None) -> str:
+    """The architecture a checkpoint's `config.json` names (read unless given)."""
+    config = config if config is not None else json.loads((directory / builtin.CONFIG_FILE).read_text())
+    return str(config.get("model_type", builtin.MODEL_TYPE))  # the built-in's first configs had none
 
 
 def check_checkpoint(directory: Path) -> None:

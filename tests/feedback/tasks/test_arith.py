@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from feedback.tasks import get_task
+from feedback.tasks import TASKS, get_task
 from feedback.tasks.arith import Arith, format_prompt, is_correct, parse_prompt, reasoning, sample_operands
 from feedback.tasks.task import reference_example, replay_example
 from reflow.settings import Settings
@@ -99,7 +99,7 @@ def test_the_task_seam_answers_its_own_prompts_and_draws_from_its_two_ranges() -
 
 def test_tasks_are_found_by_the_names_settings_allow() -> None:
     assert isinstance(get_task("arith", traffic=(0, 9)), Arith)
-    with pytest.raises(ValueError, match="unknown task 'chess'; reflow has arith"):
+    with pytest.raises(ValueError, match="unknown task 'chess'; reflow has arith, terse"):
         get_task("chess")
     task_field = Settings.model_fields["task"].annotation
-    assert set(getattr(task_field, "__args__", ())) == {"arith"}  # REFLOW_TASK accepts the tasks there are
+    assert set(getattr(task_field, "__args__", ())) == set(TASKS)  # REFLOW_TASK accepts the tasks there are

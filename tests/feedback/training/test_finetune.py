@@ -20,12 +20,12 @@ from feedback.tasks.arith import Arith
 from feedback.tasks.simulate import rated_offline
 from feedback.training.dataset import count_new
 from feedback.training.job import Cancelled, run_finetune
-from reflow.registry import CHALLENGER, Registry
+from reflow.registry import BASE_VERSION_TAG, CHALLENGER, Registry
 from reflow.settings import Settings
-from reflow.store.database import migrate, open_engine
 from reflow.store.tables import FinetuneRun
 from tests.support.models import MODEL, save_model
-from tests.support.registry import local_registry
+from tests.support.registry import settings_with_champion
+from tests.support.store import migrated_store
 from workers.models.builtin import TOKENIZER
 from workers.models.interface import CausalLM
 
@@ -35,22 +35,13 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def loop_settings(tmp_path: Path, base_model: CausalLM) -> Settings:
     """A data dir whose registry holds the trained base model as arith v1 @champion."""
-    registry = local_registry(tmp_path)
-    registry.register(
-        MODEL, save_model(base_model, tmp_path / "base"), params={}, metrics={}, alias="champion"
-    )
-    return Settings(
-        data_dir=tmp_path, mlflow_tracking_uri=registry.tracking_uri,
-        mlflow_artifact_root=registry.artifact_root or "", device="cpu", finetune_min_samples=300,
-    )  # fmt: skip
+    base = save_model(base_model, tmp_path / "base")
+    return settings_with_champion(tmp_path, MODEL, base, finetune_min_samples=300)
 
 
 @pytest.fixture
 def store(loop_settings: Settings) -> Iterator[Engine]:
-    engine = open_engine(loop_settings.resolved_database_url)
-    migrate(engine)
-    yield engine
-    engine.dispose()
+    yield from migrated_store(loop_settings.resolved_database_url)
 
 
 def rate_served_answers(
@@ -99,17 +90,17 @@ def test_too_little_new_feedback_skips_without_a_trace(
         assert session.scalars(select(FinetuneRun)).all() == []
 
 
-def test_an_imported_champion_is_not_fine_tuned_yet_and_its_feedback_waits(
+def test_an_adapter_champion_is_not_trained_over_and_its_feedback_waits(
     loop_settings: Settings, store: Engine, base_model: CausalLM, tmp_path: Path
 ) -> None:
     registry = Registry.from_settings(loop_settings)
     registry.register(
-        MODEL, save_model(base_model, tmp_path / "imported"), params={}, metrics={}, alias="champion",
-        tags={"reflow.source": "import"},
+        MODEL, save_model(base_model, tmp_path / "second"), params={}, metrics={}, alias="champion",
+        tags={BASE_VERSION_TAG: "1"},  # an adapter made champion by hand in the MLflow UI
     )  # fmt: skip
     rate_served_answers(store, base_model, arith.sample_operands(10, 50, 99, random.Random(6)), operator.add)
     outcome = run_finetune(finetune_job_of(loop_settings), store, registry, min_samples=1)
-    assert outcome.status == "skipped" and "v2 is an imported checkpoint" in outcome.message
+    assert outcome.status == "skipped" and "v2, the champion, is an adapter" in outcome.message
     assert count_new(store, MODEL) == 10
 
 
