@@ -90,15 +90,17 @@ class ModelRunner:
         return self.model(tokens, self.cache, view, adapters)[:, -1]  # [B, V]
 
     def add_adapter(self, loaded: LoadedModel) -> None:
-        """Serves an adapter over this version's weights from the next step (replacing the same
-        version's): its tensors are stacked beside the others', nothing is copied or recompiled."""
+        """Serves an adapter over this version's weights from the next step: its tensors are
+        stacked beside the others', nothing is copied or recompiled. A version stacked already
+        (served, or retiring with sequences still on it) is served again as it is: versions never
+        change their files."""
         assert loaded.adapter is not None
-        self.retire_adapter(loaded.version)
-        self._prune_adapters()
         loaded.max_len = self.loaded.max_len
-        self._set.add(loaded.adapter)
-        self._slots.append(loaded.version)
-        self.adapters[loaded.version] = loaded
+        with self._adapters_lock:
+            if loaded.version not in self._slots:
+                self._set.add(loaded.adapter)
+                self._slots.append(loaded.version)
+            self.adapters[loaded.version] = loaded
 
     def retire_adapter(self, version: str) -> bool:
         """Stops sending new requests through an adapter; its running ones finish on it."""

@@ -94,10 +94,10 @@ def test_an_adapter_served_gives_the_greedy_tokens_of_transformers_plus_peft(
         assert asyncio.run(generate(engine, "2", p)) == expected
 
 
-def test_an_adapter_unloaded_mid_stream_finishes_its_sequence_and_takes_no_new_one(
+def test_an_adapter_unloaded_mid_stream_finishes_its_sequence_and_takes_no_new_one_until_loaded_again(
     engine: Engine, checkpoint: Path, tmp_path: Path
 ) -> None:
-    serve(engine, checkpoint, tmp_path)
+    _, challenger = serve(engine, checkpoint, tmp_path)
     [prompt] = prompts(1)
     expected = asyncio.run(generate(engine, "2", prompt))
 
@@ -114,6 +114,9 @@ def test_an_adapter_unloaded_mid_stream_finishes_its_sequence_and_takes_no_new_o
         asyncio.run(generate(engine, "2", prompt))
     assert asyncio.run(generate(engine, "1", prompt))  # the base serves on
     assert [m.version for m in engine.loaded()] == ["1"]
+    engine.add(challenger)  # loaded again: served as it was
+    assert asyncio.run(generate(engine, "2", prompt)) == expected
+    assert [m.version for m in engine.loaded()] == ["1", "2"]
 
 
 def test_an_adapter_that_does_not_fit_its_base_is_refused(checkpoint: Path, tmp_path: Path) -> None:
