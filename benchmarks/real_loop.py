@@ -135,7 +135,7 @@ def serving(checkpoint: Path, tokens: int) -> None:
     print(f"  each arm's greedy tokens in the mixed batch equal it served alone: {same}")
 
 
-def loop(checkpoint: Path, gguf: Path, items: int, n_prompts: int) -> None:
+def loop(checkpoint: Path, items: int, n_prompts: int) -> None:
     """One LoRA round from oracle-rated traffic, and the promotion that merges it."""
     task = get_task("terse")
     with tempfile.TemporaryDirectory() as tmp:
@@ -237,7 +237,7 @@ def main() -> None:
         if "serving" in args.only:
             serving(checkpoint, args.tokens)
         if "loop" in args.only:
-            loop(checkpoint, gguf, args.items, args.prompts)
+            loop(checkpoint, args.items, args.prompts)
     if "up" in args.only:
         up(gguf, args.up_timeout)
 

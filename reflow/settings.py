@@ -240,8 +240,8 @@ class Settings(BaseSettings):
         description=(
             "Chat tasks: the most a registered candidate's mean per-token KL to the champion may be, "
             "in nats, over the champion's own greedy answers to a fixed set of general chat prompts "
-            "(an adapter that learned `terse` on SmolLM2 measured 0.31, sharper on those answers, not "
-            "worse: their likelihood rose)."
+            "(an adapter that learned `terse` on SmolLM2 measured 0.21 in 20 steps, 0.31 in 30: "
+            "sharper on those answers, not worse, as their likelihood rose)."
         ),
     )
     finetune_max_regression_nll_increase: float = Field(

@@ -22,12 +22,11 @@ def promote(registry: Registry, name: str, version: str, cache_dir: Path) -> str
     """Makes `version` the champion and returns the champion's version: `version` itself, or for a
     LoRA adapter its base with the adapter merged in, registered as a new version (merging.py says
     why). It stops being the challenger if it was one."""
-    champion = version
-    base = registry.tags(registry.resolve(name, version=version)).get(BASE_VERSION_TAG)
-    if base:
+    champion, ref = version, registry.resolve(name, version=version)
+    if base := registry.tags(ref).get(BASE_VERSION_TAG):
         from feedback.experiments.merging import merged_version  # torch: only when there is one
 
-        champion = merged_version(registry, registry.resolve(name, version=version), base, cache_dir)
+        champion = merged_version(registry, ref, base, cache_dir)
     registry.set_alias(name, CHAMPION, champion)
     try:
         challenger = registry.resolve(name, alias=CHALLENGER).version

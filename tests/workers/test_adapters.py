@@ -5,6 +5,7 @@ while one of its sequences runs."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def engine() -> object:
+def engine() -> Iterator[Engine]:
     engine = Engine(EngineConfig(max_batch_size=8, prefill_chunk=16, max_prefill_tokens=64))
     yield engine
     engine.close()

@@ -244,6 +244,7 @@ class AdapterSet:
 
     adapters: list[Adapter] = field(default_factory=list)
     stacks: dict[str, tuple[Tensor, Tensor]] = field(init=False)
+    rank: int = field(init=False)  # the largest adapter's: every slot is this wide
 
     def __post_init__(self) -> None:
         self._restack()
@@ -259,12 +260,8 @@ class AdapterSet:
         del self.adapters[slot]
         self._restack()
 
-    @property
-    def rank(self) -> int:
-        return max((a.config.rank for a in self.adapters), default=0)
-
     def _restack(self) -> None:
-        rank = self.rank
+        self.rank = rank = max((a.config.rank for a in self.adapters), default=0)
         names = sorted({n for adapter in self.adapters for n in adapter.weights})
         stacks = {}
         for name in names:
