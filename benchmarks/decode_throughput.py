@@ -166,7 +166,7 @@ def main() -> None:
     engine_runs: dict[int, list[Run]] = {c: [] for c in LEVELS}
     e2e_runs: dict[int, list[Run]] = {c: [] for c in LEVELS}
     with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings(data_dir=Path(tmp), device="cpu", gateway_port=0)
+        settings = Settings(data_dir=Path(tmp), device="cpu", gateway_port=0, http_port=0)
         directory = register_random_model(settings, args.preset)
         store = open_engine(settings.resolved_database_url)
         migrate(store)

@@ -123,7 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings(data_dir=Path(tmp), device="cpu", gateway_port=0)
+        settings = Settings(data_dir=Path(tmp), device="cpu", gateway_port=0, http_port=0)
         registry = register_versions(settings, args.preset)
         store = open_engine(settings.resolved_database_url)
         migrate(store)

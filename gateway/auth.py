@@ -1,4 +1,5 @@
-"""Authenticates calls: the bearer key in metadata, looked up in the store through a short TTL cache."""
+"""Authenticates calls: the bearer key of the `authorization` header (gRPC metadata or HTTP), looked
+up in the store through a short TTL cache."""
 
 from __future__ import annotations
 
@@ -15,15 +16,21 @@ from reflow.api_keys import hash_key
 from reflow.errors import Unauthenticated
 
 
-def bearer_key(context: grpc.aio.ServicerContext) -> str:
-    """The API key in `authorization: Bearer <key>`; Unauthenticated when absent or malformed."""
+def authorization_metadata(context: grpc.aio.ServicerContext) -> str | None:
+    """The `authorization` metadata entry of a gRPC call, if it has a text one."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization" and isinstance(value, str):  # binary (`-bin`) values never are
-            scheme, _, token = value.partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-            break
-    raise Unauthenticated("send your API key as metadata `authorization: Bearer <key>`")
+            return value
+    return None
+
+
+def bearer_key(authorization: str | None) -> str:
+    """The API key in an `authorization: Bearer <key>` header; Unauthenticated when absent or
+    malformed."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    raise Unauthenticated("send your API key as the header `authorization: Bearer <key>`")
 
 
 class Authenticator:
@@ -41,9 +48,10 @@ class Authenticator:
         # key hash -> (expiry, tenant), least recently used first
         self._cache: OrderedDict[str, tuple[float, TenantInfo | None]] = OrderedDict()
 
-    async def authenticate(self, context: grpc.aio.ServicerContext) -> TenantInfo:
-        """The calling tenant; Unauthenticated for a missing, unknown or revoked key."""
-        api_key = bearer_key(context)
+    async def authenticate(self, authorization: str | None) -> TenantInfo:
+        """The tenant whose key `authorization` (the header's value) bears; Unauthenticated for a
+        missing, unknown or revoked key."""
+        api_key = bearer_key(authorization)
         digest = hash_key(api_key)
         now = self.clock()
         cached = self._cache.get(digest)

@@ -21,6 +21,10 @@ FEEDBACK_CHUNK = 500  # items handed over to Kafka together
 CHUNKS_IN_FLIGHT = 4  # chunks of one stream being handed over while more are read
 MAX_LISTED_ERRORS = 1000  # rejected items listed one by one; the rest are counted
 
+# The fields of one item as a face decoded them; an item its face could not decode (a line of
+# NDJSON that is not a JSON object) arrives as the InvalidFeedback saying why, rejected in its place.
+Item = dict[str, object] | InvalidFeedback
+
 
 @dataclass(frozen=True)
 class Rejection:
@@ -49,7 +53,7 @@ class FeedbackIntake:
         self.publisher = publisher
         self.metrics = metrics
 
-    async def submit(self, tenant: str, items: AsyncIterator[dict[str, object]]) -> IntakeResult:
+    async def submit(self, tenant: str, items: AsyncIterator[Item]) -> IntakeResult:
         """Validates each item (the fields of a Feedback message), hands the valid ones over in
         chunks while the next are read (at most CHUNKS_IN_FLIGHT at once), and returns once every
         chunk is durable. When every item is rejected it fails as a unary call would, with the
@@ -62,13 +66,15 @@ class FeedbackIntake:
         async for fields in items:
             index += 1
             try:
+                if isinstance(fields, InvalidFeedback):
+                    raise fields
                 event = require_served(feedback_event(tenant, fields, utcnow()), self.request_ids.served_to)
             except InvalidFeedback as error:
                 first_error = first_error or error
                 result.rejected += 1
                 if len(result.errors) < MAX_LISTED_ERRORS:
-                    feedback_id = str(fields.get("feedback_id", ""))
-                    result.errors.append(Rejection(index, feedback_id, str(error), error.code))
+                    feedback_id = "" if isinstance(fields, InvalidFeedback) else fields.get("feedback_id", "")
+                    result.errors.append(Rejection(index, str(feedback_id), str(error), error.code))
                 continue
             chunk.append(event.to_record())
             if len(chunk) >= FEEDBACK_CHUNK:

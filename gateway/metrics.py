@@ -51,6 +51,12 @@ class GatewayMetrics:
             "Events and feedback waiting in the outbox for Kafka.",
             registry=r,
         )
+        self.http_requests = Counter(
+            "reflow_gateway_http_requests",
+            "Requests to the OpenAI-compatible HTTP API by path and HTTP status.",
+            ["path", "status"],
+            registry=r,
+        )
         self.in_flight = Gauge("reflow_gateway_streams_in_flight", "Generate streams open now.", registry=r)
 
     def count_request(self, method: str, code: grpc.StatusCode) -> None:

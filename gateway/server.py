@@ -1,17 +1,18 @@
-"""The public Inference service: each RPC a few lines over auth, quotas, assignment, the relay, the
-inference log and feedback intake; and the gateway process around it."""
+"""The gateway process: the public Inference service's gRPC face (each RPC a few lines over the
+InferenceService), the OpenAI HTTP face beside it on the same event loop, and their drain."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from fastapi import FastAPI
 from grpc_health.v1 import health
 from kafka.errors import KafkaError
 
@@ -19,16 +20,19 @@ from feedback.bus.kafka import ensure_topics, resolve_bootstrap
 from feedback.bus.publisher import Publisher
 from feedback.events import FEEDBACK_FIELDS
 from gateway.assignment import ExperimentView
-from gateway.auth import Authenticator
+from gateway.auth import Authenticator, authorization_metadata
+from gateway.http.app import create_app
+from gateway.http.server import HttpServer
 from gateway.intake import FeedbackIntake
 from gateway.metrics import GatewayMetrics
 from gateway.publishing import InferenceLog
 from gateway.quotas import Quotas
-from gateway.relay import Generation, Relay, deadline_of
+from gateway.relay import Relay
 from gateway.routing import ModelSpec, WorkerPool
-from gateway.validation import RequestLimits, check_request
+from gateway.service import InferenceService
+from gateway.validation import RequestLimits
 from reflow.cgroups import join_gateway_group
-from reflow.errors import InvalidArgument, ReflowError
+from reflow.errors import ReflowError
 from reflow.mtls import TlsFiles, channel_credentials
 from reflow.request_ids import RequestIds
 from reflow.serving import (
@@ -49,64 +53,28 @@ SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    """Streams completions (publishing an event for each), takes feedback on them, lists models."""
+    """The gRPC face: streams completions, takes feedback on them, lists models."""
 
-    def __init__(
-        self,
-        auth: Authenticator,
-        quotas: Quotas,
-        limits: RequestLimits,
-        pool: WorkerPool,
-        experiments: ExperimentView,
-        relay: Relay,
-        log: InferenceLog,
-        intake: FeedbackIntake,
-        request_ids: RequestIds,
-        default_model: ModelSpec,
-    ):
-        self.auth = auth
-        self.quotas = quotas
-        self.limits = limits
-        self.pool = pool
-        self.experiments = experiments
-        self.relay = relay
-        self.log = log
-        self.intake = intake
-        self.request_ids = request_ids
-        self.default_model = default_model  # what a request that names no model gets
+    def __init__(self, service: InferenceService):
+        self.service = service
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         received = time.perf_counter()
-        tenant = await self.auth.authenticate(context)
-        check_request(request, self.limits)
-        spec = ModelSpec.parse(request.model, self.default_model.name, self.default_model.alias)
-        request_id = self.request_ids.new(tenant.name)
-        await context.send_initial_metadata((("x-request-id", request_id),))
-        unit = request.user_id or request_id  # what the arm sticks to
-        assignment = self.experiments.assign(request.model, spec, unit, self.pool)
-        deadline = deadline_of(context.time_remaining(), request.latency_budget_ms, received)
-        generation = Generation(request, tenant, request_id, assignment, received, deadline)
-        with self.quotas.admit(tenant):
-            try:
-                # aclosing: cleanup (quota, outstanding counts, the worker call) runs at once on cancel
-                stream = self.relay.stream(generation, functools.partial(self.log.finished, generation))
-                async with contextlib.aclosing(stream):
-                    async for message in stream:
-                        yield message
-            except ReflowError as error:
-                # the error-rate guardrail counts failures of the arm, not a request the model
-                # could never take (e.g. a prompt longer than its context)
-                if assignment.experiment is not None and not isinstance(error, InvalidArgument):
-                    self.log.failed(generation)
-                raise
+        tenant = await self.service.authenticate(authorization_metadata(context))
+        generation = self.service.start(tenant, request, context.time_remaining(), received)
+        await context.send_initial_metadata((("x-request-id", generation.request_id),))
+        async with contextlib.aclosing(self.service.stream(generation)) as stream:
+            async for message in stream:
+                yield message
 
     async def SubmitFeedback(
         self, request_iterator: AsyncIterator[inference_pb2.Feedback], context: grpc.aio.ServicerContext
     ) -> inference_pb2.FeedbackAck:
-        tenant = await self.auth.authenticate(context)
-        result = await self.intake.submit(tenant.name, (_fields(item) async for item in request_iterator))
+        tenant = await self.service.authenticate(authorization_metadata(context))
+        items = (_fields(item) async for item in request_iterator)
+        result = await self.service.submit_feedback(tenant, items)
         ack = inference_pb2.FeedbackAck(accepted=result.accepted, rejected=result.rejected)
         for e in result.errors:
             ack.errors.add(index=e.index, feedback_id=e.feedback_id, reason=e.reason, code=e.code)
@@ -115,12 +83,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
-        await self.auth.authenticate(context)
+        await self.service.authenticate(authorization_metadata(context))
         response = inference_pb2.ListModelsResponse()
-        for name, versions in sorted(self.pool.served_versions().items()):
+        for name, versions in self.service.served_models():
             model = response.models.add(name=name)
-            for version, (aliases, ready) in sorted(versions.items(), key=lambda kv: int(kv[0])):
-                model.versions.add(version=version, aliases=sorted(aliases), ready_workers=ready)
+            for v in versions:
+                model.versions.add(version=v.version, aliases=v.aliases, ready_workers=v.ready_workers)
         return response
 
 
@@ -134,10 +102,33 @@ def request_limits(settings: Settings) -> RequestLimits:
     return RequestLimits(settings.max_prompt_chars, settings.default_max_tokens, settings.max_stop_strings)
 
 
+@dataclass
+class Gateway:
+    """A started gateway's two faces over one InferenceService: gRPC and the OpenAI HTTP API."""
+
+    grpc: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    http: HttpServer
+    app: FastAPI
+
+    @property
+    def http_port(self) -> int:
+        return self.http.port
+
+    async def drain(self, grace_s: float) -> None:
+        """Stops taking calls on both faces (health says so at once) and lets open streams finish
+        within `grace_s`."""
+        await set_serving(self.health, [SERVICE], False)
+        self.app.state.serving = False
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(self.grpc.stop(grace_s), self.http.stop())
+
+
 async def create_server(
     settings: Settings, pool: WorkerPool, metrics: GatewayMetrics, publisher: Publisher
-) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """A started gateway on the configured host and port; returns (server, port, health servicer)."""
+) -> Gateway:
+    """A started gateway on the configured host, its gRPC and HTTP ports."""
     engine = open_engine(settings.resolved_database_url)
     require_current_schema(engine)
     auth = Authenticator(engine, settings.auth_cache_ttl_s)
@@ -145,19 +136,22 @@ async def create_server(
     experiments = ExperimentView(engine, settings.worker_poll_s)
     await experiments.refresh()
     limits = request_limits(settings)
-    servicer = InferenceServicer(
+    service = InferenceService(
         auth, Quotas(), limits, pool, experiments, Relay(pool, metrics, limits), InferenceLog(publisher),
         FeedbackIntake(request_ids, publisher, metrics), request_ids,
         ModelSpec(settings.model_name, alias=settings.model_alias),
     )  # fmt: skip
     metrics.outbox.set_function(lambda: publisher.pending)
     server, health_servicer = new_server([SERVICE], on_done=metrics.count_request)
-    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(service), server)
     port = bind(server, settings.gateway_host, settings.gateway_port)
+    app = create_app(service, metrics)
+    http = HttpServer(app, settings.gateway_host, settings.http_port, settings.shutdown_grace_s)
     await pool.start()
     await server.start()
+    await http.start()
     await set_serving(health_servicer, [SERVICE], True)
-    return server, port, health_servicer
+    return Gateway(server, port, health_servicer, http, app)
 
 
 async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
@@ -177,18 +171,20 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
         settings.workers, settings.worker_poll_s, channel_credentials(TlsFiles.from_settings(settings))
     )
     metrics = GatewayMetrics()
-    server, port, health_servicer = await create_server(settings, pool, metrics, publisher)
+    gateway = await create_server(settings, pool, metrics, publisher)
     metrics_server, metrics_url = start_metrics_server(
         metrics.registry, settings.gateway_host, settings.gateway_metrics_port
     )
-    address = host_port(settings.gateway_host, port)
-    logger.info("gateway serving on %s, workers %s, metrics %s", address, settings.workers, metrics_url)
-    write_ready_file(ready_file, address=address, metrics=metrics_url)
+    address = host_port(settings.gateway_host, gateway.port)
+    http_url = f"http://{host_port(settings.gateway_host, gateway.http_port)}"
+    logger.info(
+        "gateway serving gRPC on %s and HTTP on %s, workers %s, metrics %s",
+        address, http_url, settings.workers, metrics_url,
+    )  # fmt: skip
+    write_ready_file(ready_file, address=address, http=http_url, metrics=metrics_url)
     await wait_for_signal()
     logger.info("gateway draining (grace %.0fs)", settings.shutdown_grace_s)
-    await set_serving(health_servicer, [SERVICE], False)
-    with contextlib.suppress(asyncio.CancelledError):
-        await server.stop(settings.shutdown_grace_s)
+    await gateway.drain(settings.shutdown_grace_s)
     await pool.close()
     await asyncio.to_thread(publisher.close, settings.shutdown_grace_s)
     metrics_server.shutdown()

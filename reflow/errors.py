@@ -1,4 +1,5 @@
-"""Errors with their gRPC status code, and the one interceptor that turns them into statuses."""
+"""Errors with their gRPC and HTTP status codes, and the one interceptor that turns them into gRPC
+statuses (the HTTP face maps them in gateway/http/errors.py)."""
 
 from __future__ import annotations
 
@@ -13,33 +14,43 @@ logger = logging.getLogger(__name__)
 
 
 class ReflowError(Exception):
-    """An error a caller can act on; `code` is the gRPC status it becomes."""
+    """An error a caller can act on; `code` is the gRPC status it becomes, `http_status` the HTTP one."""
 
     code = grpc.StatusCode.INTERNAL
+    http_status = 500
 
 
 class InvalidArgument(ReflowError):
-    """The request is malformed; fixing the request fixes it."""
+    """The request is malformed; fixing the request fixes it. `param` names the field at fault,
+    where one is."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class PermissionDenied(ReflowError):
     """The caller is known but may not touch this resource (e.g. another tenant's completion)."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+    http_status = 403
 
 
 class Unauthenticated(ReflowError):
     """No valid API key."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
 
 
 class NotFound(ReflowError):
     """The model or version does not exist or is not served."""
 
     code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
 
 
 class FailedPrecondition(ReflowError):
@@ -47,12 +58,14 @@ class FailedPrecondition(ReflowError):
     follow aliases)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 400
 
 
 class ResourceExhausted(ReflowError):
     """A quota or queue is full; retry later (`retry_after_ms` becomes a pushback hint)."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
 
     def __init__(self, message: str, retry_after_ms: int = 0):
         super().__init__(message)
@@ -63,12 +76,14 @@ class Unavailable(ReflowError):
     """No worker can take the request now."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
 
 
 class DeadlineExceeded(ReflowError):
     """The request's latency budget ran out."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
 
 
 Behavior = Callable[..., Any]

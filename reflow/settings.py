@@ -134,6 +134,12 @@ class Settings(BaseSettings):
 
     gateway_host: str = Field("127.0.0.1", description="Interface the gateway binds.")
     gateway_port: int = Field(50051, ge=0, le=65535, description="Gateway port; 0 = a free port.")
+    http_port: int = Field(
+        8000,
+        ge=0,
+        le=65535,
+        description="Port of the gateway's OpenAI-compatible HTTP API; 0 = a free port.",
+    )
     worker_host: str = Field("127.0.0.1", description="Interface a worker binds.")
     worker_port: int = Field(0, ge=0, le=65535, description="Worker port; 0 = a free port.")
     workers: Annotated[list[str], NoDecode] = Field(

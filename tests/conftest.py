@@ -60,6 +60,7 @@ def settings(tmp_path: Path, mlflow_store: RegistryFixture, kafka: Broker) -> Se
         mlflow_artifact_root=mlflow_store.artifact_root,
         device="cpu",
         gateway_port=0,
+        http_port=0,
         worker_poll_s=0.2,
         auth_cache_ttl_s=0.5,
         shutdown_grace_s=5.0,

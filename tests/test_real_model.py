@@ -1,6 +1,7 @@
 """The real model, as a newcomer serves it: `reflow up --model FILE.gguf` imports SmolLM2-135M-Instruct
 from its GGUF file and streams a chat answer whose greedy text is the one transformers generates from
-the same file; the conversation reaches the store whole, and the worker reports its KV cache."""
+the same file, over gRPC and through the `openai` SDK; the conversation and its rating reach the
+store, and the worker reports its KV cache."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import urllib.request
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 
@@ -54,8 +57,18 @@ def test_reflow_up_serves_a_gguf_file_with_the_answer_transformers_gives(tmp_pat
         assert served == [(NAME, ["1"])]
         assert "".join(m.text for m in stream) == expected
         assert stream[-1].usage.prompt_tokens > 30  # SmolLM2's template adds its system prompt
-        stats = feedback_stats(data_dir, lambda s: s["inferences"] == 1)
-        assert stats["inferences"] == 1
+        # the same through the OpenAI API, as the `openai` SDK's users write it; then a rating of it
+        sdk = openai.OpenAI(base_url=f"{endpoints['http']}/v1", api_key=KEY)
+        chunks = list(sdk.chat.completions.create(
+            model=NAME, messages=CHAT, stream=True, stream_options={"include_usage": True}, user="u42",
+            temperature=0, max_tokens=MAX_TOKENS,
+        ))  # fmt: skip
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+        assert chunks[-1].usage.prompt_tokens == stream[-1].usage.prompt_tokens
+        rated = sdk.post("/feedback", body={"request_id": chunks[0].id, "rating": 1}, cast_to=httpx.Response)
+        assert rated.json()["accepted"] == 1
+        stats = feedback_stats(data_dir, lambda s: s["inferences"] == 2 and s["joined_feedback"] == 1)
+        assert (stats["inferences"], stats["feedback"]) == (2, 1)
         with urllib.request.urlopen(endpoints["metrics"]["worker-0"], timeout=10) as reply:
             metrics = reply.read().decode()
         assert "reflow_worker_kv_blocks " in metrics and "reflow_worker_kv_cache_usage " in metrics

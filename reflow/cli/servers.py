@@ -12,12 +12,17 @@ from reflow.cli.common import ReadyFile, current_engine, load_settings, serve_un
 
 def gateway(
     port: Annotated[int | None, typer.Option(help="Port [default: REFLOW_GATEWAY_PORT or 50051].")] = None,
+    http_port: Annotated[
+        int | None, typer.Option(help="OpenAI-compatible HTTP port [default: REFLOW_HTTP_PORT or 8000].")
+    ] = None,
     ready_file: ReadyFile = None,
 ) -> None:
-    """Serve the public Inference API, routing to REFLOW_WORKERS."""
+    """Serve the public Inference API over gRPC and the OpenAI-compatible HTTP API, routing to
+    REFLOW_WORKERS."""
     from gateway.server import serve
 
-    serve_until_stopped(serve(load_settings(gateway_port=port), ready_file=ready_file))
+    settings = load_settings(gateway_port=port, http_port=http_port)
+    serve_until_stopped(serve(settings, ready_file=ready_file))
 
 
 def worker(

@@ -32,6 +32,9 @@ CHAT_TASK = "terse"  # what a chat model's users ask unless REFLOW_TASK says oth
 def up(
     data_dir: Annotated[Path | None, typer.Option(help="Data directory [default: ./.reflow].")] = None,
     port: Annotated[int | None, typer.Option(help="Gateway port [default: 50051].")] = None,
+    http_port: Annotated[
+        int | None, typer.Option(help="OpenAI-compatible HTTP port [default: REFLOW_HTTP_PORT or 8000].")
+    ] = None,
     workers: Annotated[
         int | None, typer.Option(min=1, help="Workers [default: one per GPU, else 1].")
     ] = None,
@@ -52,7 +55,7 @@ def up(
     ] = None,
 ) -> None:
     """Run everything on this machine with embedded defaults until Ctrl-C or SIGTERM."""
-    settings = load_settings(data_dir=data_dir, gateway_port=port, api_key=api_key)
+    settings = load_settings(data_dir=data_dir, gateway_port=port, http_port=http_port, api_key=api_key)
     if model is not None:
         settings = served_model(settings, model)
     count = workers or (cuda_device_count() if settings.device == "auto" else 0) or 1
@@ -200,7 +203,7 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
         addresses = [r["address"] for r in ready.values()]
         gateway = supervisor.spawn(
             "gateway",
-            ["gateway", "--port", str(settings.gateway_port)],
+            ["gateway", "--port", str(settings.gateway_port), "--http-port", str(settings.http_port)],
             {**env, "REFLOW_WORKERS": ",".join(addresses)},
         )
         ready["gateway"] = supervisor.wait_ready(gateway)
@@ -211,6 +214,7 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
 
         endpoints: dict[str, str | list[str] | dict[str, str]] = {
             "gateway": gateway_address,
+            "http": ready["gateway"]["http"],
             "mlflow": mlflow_url,
             "kafka": bootstrap,
             "database": engine.url.render_as_string(hide_password=True),
@@ -236,6 +240,8 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
             else 'reflow generate "47+38="'
         )
         console.print(f"try: {example}   (stop with Ctrl-C; endpoints in {endpoints_path})")
+        base_url, key_file = f"{endpoints['http']}/v1", endpoints["api_key_file"]
+        console.print(f"or any OpenAI client: base_url {base_url}, API key in {key_file}")
         if demo:
             console.print(
                 "demo: simulated users are rating answers; watch `reflow experiments list` and "

@@ -290,7 +290,7 @@ async def test_messages_reach_the_worker_which_refuses_them_without_a_chat_templ
 async def test_shutdown_drains_in_flight_streams(stack: Stack) -> None:
     call = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
     first = await call.read()
-    stopping = asyncio.create_task(stack.gateway.stop(10))
+    stopping = asyncio.create_task(stack.gateway.drain(10))
     await asyncio.sleep(0.05)
     rest = await read_all(call)
     await stopping

@@ -20,16 +20,6 @@ from reflow.errors import ResourceExhausted, Unauthenticated
 from reflow.store.database import migrate, open_engine
 
 
-class FakeContext:
-    """Just enough of a ServicerContext for the authenticator."""
-
-    def __init__(self, key: str):
-        self.metadata = (("authorization", f"Bearer {key}"),)
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self.metadata
-
-
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -77,13 +67,13 @@ async def test_lookups_are_cached_for_the_ttl(tmp_path) -> None:
     _, key = create_tenant(engine, "acme")
     clock = Clock()
     auth = Authenticator(engine, ttl_s=10, clock=clock)
-    assert (await auth.authenticate(FakeContext(key))).name == "acme"
+    assert (await auth.authenticate(f"Bearer {key}")).name == "acme"
     revoke_tenant(engine, "acme")
     clock.now = 9.9
-    assert (await auth.authenticate(FakeContext(key))).name == "acme"  # served from the cache
+    assert (await auth.authenticate(f"Bearer {key}")).name == "acme"  # served from the cache
     clock.now = 10.1
     with pytest.raises(Unauthenticated):
-        await auth.authenticate(FakeContext(key))
+        await auth.authenticate(f"Bearer {key}")
 
 
 def test_stream_quota_and_rate_limit() -> None:

@@ -11,6 +11,7 @@ import torch
 from feedback.bus.publisher import Publisher
 from gateway.metrics import GatewayMetrics
 from gateway.routing import WorkerPool
+from gateway.server import Gateway
 from gateway.server import create_server as create_gateway
 from gateway.tenants import create_tenant
 from reflow.registry import Registry
@@ -43,7 +44,7 @@ class Stack:
     """A gateway in front of in-process workers, with a tenant's key."""
 
     settings: Settings
-    gateway: grpc.aio.Server
+    gateway: Gateway
     address: str
     workers: list[WorkerUnderTest]
     api_key: str
@@ -61,6 +62,11 @@ class Stack:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.api_key}"),)
 
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (`.../v1` is what the `openai` SDK takes)."""
+        return f"http://127.0.0.1:{self.gateway.http_port}"
+
     def worker_stub(self, i: int = 0) -> worker_pb2_grpc.WorkerStub:
         channel = grpc.aio.insecure_channel(self.workers[i].address)
         self.extra.append(channel)
@@ -72,13 +78,14 @@ async def start_worker(
     alias: str = "champion",
     config: EngineConfig | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    model: str = MODEL,
 ) -> WorkerUnderTest:
-    """A worker with `arith@alias` loaded, serving on a free port (over mTLS with `credentials`)."""
+    """A worker with `model@alias` loaded, serving on a free port (over mTLS with `credentials`)."""
     registry = Registry.from_settings(settings)
     versions = Versions(
         Engine(config, WorkerMetrics()), registry, settings.model_cache_dir, torch.device("cpu")
     )
-    await versions.load(MODEL, alias=alias)
+    await versions.load(model, alias=alias)
     servicer = WorkerServicer(versions)
     server, port, _ = await create_worker(servicer, "127.0.0.1", 0, credentials)
     return WorkerUnderTest(server, servicer, f"127.0.0.1:{port}")
@@ -89,18 +96,19 @@ async def start_stack(
     n_workers: int = 1,
     extra_addresses: tuple[str, ...] = (),
     engine_config: EngineConfig | None = None,
+    model: str = MODEL,
     **tenant: int,
 ) -> Stack:
-    """Workers, a migrated store with one tenant, and a gateway routing to them."""
-    workers = [await start_worker(settings, config=engine_config) for _ in range(n_workers)]
+    """Workers serving `model`, a migrated store with one tenant, and a gateway routing to them."""
+    workers = [await start_worker(settings, config=engine_config, model=model) for _ in range(n_workers)]
     engine = open_engine(settings.resolved_database_url)
     migrate(engine)
     _, api_key = create_tenant(engine, "acme", **tenant)
     pool = WorkerPool([w.address for w in workers] + list(extra_addresses), settings.worker_poll_s)
     metrics = GatewayMetrics()
     publisher = Publisher(settings.kafka_bootstrap, settings.outbox_path, settings.kafka_handover_timeout_s)
-    gateway, port, _ = await create_gateway(settings, pool, metrics, publisher)
-    address = f"127.0.0.1:{port}"
+    gateway = await create_gateway(settings, pool, metrics, publisher)
+    address = f"127.0.0.1:{gateway.port}"
     channel = grpc.aio.insecure_channel(address)
     return Stack(settings, gateway, address, workers, api_key, channel, pool, metrics, publisher)
 
@@ -108,7 +116,7 @@ async def start_stack(
 async def stop_stack(stack: Stack) -> None:
     for channel in [stack.channel, *stack.extra]:
         await channel.close()
-    await stack.gateway.stop(0)
+    await stack.gateway.drain(0)
     await stack.pool.close()
     stack.publisher.close(timeout_s=2.0)
     for worker in stack.workers:

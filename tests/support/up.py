@@ -60,7 +60,8 @@ class Up:
         }
         with self.log.open("wb") as out:
             self.process = spawn(
-                "up", "--data-dir", str(data_dir), "--port", "0", *(args or ("--workers", "2")),
+                "up", "--data-dir", str(data_dir), "--port", "0", "--http-port", "0",
+                *(args or ("--workers", "2")),
                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 

@@ -1,0 +1,294 @@
+"""The OpenAI-compatible routes: chat and text completions (streamed as server-sent events or
+whole), models, feedback, health, each a few lines over the InferenceService the gRPC face uses.
+
+A completion's first message is awaited before the response starts, so every error before the
+first token (a bad key, a quota, an unknown model, no worker) is an HTTP status with OpenAI's
+error body; an error after it is an `error` event in the stream, as OpenAI's SDKs expect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from gateway.http import errors, translation
+from gateway.http.feedback_body import NDJSON, feedback_items
+from gateway.http.middleware import BodyLimit
+from gateway.http.schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    FeedbackAck,
+    FeedbackItem,
+    Health,
+    ModelCard,
+    ModelList,
+)
+from gateway.http.translation import ChatShape, Served, Shape, TextShape
+from gateway.metrics import GatewayMetrics
+from gateway.service import InferenceService
+from reflow.errors import NotFound, ReflowError
+from reflow.v1 import inference_pb2
+
+logger = logging.getLogger(__name__)
+OWNER = "reflow"
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in [
+        (400, "Invalid or unsupported parameters"), (401, "No valid API key"),
+        (403, "Another tenant's completion"), (404, "No such model is served"),
+        (429, "A quota or the queues are full; see Retry-After"), (503, "No worker can take it"),
+        (504, "The latency budget ran out"),
+    ]
+}  # fmt: skip
+
+
+def _streamed(chunk_model: type[Any]) -> dict[int | str, dict[str, Any]]:
+    """The 200 response of a completion route: JSON, or with `stream` an SSE stream of chunks."""
+    return {
+        200: {
+            "description": "The completion; with `stream`, `data:` events of chunks, then `data: [DONE]`",
+            "content": {"text/event-stream": {"schema": {"type": "string",
+                        "description": f"Server-sent events of {chunk_model.__name__} JSON"}}},
+        },
+        **_ERRORS,
+    }  # fmt: skip
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream that closes its source however the response ends (finished, or
+    the client gone), so the generation stops at the worker's next step."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[str], headers: dict[str, str]):
+        super().__init__(events, headers=headers | {"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()
+
+
+def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
+    """The HTTP face's app over `service`; `app.state.serving` goes False while the gateway drains."""
+    app = FastAPI(
+        title="reflow",
+        summary="OpenAI-compatible HTTP API of a reflow gateway",
+        version="1",
+        docs_url=None,  # the interactive pages load scripts from a CDN; /openapi.json is the document
+        redoc_url=None,
+    )
+    app.state.serving = True
+    app.add_middleware(BodyLimit, metrics=metrics)
+    app.add_exception_handler(ReflowError, errors.on_reflow_error)
+    app.add_exception_handler(RequestValidationError, errors.on_invalid_body)
+    app.add_exception_handler(HTTPException, errors.on_http_error)
+    app.add_exception_handler(Exception, errors.on_unexpected)
+
+    async def complete(
+        request: Request, body: ChatCompletionRequest | CompletionRequest, shape: Shape
+    ) -> Response:
+        received = time.perf_counter()
+        tenant = await service.authenticate(request.headers.get("authorization"))
+        generation = service.start(tenant, translation.generate_request(body), received=received)
+        stream = service.stream(generation)
+        try:
+            first = await anext(stream)
+        except ReflowError as error:
+            await stream.aclose()
+            return errors.error_response(error, {"x-request-id": generation.request_id})
+        served = Served.of(first)
+        if body.stream:
+            with_usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventStream(_events(shape, served, first, stream, with_usage), served.headers())
+        messages = await _rest_unless_disconnected(request, first, stream)
+        if messages is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(translation.completion(shape, served, messages), headers=served.headers())
+
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletion, responses=_streamed(ChatCompletionChunk),
+        summary="Chat completion", tags=["completions"],
+    )  # fmt: skip
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        """A conversation's next assistant message, rendered with the model's chat template."""
+        return await complete(request, body, ChatShape)
+
+    @app.post(
+        "/v1/completions", response_model=Completion, responses=_streamed(Completion),
+        summary="Text completion", tags=["completions"],
+    )  # fmt: skip
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        """The continuation of a prompt, as the model sees it (no chat template)."""
+        return await complete(request, body, TextShape)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["models"])
+    async def list_models(request: Request) -> dict[str, Any]:
+        """Every model id the workers serve now: `NAME`, `NAME/VERSION` and `NAME@ALIAS`."""
+        await service.authenticate(request.headers.get("authorization"))
+        return {"object": "list", "data": _model_cards(service)}
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS, tags=["models"])
+    async def retrieve_model(request: Request, model: str) -> dict[str, Any]:
+        """One served model id."""
+        await service.authenticate(request.headers.get("authorization"))
+        for card in _model_cards(service):
+            if card["id"] == model:
+                return card
+        raise NotFound(f"no worker serves model {model!r}; GET /v1/models lists what is served")
+
+    @app.post(
+        "/v1/feedback", response_model=FeedbackAck, responses=_ERRORS, tags=["feedback"],
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"oneOf": [
+                {"$ref": "#/components/schemas/FeedbackItem"},
+                {"type": "array", "items": {"$ref": "#/components/schemas/FeedbackItem"}},
+            ]}},
+            NDJSON: {"schema": {"type": "string", "description": "One FeedbackItem JSON object per line"}},
+        }}},
+    )  # fmt: skip
+    async def submit_feedback(request: Request) -> dict[str, Any]:
+        """Ratings of and corrections to completions: one item, a JSON array of them, or NDJSON
+        (read as it arrives). Items with the same `feedback_id` are stored once; each rejected
+        item is listed with why. When every item is rejected, the status is the first one's."""
+        tenant = await service.authenticate(request.headers.get("authorization"))
+        result = await service.submit_feedback(tenant, feedback_items(request))
+        return {
+            "accepted": result.accepted,
+            "rejected": result.rejected,
+            "errors": [
+                {"index": e.index, "feedback_id": e.feedback_id, "reason": e.reason, "code": e.code}
+                for e in result.errors
+            ],
+        }
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}}, tags=["health"])
+    async def health() -> JSONResponse:
+        """200 while the gateway serves and a worker is ready; 503 otherwise (a load balancer's probe)."""
+        models = service.served_models()
+        if not app.state.serving:
+            return JSONResponse({"status": "not serving", "detail": "the gateway is draining"}, 503)
+        if not models:
+            return JSONResponse({"status": "not serving", "detail": "no worker is ready"}, 503)
+        served = ", ".join(name for name, _ in models)
+        return JSONResponse({"status": "serving", "detail": f"serving {served}"})
+
+    _document(app)
+    return app
+
+
+def _document(app: FastAPI) -> None:
+    """`/openapi.json` as the routes answer: the API key as a bearer token on every `/v1` route,
+    FeedbackItem among the schemas (the feedback route reads its body itself), and no 422
+    (invalid bodies are 400s, in OpenAI's error shape)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = build()
+            components = document["components"]
+            components["schemas"]["FeedbackItem"] = FeedbackItem.model_json_schema()
+            components["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+            for path, operations in document["paths"].items():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+                    if path.startswith("/v1/"):
+                        operation["security"] = [{"apiKey": []}]
+            for name in ("HTTPValidationError", "ValidationError"):
+                document["components"]["schemas"].pop(name, None)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+async def _events(
+    shape: Shape,
+    served: Served,
+    first: inference_pb2.GenerateResponse,
+    stream: AsyncGenerator[inference_pb2.GenerateResponse],
+    with_usage: bool,
+) -> AsyncGenerator[str]:
+    """The SSE events of a completion whose first message is `first` and the rest `stream`."""
+    async with contextlib.aclosing(stream):
+        try:
+            message = first
+            yield translation.chunk(shape, served, first, True, with_usage)
+            async for message in stream:
+                yield translation.chunk(shape, served, message, False, with_usage)
+            if with_usage:
+                yield translation.usage_chunk(shape, served, message)
+        except ReflowError as error:
+            yield translation.event(errors.reflow_error_body(error))
+        except Exception as error:  # never a broken stream without a word
+            logger.error("request_id=%s: the stream failed", served.id, exc_info=error)
+            yield translation.event(
+                errors.error_body(500, "internal error; see the gateway's logs", "internal")
+            )
+        yield translation.DONE
+
+
+async def _rest_unless_disconnected(
+    request: Request,
+    first: inference_pb2.GenerateResponse,
+    stream: AsyncGenerator[inference_pb2.GenerateResponse],
+) -> list[inference_pb2.GenerateResponse] | None:
+    """Every message of a completion; None, with the generation stopped, if the client goes away
+    before it finishes (uvicorn would let it run to its end)."""
+
+    async def rest() -> list[inference_pb2.GenerateResponse]:
+        async with contextlib.aclosing(stream):
+            return [first] + [message async for message in stream]
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    collecting = asyncio.ensure_future(rest())
+    watching = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((collecting, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not collecting.done():
+            collecting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        return await collecting
+    return None
+
+
+def _model_cards(service: InferenceService) -> list[dict[str, Any]]:
+    """Model cards for each served model, its versions and its aliases."""
+    cards: list[dict[str, Any]] = []
+    for name, versions in service.served_models():
+        aliases = sorted({alias for v in versions for alias in v.aliases})
+        ready = max(v.ready_workers for v in versions)
+        cards.append(_card(name, None, None, aliases, ready))
+        for v in versions:
+            cards.append(_card(f"{name}/{v.version}", name, v.version, v.aliases, v.ready_workers))
+            cards += [
+                _card(f"{name}@{alias}", name, v.version, [alias], v.ready_workers) for alias in v.aliases
+            ]
+    return cards
+
+
+def _card(id: str, parent: str | None, version: str | None, aliases: list[str], ready: int) -> dict[str, Any]:
+    return {"id": id, "object": "model", "created": 0, "owned_by": OWNER, "parent": parent,
+            "version": version, "aliases": aliases, "ready_workers": ready}  # fmt: skip

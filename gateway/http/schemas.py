@@ -1,0 +1,255 @@
+"""The OpenAI API's request and response bodies as reflow takes and gives them: what FastAPI
+validates requests against and what `/openapi.json` documents.
+
+Fields reflow does not implement are declared too, so that asking for them (`n` > 1, tools,
+logprobs, ...) is refused by name rather than ignored; fields it has never heard of are ignored,
+as OpenAI's clients send new ones first. reflow's own fields (`top_k`, `reasoning_budget`,
+`latency_budget_ms`) are extra body fields (`extra_body=` in the `openai` SDK).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from feedback.events import MAX_LABEL_CHARS, MAX_LABELS, MAX_USER_ID_CHARS
+from gateway.validation import MAX_TEMPERATURE
+
+UINT32 = 2**32 - 1
+UINT64 = 2**64 - 1
+MAX_MODEL_CHARS = 256
+
+Uint32 = Annotated[int, Field(ge=0, le=UINT32)]
+Label = Annotated[str, Field(max_length=MAX_LABEL_CHARS)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = Field(False, description="Send a last chunk with the usage, before `[DONE]`.")
+
+
+class _CompletionParameters(_Body):
+    """What chat and text completions share."""
+
+    model: str = Field(
+        "",
+        max_length=MAX_MODEL_CHARS,
+        description="`NAME`, `NAME@ALIAS` or `NAME/VERSION`; empty = the gateway's default model.",
+    )
+    max_tokens: Annotated[int, Field(ge=1, le=UINT32)] | None = Field(
+        None, description="Most tokens to generate, reasoning included; omitted = the server default."
+    )
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = Field(
+        None, description="0 = greedy; omitted = 1, as OpenAI's API documents."
+    )
+    top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    seed: Annotated[int, Field(ge=0, le=UINT64)] | None = Field(
+        None, description="The same seed and inputs give the same tokens; 0 or omitted = a fresh seed."
+    )
+    stop: Annotated[str, Field(min_length=1)] | list[str] | None = Field(
+        None, description="Generation stops before the first of these strings, which is not returned."
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Annotated[str, Field(max_length=MAX_USER_ID_CHARS)] | None = Field(
+        None, description="The end user: decides the A/B arm and is stored with the inference."
+    )
+    metadata: Annotated[dict[Label, Label], Field(max_length=MAX_LABELS)] | None = Field(
+        None, description="Labels carried into the inference event."
+    )
+    # reflow's own
+    top_k: Uint32 | None = Field(None, description="Keep only the k most likely tokens; 0 = off.")
+    reasoning_budget: Uint32 | None = Field(
+        None, description="Most tokens the model may think for before it must answer; 0 = no bound."
+    )
+    latency_budget_ms: Uint32 | None = Field(None, description="Deadline for the whole completion; 0 = none.")
+    # refused unless asked for as reflow serves (one choice, no penalties, no logprobs)
+    n: int | None = Field(None, description="Only 1 is supported.")
+    presence_penalty: float | None = Field(None, description="Only 0 is supported.")
+    frequency_penalty: float | None = Field(None, description="Only 0 is supported.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported.")
+
+
+class ContentPart(_Body):
+    """A part of a message's content; reflow serves text models, so only `text` parts."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str = Field(
+        min_length=1,
+        max_length=32,
+        description="`system`, `developer` (taken as `system`), `user` or `assistant`.",
+    )
+    content: str | list[ContentPart] | None = None
+    name: str | None = Field(None, description="Accepted and not used.")
+    tool_calls: list[Any] | None = Field(None, description="Not supported.")
+
+
+class ChatCompletionRequest(_CompletionParameters):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32)] | None = Field(
+        None, description="The same as `max_tokens`, which it wins over."
+    )
+    logprobs: bool | None = Field(None, description="Not supported.")
+    top_logprobs: int | None = Field(None, description="Not supported.")
+    tools: list[Any] | None = Field(None, description="Not supported.")
+    tool_choice: Any = Field(None, description="Only `none` is supported.")
+    functions: list[Any] | None = Field(None, description="Not supported.")
+    response_format: dict[str, Any] | None = Field(None, description="Only `{'type': 'text'}`.")
+
+
+class CompletionRequest(_CompletionParameters):
+    prompt: str | list[str] = Field(description="The text to complete; a list holds exactly one.")
+    logprobs: int | None = Field(None, description="Not supported.")
+    echo: bool | None = Field(None, description="Not supported.")
+    best_of: int | None = Field(None, description="Only 1 is supported.")
+    suffix: str | None = Field(None, description="Not supported.")
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = Field(description="Reasoning included.")
+    total_tokens: int
+    completion_tokens_details: CompletionTokensDetails
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+    reasoning_content: str | None = Field(None, description="What the model thought, when it did.")
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str = Field(description="reflow's request id: rate the completion with it.")
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str = Field(description="`NAME/VERSION`, and `@ARM` when an alias routed it.")
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    finish_reason: FinishReason | None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="On the last chunk only, with `include_usage`.")
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    reasoning_content: str | None = None
+    finish_reason: FinishReason | None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """A text completion, or (with `object` `text_completion` and `usage` null) one chunk of one."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+
+
+class ModelCard(BaseModel):
+    """A servable model id: `NAME`, or one of its versions as `NAME/VERSION` or `NAME@ALIAS`."""
+
+    id: str
+    object: Literal["model"]
+    created: int = Field(description="Always 0: the registry, not the gateway, knows when.")
+    owned_by: str
+    parent: str | None = Field(None, description="The model a version belongs to.")
+    version: str | None = Field(None, description="The version this id serves now.")
+    aliases: list[str] = Field(description="Aliases of the version (for a model: of its versions).")
+    ready_workers: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class FeedbackItem(BaseModel):
+    """A rating of, or a correction to, one completion (the fields of gRPC's `Feedback`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    feedback_id: str = Field("", description="Idempotency key: the same id is stored once.")
+    request_id: str = Field(description="The `id` of the completion being rated.")
+    rating: Literal[-1, 0, 1]
+    correction: str = Field("", description="The answer the user wanted, if they gave one.")
+    user_id: str = ""
+    labels: dict[str, str] = {}
+
+
+class FeedbackError(BaseModel):
+    index: int = Field(description="Position of the item in the body, from 0.")
+    feedback_id: str
+    reason: str
+    code: str = Field(description="The gRPC status name, e.g. INVALID_ARGUMENT or PERMISSION_DENIED.")
+
+
+class FeedbackAck(BaseModel):
+    accepted: int = Field(description="Items durably handed over for storage.")
+    rejected: int
+    errors: list[FeedbackError] = Field(description="The first 1,000 rejected items.")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str = Field(description="The gRPC status the same error has on the gRPC face, in lower case.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["serving", "not serving"]
+    detail: str

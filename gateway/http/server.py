@@ -1,0 +1,61 @@
+"""uvicorn serving the HTTP face on the gateway's running event loop, beside the gRPC server, so
+both faces share one process, one worker pool and one set of quotas."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class _InLoopServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the gateway's own handler drains both faces."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """An ASGI app served on host:port (0 = a free one) until `stop`."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self.socket = socket.create_server((host, port), family=family)
+        except OSError as error:
+            raise OSError(
+                f"cannot bind HTTP port {host}:{port} ({error.strerror}); set REFLOW_HTTP_PORT"
+            ) from None
+        self.port: int = self.socket.getsockname()[1]
+        config = uvicorn.Config(
+            app,
+            lifespan="off",
+            log_config=None,  # reflow's logging, as configured
+            access_log=False,  # the relay logs every completion
+            timeout_graceful_shutdown=math.ceil(grace_s),
+        )
+        self._server = _InLoopServer(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Serves in the background once this returns."""
+        self._task = asyncio.create_task(self._server.serve(sockets=[self.socket]), name="http-server")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Stops accepting, lets open streams finish within the grace time, then returns."""
+        if self._task is None:
+            self.socket.close()
+            return
+        self._server.should_exit = True
+        await self._task

@@ -1,0 +1,228 @@
+"""OpenAI's request bodies as reflow's GenerateRequest, and a Generate stream's messages as OpenAI's
+completions, chunks and usage, for chat (`/v1/chat/completions`) and text (`/v1/completions`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from reflow.errors import InvalidArgument
+from reflow.v1 import inference_pb2
+
+P = inference_pb2
+FINISH_REASONS = {P.FINISH_REASON_STOP: "stop", P.FINISH_REASON_LENGTH: "length"}
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # what OpenAI's API documents for an omitted temperature
+ROLES = {"developer": "system"}  # OpenAI's newer name for the system role, which templates know
+
+
+def generate_request(body: ChatCompletionRequest | CompletionRequest) -> inference_pb2.GenerateRequest:
+    """The GenerateRequest asking what `body` asks; InvalidArgument, naming the field, for what
+    reflow does not do."""
+    _refuse_unsupported(body)
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    temperature = OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    try:  # a string holding a lone surrogate (JSON's "\ud800") cannot be a protobuf string
+        request = P.GenerateRequest(
+            model=body.model,
+            sampling=P.SamplingParams(
+                max_tokens=max_tokens or 0, temperature=temperature, top_p=body.top_p or 0.0,
+                top_k=body.top_k or 0, seed=body.seed or 0, stop=stop,
+            ),
+            user_id=body.user or "",
+            reasoning_budget=body.reasoning_budget or 0,
+            latency_budget_ms=body.latency_budget_ms or 0,
+            labels=body.metadata or {},
+        )  # fmt: skip
+        if isinstance(body, ChatCompletionRequest):
+            request.messages.extend(_messages(body))
+        else:
+            request.prompt = _prompt(body)
+    except UnicodeEncodeError:
+        raise InvalidArgument("text must be valid Unicode; a string holds a lone surrogate") from None
+    return request
+
+
+def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """InvalidArgument for the first parameter asking for something reflow does not do."""
+    tools = "tools (function calling) are not supported"
+    refusals: list[tuple[str, bool, str]] = [
+        ("n", body.n not in (None, 1), "reflow returns one choice per request; send n=1 (or omit it)"),
+        ("presence_penalty", bool(body.presence_penalty), "presence_penalty is not supported; omit it"),
+        ("frequency_penalty", bool(body.frequency_penalty), "frequency_penalty is not supported; omit it"),
+        ("logit_bias", bool(body.logit_bias), "logit_bias is not supported; omit it"),
+        ("logprobs", bool(body.logprobs), "logprobs are not supported; omit logprobs"),
+    ]
+    if isinstance(body, ChatCompletionRequest):
+        response_type = (body.response_format or {}).get("type", "text")
+        refusals += [
+            ("top_logprobs", bool(body.top_logprobs), "logprobs are not supported; omit top_logprobs"),
+            ("tools", bool(body.tools) or bool(body.functions), tools),
+            ("tool_choice", body.tool_choice not in (None, "none"), tools),
+            ("response_format", response_type != "text", "only response_format type 'text' is supported"),
+        ]  # fmt: skip
+    else:
+        refusals += [
+            ("echo", bool(body.echo), "echo is not supported; prepend the prompt yourself"),
+            ("best_of", body.best_of not in (None, 1), "best_of is not supported; send 1 (or omit it)"),
+            ("suffix", bool(body.suffix), "suffix (insertion) is not supported; omit it"),
+        ]  # fmt: skip
+    for param, refused, message in refusals:
+        if refused:
+            raise InvalidArgument(message, param=param)
+
+
+def _messages(body: ChatCompletionRequest) -> list[inference_pb2.ChatMessage]:
+    messages = []
+    for i, message in enumerate(body.messages):
+        if message.role in ("tool", "function") or message.tool_calls:
+            raise InvalidArgument("tools (function calling) are not supported", param=f"messages.{i}")
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise InvalidArgument(
+                    "only text content parts are supported (reflow serves text models)",
+                    param=f"messages.{i}.content",
+                )
+            content = "".join(part.text or "" for part in content)
+        messages.append(P.ChatMessage(role=ROLES.get(message.role, message.role), content=content or ""))
+    return messages
+
+
+def _prompt(body: CompletionRequest) -> str:
+    if isinstance(body.prompt, str):
+        return body.prompt
+    if len(body.prompt) != 1:
+        raise InvalidArgument(
+            f"send one prompt per request (a string, or a list of one), got {len(body.prompt)}",
+            param="prompt",
+        )
+    return body.prompt[0]
+
+
+@dataclass(frozen=True)
+class Served:
+    """Where a completion ran, from its first message: what every chunk and header repeats."""
+
+    id: str
+    model: str
+    version: str
+    arm: str
+    created: int
+
+    @classmethod
+    def of(cls, header: inference_pb2.GenerateResponse) -> Served:
+        return cls(header.request_id, header.model, header.model_version, header.arm, int(time.time()))
+
+    @property
+    def fingerprint(self) -> str:
+        """`NAME/VERSION`, and `@ARM` when an alias routed the request."""
+        return f"{self.model}/{self.version}" + (f"@{self.arm}" if self.arm else "")
+
+    def headers(self) -> dict[str, str]:
+        return {"x-request-id": self.id, "x-reflow-model-version": self.version, "x-reflow-arm": self.arm}
+
+    def envelope(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}  # fmt: skip
+
+
+def usage(last: inference_pb2.GenerateResponse) -> dict[str, Any]:
+    """OpenAI's usage of the last message of a stream."""
+    u = last.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+    }
+
+
+def finish_reason(message: inference_pb2.GenerateResponse) -> str | None:
+    """`stop` or `length` on the last message, None before it."""
+    if not message.finish_reason:
+        return None
+    return FINISH_REASONS.get(message.finish_reason, "stop")
+
+
+class ChatShape:
+    """`/v1/chat/completions`: a message with the answer, or its deltas."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    @staticmethod
+    def choice(answer: str, reasoning: str, last: inference_pb2.GenerateResponse) -> dict[str, Any]:
+        message = {"role": "assistant", "content": answer}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        return {"index": 0, "message": message, "finish_reason": finish_reason(last), "logprobs": None}
+
+    @staticmethod
+    def chunk_choice(message: inference_pb2.GenerateResponse, first: bool) -> dict[str, Any]:
+        delta: dict[str, str] = {"role": "assistant", "content": message.text} if first else {}
+        if message.text:
+            delta["content"] = message.text
+        if message.reasoning_text:
+            delta["reasoning_content"] = message.reasoning_text
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason(message), "logprobs": None}
+
+
+class TextShape:
+    """`/v1/completions`: the completed text, or its deltas."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    @staticmethod
+    def choice(answer: str, reasoning: str, last: inference_pb2.GenerateResponse) -> dict[str, Any]:
+        choice = {"index": 0, "text": answer, "finish_reason": finish_reason(last), "logprobs": None}
+        if reasoning:
+            choice["reasoning_content"] = reasoning
+        return choice
+
+    @staticmethod
+    def chunk_choice(message: inference_pb2.GenerateResponse, first: bool) -> dict[str, Any]:
+        return TextShape.choice(message.text, message.reasoning_text, message)
+
+
+Shape = type[ChatShape] | type[TextShape]
+
+
+def completion(
+    shape: Shape, served: Served, messages: list[inference_pb2.GenerateResponse]
+) -> dict[str, Any]:
+    """The whole completion of a stream's messages (the last carries finish_reason and usage)."""
+    answer = "".join(m.text for m in messages)
+    reasoning = "".join(m.reasoning_text for m in messages)
+    choice = shape.choice(answer, reasoning, messages[-1])
+    return served.envelope(shape.object) | {"choices": [choice], "usage": usage(messages[-1])}
+
+
+def chunk(
+    shape: Shape, served: Served, message: inference_pb2.GenerateResponse, first: bool, with_usage: bool
+) -> str:
+    """One SSE event of a streamed completion; `with_usage` adds `"usage": null`, as OpenAI does
+    on every chunk but the last when usage was asked for."""
+    body = served.envelope(shape.chunk_object) | {"choices": [shape.chunk_choice(message, first)]}
+    if with_usage:
+        body["usage"] = None
+    return event(body)
+
+
+def usage_chunk(shape: Shape, served: Served, last: inference_pb2.GenerateResponse) -> str:
+    """The last event when usage was asked for: no choices, the usage."""
+    return event(served.envelope(shape.chunk_object) | {"choices": [], "usage": usage(last)})
+
+
+def event(data: object) -> str:
+    """One server-sent event carrying `data` as JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+DONE = "data: [DONE]\n\n"

@@ -1,0 +1,113 @@
+"""What both faces of the gateway call (the gRPC servicer and the OpenAI HTTP API): a tenant's
+generation over quotas, assignment, the relay and the inference log; feedback intake; the models
+served. A face only translates its wire format to reflow's messages and back."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+from gateway.assignment import ExperimentView
+from gateway.auth import Authenticator
+from gateway.intake import FeedbackIntake, IntakeResult, Item
+from gateway.publishing import InferenceLog
+from gateway.quotas import Quotas
+from gateway.relay import Generation, Relay, deadline_of
+from gateway.routing import ModelSpec, WorkerPool
+from gateway.tenants import TenantInfo
+from gateway.validation import RequestLimits, check_request
+from reflow.errors import InvalidArgument, ReflowError
+from reflow.request_ids import RequestIds
+from reflow.v1 import inference_pb2
+
+
+@dataclass(frozen=True)
+class ServedVersion:
+    """One version as the workers serve it: its aliases and how many ready workers hold it."""
+
+    version: str
+    aliases: list[str]
+    ready_workers: int
+
+
+class InferenceService:
+    """A gateway's calls, whatever face they arrive through."""
+
+    def __init__(
+        self,
+        auth: Authenticator,
+        quotas: Quotas,
+        limits: RequestLimits,
+        pool: WorkerPool,
+        experiments: ExperimentView,
+        relay: Relay,
+        log: InferenceLog,
+        intake: FeedbackIntake,
+        request_ids: RequestIds,
+        default_model: ModelSpec,
+    ):
+        self.auth = auth
+        self.quotas = quotas
+        self.limits = limits
+        self.pool = pool
+        self.experiments = experiments
+        self.relay = relay
+        self.log = log
+        self.intake = intake
+        self.request_ids = request_ids
+        self.default_model = default_model  # what a request that names no model gets
+
+    async def authenticate(self, authorization: str | None) -> TenantInfo:
+        """The tenant whose key the `authorization` header bears; Unauthenticated otherwise."""
+        return await self.auth.authenticate(authorization)
+
+    def start(
+        self,
+        tenant: TenantInfo,
+        request: inference_pb2.GenerateRequest,
+        time_remaining: float | None = None,
+        received: float | None = None,
+    ) -> Generation:
+        """A validated request with its id, arm and deadline (`time_remaining`: the call's own, in
+        seconds); InvalidArgument for a request a worker should never see."""
+        received = time.perf_counter() if received is None else received
+        check_request(request, self.limits)
+        spec = ModelSpec.parse(request.model, self.default_model.name, self.default_model.alias)
+        request_id = self.request_ids.new(tenant.name)
+        unit = request.user_id or request_id  # what the arm sticks to
+        assignment = self.experiments.assign(request.model, spec, unit, self.pool)
+        deadline = deadline_of(time_remaining, request.latency_budget_ms, received)
+        return Generation(request, tenant, request_id, assignment, received, deadline)
+
+    async def stream(self, generation: Generation) -> AsyncGenerator[inference_pb2.GenerateResponse]:
+        """The completion's messages (the first names where it runs, the last how it ended), within
+        the tenant's quotas; the finished one is published as an inference event. Close it (or
+        cancel its reader) to stop the generation at the worker's next step."""
+        with self.quotas.admit(generation.tenant):
+            try:
+                # aclosing: cleanup (quota, outstanding counts, the worker call) runs at once on cancel
+                stream = self.relay.stream(generation, functools.partial(self.log.finished, generation))
+                async with contextlib.aclosing(stream):
+                    async for message in stream:
+                        yield message
+            except ReflowError as error:
+                # the error-rate guardrail counts failures of the arm, not a request the model
+                # could never take (e.g. a prompt longer than its context)
+                if generation.assignment.experiment is not None and not isinstance(error, InvalidArgument):
+                    self.log.failed(generation)
+                raise
+
+    async def submit_feedback(self, tenant: TenantInfo, items: AsyncIterator[Item]) -> IntakeResult:
+        """Validates and durably hands over a tenant's feedback items (FeedbackIntake.submit)."""
+        return await self.intake.submit(tenant.name, items)
+
+    def served_models(self) -> list[tuple[str, list[ServedVersion]]]:
+        """Each model the healthy workers serve, by name, with its versions in number order."""
+        return [
+            (name, [ServedVersion(v, sorted(aliases), ready) for v, (aliases, ready) in
+                    sorted(versions.items(), key=lambda kv: int(kv[0]))])
+            for name, versions in sorted(self.pool.served_versions().items())
+        ]  # fmt: skip

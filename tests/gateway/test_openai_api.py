@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP face, driven by the real `openai` SDK (sync and async, streamed and
+whole), curl and httpx, against a gateway and in-process workers: the same answers, usage, quotas
+and feedback as the gRPC face, and each error as the status and SDK exception users expect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from sqlalchemy import Engine
+
+from feedback.intake.stats import store_counts
+from gateway.tenants import create_tenant
+from reflow.settings import Settings
+from reflow.store.database import open_engine
+from reflow.v1 import inference_pb2
+from tests.support.kafka import Broker, consuming
+from tests.support.registry import local_registry
+from tests.support.smollm2 import converted_smollm2, tiny_chat_checkpoint
+from tests.support.stack import Stack, generate, request, start_stack, stop_stack
+from tests.support.waiting import eventually, wait_for
+
+P = inference_pb2
+CHAT = "chat"
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+SAMPLED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_tokens": 16}
+
+
+def client(stack: Stack, api_key: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=api_key or stack.api_key, max_retries=0)
+
+
+def async_client(stack: Stack, api_key: str | None = None) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"{stack.http_url}/v1", api_key=api_key or stack.api_key, max_retries=0
+    )
+
+
+def grpc_chat(**sampling: object) -> P.GenerateRequest:
+    """The gRPC request asking what CONVERSATION with `sampling` asks over HTTP."""
+    return P.GenerateRequest(
+        model=CHAT,
+        messages=[P.ChatMessage(**m) for m in CONVERSATION],
+        sampling=P.SamplingParams(**sampling),  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template."""
+    root = tmp_path_factory.mktemp("chat")
+    return tiny_chat_checkpoint(converted_smollm2(root / "smollm2"), root / "tiny")
+
+
+@pytest.fixture
+async def chat_stack(settings: Settings, chat_checkpoint: Path, tmp_path: Path) -> AsyncIterator[Stack]:
+    """A gateway in front of a worker serving the chat model as `chat` v1 @champion."""
+    registry = local_registry(tmp_path, "chat-registry")
+    registry.register(CHAT, chat_checkpoint, params={}, metrics={}, alias="champion")
+    chat_settings = settings.model_copy(
+        update={"mlflow_tracking_uri": registry.tracking_uri, "mlflow_artifact_root": registry.artifact_root,
+                "model_name": CHAT}
+    )  # fmt: skip
+    stack = await start_stack(chat_settings, model=CHAT)
+    yield stack
+    await stop_stack(stack)
+
+
+async def test_a_chat_completion_is_the_grpc_answer_with_its_usage_and_where_it_ran(
+    chat_stack: Stack,
+) -> None:
+    answer = await generate(chat_stack, grpc_chat(**SAMPLED))
+    sdk = client(chat_stack)
+    raw = await asyncio.to_thread(
+        sdk.chat.completions.with_raw_response.create,
+        model=CHAT,
+        messages=CONVERSATION,
+        user="u42",
+        **SAMPLED,
+    )
+    completion = raw.parse()
+    assert completion.choices[0].message.content == "".join(m.text for m in answer)
+    assert completion.choices[0].finish_reason == "length"
+    usage = answer[-1].usage
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (
+        usage.prompt_tokens, usage.completion_tokens,
+    )  # fmt: skip
+    assert completion.usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert completion.usage.completion_tokens_details.reasoning_tokens == 0
+    assert len(completion.id) == 48 and raw.headers["x-request-id"] == completion.id
+    assert (raw.headers["x-reflow-model-version"], raw.headers["x-reflow-arm"]) == ("1", "champion")
+    assert completion.system_fingerprint == "chat/1@champion" and completion.model == CHAT
+    pinned = await asyncio.to_thread(
+        sdk.chat.completions.create, model="chat/1", messages=CONVERSATION, **SAMPLED
+    )
+    assert pinned.system_fingerprint == "chat/1" and pinned.choices[0].message.content == (
+        completion.choices[0].message.content
+    )
+
+
+async def test_a_streamed_chat_completion_with_usage_gives_the_same_text_and_counts(
+    chat_stack: Stack,
+) -> None:
+    answer = await generate(chat_stack, grpc_chat(**SAMPLED))
+    sdk = async_client(chat_stack)
+    stream = await sdk.chat.completions.create(
+        model=CHAT, messages=CONVERSATION, stream=True, stream_options={"include_usage": True}, **SAMPLED
+    )
+    chunks = [chunk async for chunk in stream]
+    *deltas, last = chunks
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == "".join(m.text for m in answer)
+    assert [c.choices[0].finish_reason for c in deltas][-1] == "length"
+    assert all(c.usage is None for c in deltas) and last.choices == []
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        answer[-1].usage.prompt_tokens, answer[-1].usage.completion_tokens,
+    )  # fmt: skip
+    assert len({c.id for c in chunks}) == 1 and len(deltas) > 1  # streamed, not sent whole
+    await sdk.close()
+
+
+async def test_text_completions_stream_and_not_with_reasoning_apart(stack: Stack) -> None:
+    answer = await generate(stack, request("47+38=", max_tokens=24))
+    text, reasoning = "".join(m.text for m in answer), "".join(m.reasoning_text for m in answer)
+    whole = await asyncio.to_thread(
+        client(stack).completions.create, model="arith", prompt="47+38=", max_tokens=24, temperature=0
+    )
+    assert whole.choices[0].text == text
+    assert (whole.choices[0].model_extra or {}).get("reasoning_content", "") == reasoning
+    assert whole.usage.completion_tokens_details.reasoning_tokens == answer[-1].usage.reasoning_tokens
+    sdk = async_client(stack)
+    stream = await sdk.completions.create(
+        model="arith", prompt=["47+38="], max_tokens=24, temperature=0, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert "".join((c.choices[0].model_extra or {}).get("reasoning_content", "") for c in chunks) == reasoning
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length") and chunks[-1].usage is None
+    await sdk.close()
+
+
+async def test_curl_shows_the_stream_as_a_person_reads_it(stack: Stack) -> None:
+    if shutil.which("curl") is None:
+        pytest.skip("needs curl")
+    body = json.dumps(
+        {"model": "arith", "prompt": "12+30=", "max_tokens": 8, "temperature": 0, "stream": True}
+    )
+    command = ["curl", "-N", "-sS", f"{stack.http_url}/v1/completions",
+               "-H", "content-type: application/json", "-H", f"authorization: Bearer {stack.api_key}",
+               "-d", body]  # fmt: skip
+    shown = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60)
+    events = [line for line in shown.stdout.split("\n\n") if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: {") for e in events[:-1])
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    expected = "".join(m.text for m in await generate(stack, request("12+30=", max_tokens=8)))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+
+
+async def test_models_list_every_id_a_request_may_name(stack: Stack) -> None:
+    sdk = async_client(stack)
+    models = {m.id: m for m in (await sdk.models.list()).data}
+    assert set(models) == {"arith", "arith/1", "arith@champion"}
+    assert (models["arith@champion"].model_extra or {})["version"] == "1"
+    assert (await sdk.models.retrieve("arith/1")).id == "arith/1"
+    with pytest.raises(openai.NotFoundError):
+        await sdk.models.retrieve("arith/7")
+    await sdk.close()
+
+
+async def test_each_error_has_its_status_and_the_sdks_exception(stack: Stack) -> None:
+    sdk = async_client(stack)
+    complete = sdk.completions.create
+    with pytest.raises(openai.AuthenticationError) as unauthenticated:
+        await async_client(stack, api_key="not-a-key-0123456789").completions.create(
+            model="arith", prompt="1+1="
+        )
+    assert unauthenticated.value.body["type"] == "authentication_error"  # type: ignore[index]
+    refused = {
+        "n": {"n": 2}, "logprobs": {"logprobs": 2}, "echo": {"echo": True},
+        "temperature": {"temperature": -1}, "max_tokens": {"max_tokens": 0},
+    }  # fmt: skip
+    for param, ask in refused.items():
+        with pytest.raises(openai.BadRequestError) as bad:
+            await complete(model="arith", prompt="1+1=", **ask)  # type: ignore[arg-type]
+        assert bad.value.param == param, ask
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        await sdk.chat.completions.create(
+            model="arith", messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="temperature must be 0"):  # reflow's own check
+        await complete(model="arith", prompt="1+1=", temperature=0.001)
+    with pytest.raises(openai.BadRequestError, match="no chat template"):  # the worker's, before a token
+        await sdk.chat.completions.create(model="arith", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError, match="no worker serves model gpt-4o"):
+        await complete(model="gpt-4o", prompt="1+1=")
+    with pytest.raises(openai.InternalServerError) as late:
+        await complete(model="arith", prompt="1+1=", max_tokens=60, extra_body={"latency_budget_ms": 1})
+    assert late.value.status_code == 504
+    await sdk.close()
+
+
+async def test_the_stream_quota_is_shared_by_both_faces(settings: Settings) -> None:
+    stack = await start_stack(settings, max_concurrent_streams=1)
+    try:
+        call = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
+        await call.read()  # a gRPC stream holds the tenant's one slot
+        with pytest.raises(openai.RateLimitError, match="1 streams open"):
+            await async_client(stack).completions.create(model="arith", prompt="1+1=")
+        call.cancel()
+    finally:
+        await stop_stack(stack)
+
+
+async def test_a_rate_limited_request_says_when_to_retry(settings: Settings) -> None:
+    stack = await start_stack(settings, requests_per_minute=1)
+    try:
+        sdk = async_client(stack)
+        await sdk.completions.create(model="arith", prompt="1+1=", max_tokens=2)
+        with pytest.raises(openai.RateLimitError) as limited:
+            await sdk.completions.create(model="arith", prompt="1+1=", max_tokens=2)
+        assert int(limited.value.response.headers["retry-after"]) >= 1
+        await sdk.close()
+    finally:
+        await stop_stack(stack)
+
+
+async def test_no_worker_is_503_and_health_says_so(settings: Settings) -> None:
+    stack = await start_stack(settings, n_workers=0, extra_addresses=("127.0.0.1:1",))
+    try:
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            await async_client(stack).completions.create(model="arith", prompt="1+1=")
+        assert unavailable.value.status_code == 503
+        async with httpx.AsyncClient(base_url=stack.http_url) as http:
+            health = await http.get("/health")
+        assert (health.status_code, health.json()["status"]) == (503, "not serving")
+    finally:
+        await stop_stack(stack)
+
+
+async def test_a_client_gone_mid_stream_frees_its_sequence(stack: Stack) -> None:
+    engine = stack.workers[0].engine
+    body = {"model": "arith", "prompt": "47+38=", "max_tokens": 60, "temperature": 0, "stream": True}
+    headers = {"authorization": f"Bearer {stack.api_key}"}
+    async with (
+        httpx.AsyncClient(base_url=stack.http_url) as http,
+        http.stream("POST", "/v1/completions", json=body, headers=headers) as response,
+    ):
+        assert response.headers["content-type"].startswith("text/event-stream")
+        await anext(response.aiter_lines())
+        assert engine.running == 1
+    await eventually(lambda: engine.running == 0, what="the worker to drop the sequence")
+    await eventually(lambda: stack.metrics.in_flight._value.get() == 0, what="the relay to end")
+    stack_quota_free = await async_client(stack).completions.create(
+        model="arith", prompt="1+1=", max_tokens=2
+    )
+    assert stack_quota_free.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_health_and_the_openapi_document(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.http_url) as http:
+        health = await http.get("/health")
+        document = (await http.get("/openapi.json")).json()
+        missing = await http.get("/v1/nothing-here")
+    assert (health.status_code, health.json()) == (200, {"status": "serving", "detail": "serving arith"})
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/feedback", "/health"} <= set(
+        document["paths"]
+    )
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    stack.gateway.app.state.serving = False  # what drain sets first
+    async with httpx.AsyncClient(base_url=stack.http_url) as http:
+        assert (await http.get("/health")).status_code == 503
+
+
+@pytest.fixture
+def store_consumer(stack: Stack, kafka: Broker) -> Iterator[Engine]:
+    engine = open_engine(stack.settings.resolved_database_url)
+    with consuming(kafka.bootstrap, engine):
+        yield engine
+
+
+async def test_feedback_in_each_body_form_lands_once_also_when_sent_twice(
+    stack: Stack, store_consumer: Engine
+) -> None:
+    sdk = async_client(stack)
+    ids = [(await sdk.completions.create(model="arith", prompt=f"{i}+1=", max_tokens=4)).id for i in range(4)]
+    one = {"feedback_id": "fb-one", "request_id": ids[0], "rating": 1}
+    array = [{"request_id": ids[1], "rating": -1, "correction": "2"}, {"request_id": ids[2], "rating": 0}]
+    lines = "\n".join(json.dumps({"request_id": ids[3], "rating": r, "user_id": "u"}) for r in (1, -1)) + "\n"
+    headers = {"authorization": f"Bearer {stack.api_key}"}
+    async with httpx.AsyncClient(base_url=stack.http_url, headers=headers) as http:
+        for _ in range(2):
+            acks = [
+                (await http.post("/v1/feedback", json=one)).json(),
+                (await http.post("/v1/feedback", json=array)).json(),
+                (await http.post("/v1/feedback", content=lines,
+                                 headers={"content-type": "application/x-ndjson"})).json(),
+            ]  # fmt: skip
+            assert [(a["accepted"], a["rejected"]) for a in acks] == [(1, 0), (2, 0), (2, 0)]
+        mixed = await http.post(
+            "/v1/feedback", content=f'{{"request_id": "{ids[0]}", "rating": 7}}\nnot json\n[1]\n',
+            headers={"content-type": "application/x-ndjson"},
+        )  # fmt: skip
+    assert mixed.status_code == 400 and "item 0: rating" in mixed.json()["error"]["message"]
+    everything = {"inferences": 4, "feedback": 5, "joined_feedback": 5}
+    await asyncio.to_thread(
+        wait_for, lambda: store_counts(store_consumer) == everything, 60, "the feedback rows"
+    )
+    await sdk.close()
+
+
+async def test_feedback_on_another_tenants_completion_is_403_and_rejected_items_are_listed(
+    stack: Stack,
+) -> None:
+    engine = open_engine(stack.settings.resolved_database_url)
+    _, other_key = create_tenant(engine, "globex")
+    theirs = (
+        await async_client(stack, other_key).completions.create(model="arith", prompt="1+1=", max_tokens=2)
+    ).id
+    mine = (await async_client(stack).completions.create(model="arith", prompt="1+1=", max_tokens=2)).id
+    sdk = async_client(stack)
+    with pytest.raises(openai.PermissionDeniedError, match="not served to this tenant"):
+        await sdk.post("/feedback", body={"request_id": theirs, "rating": 1}, cast_to=httpx.Response)
+    ack = (
+        await sdk.post(
+            "/feedback",
+            body=[{"request_id": mine, "rating": 1}, {"request_id": theirs, "rating": 1}, "x", {"rating": 1}],
+            cast_to=httpx.Response,
+        )
+    ).json()
+    assert (ack["accepted"], ack["rejected"]) == (1, 3)
+    assert [(e["index"], e["code"]) for e in ack["errors"]] == [
+        (1, "PERMISSION_DENIED"), (2, "INVALID_ARGUMENT"), (3, "INVALID_ARGUMENT"),
+    ]  # fmt: skip
+    assert "JSON object" in ack["errors"][1]["reason"] and "request_id" in ack["errors"][2]["reason"]
+    await sdk.close()
+    engine.dispose()
+
+
+async def test_a_drained_gateway_finishes_open_http_streams_and_takes_no_new_ones(stack: Stack) -> None:
+    body = {"model": "arith", "prompt": "47+38=", "max_tokens": 60, "temperature": 0, "stream": True}
+    headers = {"authorization": f"Bearer {stack.api_key}"}
+    async with (
+        httpx.AsyncClient(base_url=stack.http_url) as http,
+        http.stream("POST", "/v1/completions", json=body, headers=headers) as response,
+    ):
+        lines = response.aiter_lines()
+        await anext(lines)
+        draining = asyncio.create_task(stack.gateway.drain(10))
+        rest = [line async for line in lines if line]
+        await draining
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(grpc.aio.AioRpcError):
+        await generate(stack, request())
+    with pytest.raises(httpx.ConnectError):
+        async with httpx.AsyncClient(base_url=stack.http_url) as http:
+            await http.get("/health")
