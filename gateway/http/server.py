@@ -26,9 +26,15 @@ class HttpServer:
 
     def __init__(self, app: FastAPI, host: str, port: int, grace_s: float):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets of that protocol, and
+        # without it Nagle holds a response's second write for the client's delayed ACK (~40 ms)
+        self.socket = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
-            self.socket = socket.create_server((host, port), family=family)
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind((host, port))
+            self.socket.listen(socket.SOMAXCONN)
         except OSError as error:
+            self.socket.close()
             raise OSError(
                 f"cannot bind HTTP port {host}:{port} ({error.strerror}); set REFLOW_HTTP_PORT"
             ) from None

@@ -247,23 +247,39 @@ async def test_no_worker_is_503_and_health_says_so(settings: Settings) -> None:
         await stop_stack(stack)
 
 
-async def test_a_client_gone_mid_stream_frees_its_sequence(stack: Stack) -> None:
+def generated_tokens(stack: Stack) -> float:
+    """Tokens the stack's worker has generated so far."""
+    metrics = stack.workers[0].engine.metrics
+    assert metrics is not None
+    return metrics.tokens._value.get()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_gone_mid_completion_frees_its_sequence(stack: Stack, stream: bool) -> None:
     engine = stack.workers[0].engine
-    body = {"model": "arith", "prompt": "47+38=", "max_tokens": 60, "temperature": 0, "stream": True}
+    longest = stack.pool.workers[0].loaded[0].max_sequence_length - 8  # room for the prompt
+    body = {"model": "arith", "prompt": "47+38=", "max_tokens": longest, "temperature": 0, "stream": stream}
     headers = {"authorization": f"Bearer {stack.api_key}"}
-    async with (
-        httpx.AsyncClient(base_url=stack.http_url) as http,
-        http.stream("POST", "/v1/completions", json=body, headers=headers) as response,
-    ):
-        assert response.headers["content-type"].startswith("text/event-stream")
-        await anext(response.aiter_lines())
-        assert engine.running == 1
+    async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=60) as http:
+        before = generated_tokens(stack)
+        whole = (await http.post("/v1/completions", json={**body, "stream": False})).json()
+        tokens = whole["usage"]["completion_tokens"]
+        assert generated_tokens(stack) - before == tokens > 40  # what a request run to its end costs
+        before = generated_tokens(stack)
+        if stream:
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.headers["content-type"].startswith("text/event-stream")
+                await anext(response.aiter_lines())
+                assert engine.running == 1
+        else:
+            posting = asyncio.create_task(http.post("/v1/completions", json=body))
+            await eventually(lambda: engine.running == 1, what="the sequence to start")
+            posting.cancel()  # httpx closes the connection
     await eventually(lambda: engine.running == 0, what="the worker to drop the sequence")
+    assert generated_tokens(stack) - before < tokens / 2  # cut short, not run to its end
     await eventually(lambda: stack.metrics.in_flight._value.get() == 0, what="the relay to end")
-    stack_quota_free = await async_client(stack).completions.create(
-        model="arith", prompt="1+1=", max_tokens=2
-    )
-    assert stack_quota_free.choices[0].finish_reason in ("stop", "length")
+    again = await async_client(stack).completions.create(model="arith", prompt="1+1=", max_tokens=2)
+    assert again.choices[0].finish_reason in ("stop", "length")
 
 
 async def test_health_and_the_openapi_document(stack: Stack) -> None:
