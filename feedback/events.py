@@ -38,16 +38,10 @@ MAX_ROLE_CHARS = 32
 MAX_COUNT = 2**31 - 1  # token counts fit the store's INTEGER columns
 
 
-def _storable(value: str) -> str:
-    """PostgreSQL text cannot hold NUL, and no UTF-8 record a lone surrogate (which JSON's
-    `\\ud800` escapes can spell): a record with either could never be stored."""
+def _no_nul(value: str) -> str:
+    """PostgreSQL text cannot hold NUL: a record with one could never be stored."""
     if "\x00" in value:
         raise ValueError("must not contain NUL (\\x00) characters")
-    if not value.isascii():
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            raise ValueError("must be valid Unicode (it holds a lone surrogate)") from None
     return value
 
 
@@ -56,17 +50,17 @@ def storable(text: str) -> str:
     return text.replace("\x00", "\ufffd")
 
 
-# Every string is bounded like the column that stores it, and storable (no NUL, valid Unicode).
-Storable = AfterValidator(_storable)
-Id = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS), Storable]
-RequestId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_REQUEST_ID_CHARS), Storable]
-UserId = Annotated[str, StringConstraints(max_length=MAX_USER_ID_CHARS), Storable]
-VersionId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_VERSION_CHARS), Storable]
-Arm = Annotated[str, StringConstraints(max_length=MAX_VERSION_CHARS), Storable]
-Text = Annotated[str, Storable]
-Correction = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS), Storable]
-LabelText = Annotated[str, StringConstraints(max_length=MAX_LABEL_CHARS), Storable]
-Role = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ROLE_CHARS), Storable]
+# Every string is bounded like the column that stores it, and free of NUL characters.
+NoNul = AfterValidator(_no_nul)
+Id = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS), NoNul]
+RequestId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_REQUEST_ID_CHARS), NoNul]
+UserId = Annotated[str, StringConstraints(max_length=MAX_USER_ID_CHARS), NoNul]
+VersionId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_VERSION_CHARS), NoNul]
+Arm = Annotated[str, StringConstraints(max_length=MAX_VERSION_CHARS), NoNul]
+Text = Annotated[str, NoNul]
+Correction = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS), NoNul]
+LabelText = Annotated[str, StringConstraints(max_length=MAX_LABEL_CHARS), NoNul]
+Role = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ROLE_CHARS), NoNul]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 

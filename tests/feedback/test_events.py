@@ -29,6 +29,7 @@ def event(**fields: object):
         ({"request_id": "r" * 65}, "request_id"),
         ({"correction": "4\x002"}, "NUL"),
         ({"labels": {"k\x00": "v"}}, "NUL"),
+        ({"correction": "4\ud8002"}, "unicode string"),  # a lone surrogate (JSON's \\ud800)
         ({"labels": {f"k{i}": "v" for i in range(17)}}, "labels"),
         ({"labels": {"k": "v" * 257}}, "labels"),
         ({"score": 3}, "unknown field(s) score"),

@@ -1,0 +1,136 @@
+"""OpenAI's bodies as GenerateRequests, and a stream's messages as OpenAI's completions and chunks:
+every field that maps, every default that differs from gRPC's, reasoning kept apart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.http.translation import (
+    ChatShape,
+    Served,
+    TextShape,
+    chunk,
+    completion,
+    generate_request,
+    usage_chunk,
+)
+from reflow.errors import InvalidArgument
+from reflow.v1 import inference_pb2
+
+P = inference_pb2
+HEADER = P.GenerateResponse(request_id="r1", model="chat", model_version="3", arm="challenger")
+
+
+def chat(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "chat", "messages": [{"role": "user", "content": "hi"}]} | fields
+    )
+
+
+def test_a_chat_body_becomes_the_generate_request_it_asks_for() -> None:
+    request = generate_request(
+        chat(
+            messages=[
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "u"}]},
+            ],
+            max_tokens=9, max_completion_tokens=7, top_p=0.5, seed=11, stop="\n", user="u42",
+            metadata={"app": "docs"}, top_k=5, reasoning_budget=16, latency_budget_ms=900,
+        )
+    )  # fmt: skip
+    assert [(m.role, m.content) for m in request.messages] == [("system", "Be brief."), ("user", "Hi u")]
+    s = request.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, list(s.stop)) == (
+        7,
+        1.0,
+        0.5,
+        5,
+        11,
+        ["\n"],
+    )
+    assert (request.user_id, dict(request.labels), request.reasoning_budget, request.latency_budget_ms) == (
+        "u42", {"app": "docs"}, 16, 900,
+    )  # fmt: skip
+    assert generate_request(chat(temperature=0)).sampling.temperature == 0.0  # greedy, asked for
+
+
+def test_a_text_body_takes_a_prompt_or_a_list_of_one() -> None:
+    assert generate_request(CompletionRequest(prompt="1+1=")).prompt == "1+1="
+    assert generate_request(CompletionRequest(prompt=["1+1="], stop=["a", "b"])).sampling.stop == ["a", "b"]
+    with pytest.raises(InvalidArgument) as two:
+        generate_request(CompletionRequest(prompt=["a", "b"]))
+    assert two.value.param == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 3}, "n"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
+    ],
+)
+def test_what_reflow_does_not_do_is_refused_by_name(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        generate_request(chat(**fields))
+    assert refused.value.param == param
+
+
+def test_what_openai_clients_send_by_default_is_accepted() -> None:
+    request = generate_request(
+        chat(n=1, presence_penalty=0, frequency_penalty=0, logprobs=False, tool_choice="none", stream=False,
+             response_format={"type": "text"}, parallel_tool_calls=True, store=False)
+    )  # fmt: skip
+    assert request.messages[0].content == "hi"
+
+
+def test_a_lone_surrogate_is_a_clear_error_not_a_crash() -> None:
+    # FastAPI parses with json.loads, which takes the escape (pydantic's own parser would not)
+    body = ChatCompletionRequest.model_validate(
+        json.loads(r'{"messages": [{"role": "user", "content": "a\ud800"}]}')
+    )
+    with pytest.raises(InvalidArgument, match="lone surrogate"):
+        generate_request(body)
+
+
+def test_reasoning_comes_apart_from_the_answer_in_messages_chunks_and_usage() -> None:
+    served = Served.of(HEADER)
+    first = P.GenerateResponse(reasoning_text="7+8=15")
+    first.MergeFrom(HEADER)
+    last = P.GenerateResponse(
+        text="15", finish_reason=P.FINISH_REASON_STOP,
+        usage=P.Usage(prompt_tokens=5, completion_tokens=9, reasoning_tokens=6),
+    )  # fmt: skip
+    whole = completion(ChatShape, served, [first, last])
+    assert whole["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "15",
+        "reasoning_content": "7+8=15",
+    }
+    assert (
+        whole["choices"][0]["finish_reason"] == "stop" and whole["system_fingerprint"] == "chat/3@challenger"
+    )
+    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+                              "completion_tokens_details": {"reasoning_tokens": 6}}  # fmt: skip
+    events = [chunk(ChatShape, served, first, True, True), chunk(ChatShape, served, last, False, True)]
+    deltas = [json.loads(e.removeprefix("data: ")) for e in events]
+    assert [d["choices"][0]["delta"] for d in deltas] == [
+        {"role": "assistant", "content": "", "reasoning_content": "7+8=15"}, {"content": "15"},
+    ]  # fmt: skip
+    assert [d["usage"] for d in deltas] == [None, None]
+    assert (
+        json.loads(usage_chunk(ChatShape, served, last).removeprefix("data: "))["usage"]["total_tokens"] == 14
+    )
+    text = completion(TextShape, served, [first, last])
+    assert (text["object"], text["choices"][0]["text"], text["choices"][0]["reasoning_content"]) == (
+        "text_completion", "15", "7+8=15",
+    )  # fmt: skip
+    assert Served.of(P.GenerateResponse(model="chat", model_version="3")).fingerprint == "chat/3"  # pinned
