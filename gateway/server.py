@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from fastapi import FastAPI
 from grpc_health.v1 import health
 from kafka.errors import KafkaError
 
@@ -110,17 +109,15 @@ class Gateway:
     port: int
     health: health.aio.HealthServicer
     http: HttpServer
-    app: FastAPI
 
     @property
     def http_port(self) -> int:
         return self.http.port
 
     async def drain(self, grace_s: float) -> None:
-        """Stops taking calls on both faces (health says so at once) and lets open streams finish
-        within `grace_s`."""
+        """Stops taking calls on both faces (gRPC health says so at once; the HTTP port closes) and
+        lets open streams finish within `grace_s`."""
         await set_serving(self.health, [SERVICE], False)
-        self.app.state.serving = False
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(self.grpc.stop(grace_s), self.http.stop())
 
@@ -145,13 +142,14 @@ async def create_server(
     server, health_servicer = new_server([SERVICE], on_done=metrics.count_request)
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(service), server)
     port = bind(server, settings.gateway_host, settings.gateway_port)
-    app = create_app(service, metrics)
-    http = HttpServer(app, settings.gateway_host, settings.http_port, settings.shutdown_grace_s)
+    http = HttpServer(
+        create_app(service, metrics), settings.gateway_host, settings.http_port, settings.shutdown_grace_s
+    )
     await pool.start()
     await server.start()
     await http.start()
     await set_serving(health_servicer, [SERVICE], True)
-    return Gateway(server, port, health_servicer, http, app)
+    return Gateway(server, port, health_servicer, http)
 
 
 async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:

@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from gateway.http import errors, translation
@@ -45,6 +46,7 @@ from reflow.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
 OWNER = "reflow"
+T = TypeVar("T")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -87,7 +89,7 @@ class EventStream(StreamingResponse):
 
 
 def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
-    """The HTTP face's app over `service`; `app.state.serving` goes False while the gateway drains."""
+    """The HTTP face's app over `service`."""
     app = FastAPI(
         title="reflow",
         summary="OpenAI-compatible HTTP API of a reflow gateway",
@@ -95,11 +97,11 @@ def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
         docs_url=None,  # the interactive pages load scripts from a CDN; /openapi.json is the document
         redoc_url=None,
     )
-    app.state.serving = True
     app.add_middleware(BodyLimit, metrics=metrics)
     app.add_exception_handler(ReflowError, errors.on_reflow_error)
     app.add_exception_handler(RequestValidationError, errors.on_invalid_body)
     app.add_exception_handler(HTTPException, errors.on_http_error)
+    app.add_exception_handler(ClientDisconnect, errors.on_client_gone)
     app.add_exception_handler(Exception, errors.on_unexpected)
 
     async def complete(
@@ -109,19 +111,25 @@ def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
         tenant = await service.authenticate(request.headers.get("authorization"))
         generation = service.start(tenant, translation.generate_request(body), received=received)
         stream = service.stream(generation)
-        try:
-            first = await anext(stream)
+        try:  # a client that leaves while its request waits for a worker frees its place at once
+            first = await _unless_disconnected(request, anext(stream))
         except ReflowError as error:
-            await stream.aclose()
             return errors.error_response(error, {"x-request-id": generation.request_id})
+        if first is None:
+            await stream.aclose()
+            return Response(status_code=errors.CLIENT_GONE)
         served = Served.of(first)
-        if body.stream:
+        if body.stream:  # Starlette watches for the client leaving from here on
             with_usage = body.stream_options is not None and body.stream_options.include_usage
             return EventStream(_events(shape, served, first, stream, with_usage), served.headers())
-        messages = await _rest_unless_disconnected(request, first, stream)
-        if messages is None:  # the client went away; nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(translation.completion(shape, served, messages), headers=served.headers())
+        try:
+            rest = await _unless_disconnected(request, _collect(stream))
+        except ReflowError as error:
+            return errors.error_response(error, served.headers())
+        if rest is None:
+            return Response(status_code=errors.CLIENT_GONE)
+        completion = translation.completion(shape, served, [first, *rest])
+        return JSONResponse(completion, headers=served.headers())
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletion, responses=_streamed(ChatCompletionChunk),
@@ -181,10 +189,9 @@ def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}}, tags=["health"])
     async def health() -> JSONResponse:
-        """200 while the gateway serves and a worker is ready; 503 otherwise (a load balancer's probe)."""
+        """200 while a worker is ready, 503 while none is (a load balancer's probe); a draining
+        gateway takes no new connections."""
         models = service.served_models()
-        if not app.state.serving:
-            return JSONResponse({"status": "not serving", "detail": "the gateway is draining"}, 503)
         if not models:
             return JSONResponse({"status": "not serving", "detail": "no worker is ready"}, 503)
         served = ", ".join(name for name, _ in models)
@@ -245,32 +252,31 @@ async def _events(
         yield translation.DONE
 
 
-async def _rest_unless_disconnected(
-    request: Request,
-    first: inference_pb2.GenerateResponse,
+async def _collect(
     stream: AsyncGenerator[inference_pb2.GenerateResponse],
-) -> list[inference_pb2.GenerateResponse] | None:
-    """Every message of a completion; None, with the generation stopped, if the client goes away
-    before it finishes (uvicorn would let it run to its end)."""
+) -> list[inference_pb2.GenerateResponse]:
+    async with contextlib.aclosing(stream):
+        return [message async for message in stream]
 
-    async def rest() -> list[inference_pb2.GenerateResponse]:
-        async with contextlib.aclosing(stream):
-            return [first] + [message async for message in stream]
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """What `work` gives; None, with `work` cancelled (and with it the generation, at the worker's
+    next step), if the client goes away first: uvicorn would let it run to its end."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    collecting = asyncio.ensure_future(rest())
+    task = asyncio.ensure_future(work)
     watching = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait((collecting, watching), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((task, watching), return_when=asyncio.FIRST_COMPLETED)
     finally:
         watching.cancel()
-        if not collecting.done():
-            collecting.cancel()
+        if not task.done():
+            task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
-        return await collecting
+        return await task
     return None
 
 

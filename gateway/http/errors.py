@@ -8,12 +8,13 @@ import math
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from reflow.errors import InvalidArgument, ReflowError, ResourceExhausted
+from reflow.errors import DeadlineExceeded, InvalidArgument, ReflowError, ResourceExhausted
 
 logger = logging.getLogger(__name__)
+CLIENT_GONE = 499  # nginx's status for a request whose client went away; nobody reads it
 
 # The `type` OpenAI's API gives each status (its SDKs raise by status: BadRequestError, ...).
 ERROR_TYPES = {
@@ -47,6 +48,8 @@ def error_response(error: ReflowError, headers: dict[str, str] | None = None) ->
     headers = dict(headers or {})
     if isinstance(error, ResourceExhausted):
         headers["retry-after"] = str(max(1, math.ceil(error.retry_after_ms / 1000)))
+    if isinstance(error, DeadlineExceeded):  # the SDKs retry 5xx; this one would run out again
+        headers["x-should-retry"] = "false"
     return JSONResponse(reflow_error_body(error), status_code=error.http_status, headers=headers)
 
 
@@ -82,6 +85,11 @@ async def on_http_error(request: Request, error: Exception) -> JSONResponse:
         status_code=error.status_code,
         headers=error.headers,
     )
+
+
+async def on_client_gone(request: Request, error: Exception) -> Response:
+    """A client that went away while its body was being read: nothing to answer, nothing to log."""
+    return Response(status_code=CLIENT_GONE)
 
 
 async def on_unexpected(request: Request, error: Exception) -> JSONResponse:

@@ -29,6 +29,8 @@ async def feedback_items(request: Request) -> AsyncIterator[Item]:
     body = await _whole(request)
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise InvalidArgument("the body nests JSON too deeply to be feedback") from None
     except json.JSONDecodeError as error:
         if error.msg != "Extra data":  # not JSON at all
             raise InvalidArgument(
@@ -77,6 +79,8 @@ def _item(line: bytes) -> Item:
         item = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         return InvalidFeedback(f"the line is not JSON ({error})")
+    except RecursionError:
+        return InvalidFeedback("the line nests JSON too deeply to be feedback")
     return item if isinstance(item, dict) else _not_an_object(item)
 
 

@@ -1,5 +1,5 @@
-"""What every HTTP request passes through first: a bound on the body a route may read (NDJSON
-feedback, read line by line, excepted), and a count of requests by path and status."""
+"""What every HTTP request passes through first: a bound on the body a route may read (feedback,
+which bounds its own, excepted), and a count of requests by path and status."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.http.errors import error_body
-from gateway.http.feedback_body import NDJSON_TYPES
 from gateway.metrics import GatewayMetrics
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body; prompts are bounded far below by REFLOW_MAX_PROMPT_CHARS
-PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/feedback", "/health", "/openapi.json"}
+FEEDBACK = "/v1/feedback"  # reads its body itself: JSON to 32 MiB, NDJSON line by line, unbounded
+PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", FEEDBACK, "/health", "/openapi.json"}
 
 
 class BodyLimit:
@@ -37,11 +37,9 @@ class BodyLimit:
                 status = message["status"]
             await send(message)
 
-        headers = dict(scope["headers"])
-        streamed = headers.get(b"content-type", b"").partition(b";")[0].strip().decode("latin-1").lower()
-        declared = headers.get(b"content-length", b"")
+        declared = dict(scope["headers"]).get(b"content-length", b"")
         try:
-            if streamed in NDJSON_TYPES:
+            if path == FEEDBACK:
                 await self.app(scope, receive, counted)
             elif declared.isdigit() and int(declared) > MAX_BODY_BYTES:
                 message = _too_large().detail

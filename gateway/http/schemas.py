@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from feedback.events import MAX_LABEL_CHARS, MAX_LABELS, MAX_USER_ID_CHARS
-from gateway.validation import MAX_TEMPERATURE
+from feedback.events import MAX_USER_ID_CHARS
+from gateway.validation import MAX_LABEL_CHARS, MAX_TEMPERATURE
 
 UINT32 = 2**32 - 1
 UINT64 = 2**64 - 1
@@ -46,9 +46,13 @@ class _CompletionParameters(_Body):
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = Field(
         None, description="0 = greedy; omitted = 1, as OpenAI's API documents."
     )
-    top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
-    seed: Annotated[int, Field(ge=0, le=UINT64)] | None = Field(
-        None, description="The same seed and inputs give the same tokens; 0 or omitted = a fresh seed."
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = Field(
+        None, description="Nucleus sampling; 1 or omitted = off (for greedy, send temperature 0)."
+    )
+    seed: Annotated[int, Field(ge=-(2**63), le=UINT64)] | None = Field(
+        None,
+        description="The same seed and inputs give the same tokens; 0 or omitted = a fresh seed; "
+        "a negative one is taken modulo 2**64.",
     )
     stop: Annotated[str, Field(min_length=1)] | list[str] | None = Field(
         None, description="Generation stops before the first of these strings, which is not returned."
@@ -58,8 +62,8 @@ class _CompletionParameters(_Body):
     user: Annotated[str, Field(max_length=MAX_USER_ID_CHARS)] | None = Field(
         None, description="The end user: decides the A/B arm and is stored with the inference."
     )
-    metadata: Annotated[dict[Label, Label], Field(max_length=MAX_LABELS)] | None = Field(
-        None, description="Labels carried into the inference event."
+    metadata: dict[Label, Label] | None = Field(
+        None, description="Labels carried into the inference event (as many as gRPC's `labels`)."
     )
     # reflow's own
     top_k: Uint32 | None = Field(None, description="Keep only the k most likely tokens; 0 = off.")

@@ -59,9 +59,12 @@ class HttpServer:
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
-        """Stops accepting, lets open streams finish within the grace time, then returns."""
+        """Stops accepting, lets open streams finish within the grace time, then returns once every
+        request has ended (uvicorn cancels those still open after the grace time, and returns
+        before they have cleaned up)."""
         if self._task is None:
             self.socket.close()
             return
         self._server.should_exit = True
         await self._task
+        await asyncio.gather(*list(self._server.server_state.tasks), return_exceptions=True)

@@ -32,7 +32,7 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest) -> inferen
             model=body.model,
             sampling=P.SamplingParams(
                 max_tokens=max_tokens or 0, temperature=temperature, top_p=body.top_p or 0.0,
-                top_k=body.top_k or 0, seed=body.seed or 0, stop=stop,
+                top_k=body.top_k or 0, seed=(body.seed or 0) % 2**64, stop=stop,
             ),
             user_id=body.user or "",
             reasoning_budget=body.reasoning_budget or 0,
@@ -57,6 +57,11 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
         ("frequency_penalty", bool(body.frequency_penalty), "frequency_penalty is not supported; omit it"),
         ("logit_bias", bool(body.logit_bias), "logit_bias is not supported; omit it"),
         ("logprobs", bool(body.logprobs), "logprobs are not supported; omit logprobs"),
+        (
+            "stream_options",
+            body.stream_options is not None and not body.stream,
+            "stream_options is for streamed completions; send stream: true with it",
+        ),
     ]
     if isinstance(body, ChatCompletionRequest):
         response_type = (body.response_format or {}).get("type", "text")

@@ -8,6 +8,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -206,6 +207,7 @@ async def test_each_error_has_its_status_and_the_sdks_exception(stack: Stack) ->
     with pytest.raises(openai.InternalServerError) as late:
         await complete(model="arith", prompt="1+1=", max_tokens=60, extra_body={"latency_budget_ms": 1})
     assert late.value.status_code == 504
+    assert late.value.response.headers["x-should-retry"] == "false"  # it would run out again
     await sdk.close()
 
 
@@ -282,6 +284,48 @@ async def test_a_client_gone_mid_completion_frees_its_sequence(stack: Stack, str
     assert again.choices[0].finish_reason in ("stop", "length")
 
 
+async def test_a_client_gone_before_its_first_token_frees_its_place_and_its_quota(settings: Settings) -> None:
+    stack = await start_stack(settings, max_concurrent_streams=1)
+    engine = stack.workers[0].engine
+    headers = {"authorization": f"Bearer {stack.api_key}"}
+    body = {"model": "arith", "prompt": "47+38=", "max_tokens": 8, "temperature": 0}
+    release = threading.Event()
+    stalled = asyncio.create_task(asyncio.to_thread(engine.run, release.wait))  # no step runs meanwhile
+    try:
+        async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=60) as http:
+            queued = asyncio.create_task(http.post("/v1/completions", json=body))
+            await eventually(lambda: engine.waiting == 1, what="the request to queue at the worker")
+            queued.cancel()  # gone before its first token, holding the tenant's only stream
+            await eventually(lambda: stack.metrics.in_flight._value.get() == 0, what="the relay to end")
+            answered = asyncio.create_task(http.post("/v1/completions", json=body))
+            # the one gone is dropped at the engine's next step
+            await eventually(lambda: engine.waiting == 2, what="the next request to queue")
+            before = generated_tokens(stack)
+            release.set()
+            reply = await answered
+        assert reply.status_code == 200  # the slot was free: not a 429
+        await eventually(lambda: engine.waiting == engine.running == 0, what="the queue to empty")
+        assert generated_tokens(stack) - before == reply.json()["usage"]["completion_tokens"]  # none for it
+    finally:
+        release.set()
+        await stalled
+        await stop_stack(stack)
+
+
+async def test_bodies_that_would_cost_memory_or_a_crash_are_refused(stack: Stack) -> None:
+    headers = {"authorization": f"Bearer {stack.api_key}", "content-type": "application/x-ndjson"}
+    nested = "[" * 100_000 + "]" * 100_000
+    async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=60) as http:
+        huge = await http.post("/v1/chat/completions", content=b" " * (17 * 2**20))
+        json_nested = await http.post(
+            "/v1/feedback", content=nested, headers={"content-type": "application/json"}
+        )
+        line_nested = await http.post("/v1/feedback", content=nested + "\n")
+    assert huge.status_code == 413  # whatever content type it claims
+    assert json_nested.status_code == 400 and "too deeply" in json_nested.json()["error"]["message"]
+    assert line_nested.status_code == 400 and "too deeply" in line_nested.json()["error"]["message"]
+
+
 async def test_health_and_the_openapi_document(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.http_url) as http:
         health = await http.get("/health")
@@ -292,9 +336,6 @@ async def test_health_and_the_openapi_document(stack: Stack) -> None:
         document["paths"]
     )
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
-    stack.gateway.app.state.serving = False  # what drain sets first
-    async with httpx.AsyncClient(base_url=stack.http_url) as http:
-        assert (await http.get("/health")).status_code == 503
 
 
 @pytest.fixture

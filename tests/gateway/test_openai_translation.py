@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.http.translation import (
@@ -55,6 +56,9 @@ def test_a_chat_body_becomes_the_generate_request_it_asks_for() -> None:
         "u42", {"app": "docs"}, 16, 900,
     )  # fmt: skip
     assert generate_request(chat(temperature=0)).sampling.temperature == 0.0  # greedy, asked for
+    assert generate_request(chat(seed=-1)).sampling.seed == 2**64 - 1  # the SDK allows negative seeds
+    with pytest.raises(ValidationError, match="top_p"):  # 0 is not "off" here, as it is on gRPC
+        chat(top_p=0)
 
 
 def test_a_text_body_takes_a_prompt_or_a_list_of_one() -> None:
@@ -74,6 +78,7 @@ def test_a_text_body_takes_a_prompt_or_a_list_of_one() -> None:
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
     ],
