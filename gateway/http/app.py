@@ -60,15 +60,17 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def _streamed(chunk_model: type[Any]) -> dict[int | str, dict[str, Any]]:
-    """The 200 response of a completion route: JSON, or with `stream` an SSE stream of chunks."""
+    """The 200 response of a completion route: JSON, or with `stream` an SSE stream of chunks (the
+    schema of an event stream describes each event, before OpenAPI 3.2)."""
+    data = {"type": "string", "description": f"{chunk_model.__name__} JSON, an error object, or [DONE]"}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
     return {
         200: {
             "description": "The completion; with `stream`, `data:` events of chunks, then `data: [DONE]`",
-            "content": {"text/event-stream": {"schema": {"type": "string",
-                        "description": f"Server-sent events of {chunk_model.__name__} JSON"}}},
+            "content": {"text/event-stream": {"schema": event}},
         },
         **_ERRORS,
-    }  # fmt: skip
+    }
 
 
 class EventStream(StreamingResponse):

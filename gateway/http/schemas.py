@@ -25,7 +25,8 @@ Label = Annotated[str, Field(max_length=MAX_LABEL_CHARS)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: `false` is not a logprobs count nor 2.0 a max_tokens, as OpenAI's API has it too
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
