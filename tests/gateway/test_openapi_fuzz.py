@@ -25,7 +25,8 @@ from tests.support.smollm2 import converted_smollm2, tiny_chat_checkpoint
 from tests.support.stack import Stack, start_stack, stop_stack
 
 MODEL = "chat"
-EXAMPLES = 25  # per operation and mode
+EXAMPLES = 25  # per operation and mode, the same every run (derandomized: the suite must not fail
+# on a new draw); to explore, run the test with a fresh `--hypothesis-seed` and derandomize off
 # ignored_auth cannot tell the test's key from one it made up (test_openai_api asserts the 401s);
 # positive_data_acceptance takes a schema-valid request for one the gateway must serve, but some are
 # refused for what no schema can say (a prompt longer than the model's context), with a 400 the
@@ -82,8 +83,9 @@ def test_every_operation_keeps_to_its_document(gateway: Stack, mode: GenerationM
 
         @given(case=operation.as_strategy(mode))
         @settings(
-            max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None
-        )
+            max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+            derandomize=True,
+        )  # fmt: skip
         def keeps_to_the_document(case: Any) -> None:
             response = case.call(headers=headers, timeout=60)
             excluded = NOT_CHECKED
