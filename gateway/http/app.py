@@ -117,8 +117,7 @@ def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
             first = await _unless_disconnected(request, anext(stream))
         except ReflowError as error:
             return errors.error_response(error, {"x-request-id": generation.request_id})
-        if first is None:
-            await stream.aclose()
+        if first is None:  # cancelling the wait for it ended the stream
             return Response(status_code=errors.CLIENT_GONE)
         served = Served.of(first)
         if body.stream:  # Starlette watches for the client leaving from here on

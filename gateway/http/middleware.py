@@ -11,6 +11,7 @@ from gateway.http.errors import error_body
 from gateway.metrics import GatewayMetrics
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body; prompts are bounded far below by REFLOW_MAX_PROMPT_CHARS
+TOO_LARGE = f"the request body is over {MAX_BODY_BYTES // 2**20} MiB"
 FEEDBACK = "/v1/feedback"  # reads its body itself: JSON to 32 MiB, NDJSON line by line, unbounded
 PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", FEEDBACK, "/health", "/openapi.json"}
 
@@ -42,16 +43,13 @@ class BodyLimit:
             if path == FEEDBACK:
                 await self.app(scope, receive, counted)
             elif declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-                message = _too_large().detail
-                await JSONResponse(error_body(413, message, "invalid_argument"), 413)(scope, receive, counted)
+                await JSONResponse(error_body(413, TOO_LARGE, "invalid_argument"), 413)(
+                    scope, receive, counted
+                )
             else:
                 await self.app(scope, _bounded(receive), counted)
         finally:
             self.metrics.http_requests.labels(path, str(status)).inc()
-
-
-def _too_large() -> HTTPException:
-    return HTTPException(413, f"the request body is over {MAX_BODY_BYTES // 2**20} MiB")
 
 
 def _bounded(receive: Receive) -> Receive:
@@ -65,7 +63,7 @@ def _bounded(receive: Receive) -> Receive:
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > MAX_BODY_BYTES:
-                raise _too_large()
+                raise HTTPException(413, TOO_LARGE)
         return message
 
     return bounded
