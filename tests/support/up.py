@@ -82,6 +82,13 @@ class Up:
         """Everything it printed so far."""
         return self.log.read_text(errors="replace")
 
+    def log_tail(self, process: str, lines: int = 40, unless: str = "\0") -> str:
+        """The last `lines` lines of a child's log (`scheduler`, `gateway`, ...) that do not contain
+        `unless`, for a failure message."""
+        path = self.data_dir / "logs" / f"{process}.log"
+        text = path.read_text(errors="replace").splitlines() if path.is_file() else ["(no log)"]
+        return "\n".join([line for line in text if unless not in line][-lines:])
+
     def stop(self) -> int:
         """SIGTERM, then its exit status."""
         self.process.send_signal(signal.SIGTERM)
