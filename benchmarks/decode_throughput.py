@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from gateway.tenants import create_tenant
+from gateway.tenants import UNLIMITED, create_tenant
 from reflow.cli.supervisor import Supervisor, wait_serving
 from reflow.registry import Registry
 from reflow.settings import Settings
@@ -170,7 +170,7 @@ def main() -> None:
         directory = register_random_model(settings, args.preset)
         store = open_engine(settings.resolved_database_url)
         migrate(store)
-        _, api_key = create_tenant(store, "bench", requests_per_minute=0, max_concurrent_streams=1000)
+        _, api_key = create_tenant(store, "bench", limits=UNLIMITED)
         supervisor = Supervisor(settings)
         env = {"REFLOW_DATA_DIR": tmp, "REFLOW_DEVICE": "cpu"}
         try:

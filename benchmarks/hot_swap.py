@@ -26,7 +26,7 @@ import grpc
 from decode_throughput import register_random_model  # this script's directory is on sys.path
 
 from feedback.experiments.promotion import push_to_workers
-from gateway.tenants import create_tenant
+from gateway.tenants import UNLIMITED, create_tenant
 from reflow.cli.supervisor import Supervisor, wait_serving
 from reflow.registry import Registry
 from reflow.settings import Settings
@@ -127,7 +127,7 @@ def main() -> None:
         registry = register_versions(settings, args.preset)
         store = open_engine(settings.resolved_database_url)
         migrate(store)
-        _, api_key = create_tenant(store, "bench", requests_per_minute=0, max_concurrent_streams=1000)
+        _, api_key = create_tenant(store, "bench", limits=UNLIMITED)
         supervisor = Supervisor(settings)
         bootstrap = supervisor.spawn_broker()  # the gateway's event sink
         # isolation off: this process asks the workers for their status itself (isolated workers

@@ -58,6 +58,15 @@ class GatewayMetrics:
             registry=r,
         )
         self.in_flight = Gauge("reflow_gateway_streams_in_flight", "Generate streams open now.", registry=r)
+        self.quota_refusals = Counter(
+            "reflow_gateway_quota_refusals",
+            "Calls a tenant's quota refused, by quota (streams, requests_per_minute, tokens_per_minute).",
+            ["quota"],
+            registry=r,
+        )
+        self.redis_up = Gauge(
+            "reflow_gateway_redis_up", "1 while the shared level (REFLOW_REDIS_URL) answers.", registry=r
+        )
 
     def count_request(self, method: str, code: grpc.StatusCode) -> None:
         """Called by the error interceptor when an RPC ends."""

@@ -25,13 +25,16 @@ from gateway.http.server import HttpServer
 from gateway.intake import FeedbackIntake
 from gateway.metrics import GatewayMetrics
 from gateway.publishing import InferenceLog
-from gateway.quotas import Quotas
+from gateway.quotas import LocalQuotas, Quotas
 from gateway.relay import Relay
 from gateway.routing import ModelSpec, WorkerPool
 from gateway.service import InferenceService
+from gateway.shared_level import RedisConfig, SharedLevel
+from gateway.shared_quotas import SharedQuotas
 from gateway.validation import RequestLimits
 from reflow.cgroups import join_gateway_group
 from reflow.errors import ReflowError
+from reflow.gateway_tls import GatewayTls
 from reflow.mtls import TlsFiles, channel_credentials
 from reflow.request_ids import RequestIds
 from reflow.serving import (
@@ -101,6 +104,25 @@ def request_limits(settings: Settings) -> RequestLimits:
     return RequestLimits(settings.max_prompt_chars, settings.default_max_tokens, settings.max_stop_strings)
 
 
+def redis_config(settings: Settings) -> RedisConfig | None:
+    """The shared level of replicas' key and quota caches; None without REFLOW_REDIS_URL."""
+    if not settings.redis_url:
+        return None
+    return RedisConfig(
+        settings.redis_url, settings.redis_prefix, settings.redis_timeout_s, settings.redis_key_ttl_s
+    )
+
+
+def quotas_of(settings: Settings, shared: SharedLevel | None, metrics: GatewayMetrics) -> Quotas:
+    """Quotas in Redis across replicas with a shared level (per replica while it is down), else in
+    this process; every refusal counted by quota."""
+    local = LocalQuotas(refused=lambda quota: metrics.quota_refusals.labels(quota).inc())
+    if shared is None:
+        return local
+    metrics.redis_up.set_function(lambda: shared.available)
+    return SharedQuotas(shared, settings.redis_lease_s, local)
+
+
 @dataclass
 class Gateway:
     """A started gateway's two faces over one InferenceService: gRPC and the OpenAI HTTP API."""
@@ -109,6 +131,8 @@ class Gateway:
     port: int
     health: health.aio.HealthServicer
     http: HttpServer
+    service: InferenceService
+    shared: SharedLevel | None
 
     @property
     def http_port(self) -> int:
@@ -116,10 +140,13 @@ class Gateway:
 
     async def drain(self, grace_s: float) -> None:
         """Stops taking calls on both faces (gRPC health says so at once; the HTTP port closes) and
-        lets open streams finish within `grace_s`."""
+        lets open streams finish within `grace_s`; then closes the caches' shared level."""
         await set_serving(self.health, [SERVICE], False)
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(self.grpc.stop(grace_s), self.http.stop())
+        await self.service.close()
+        if self.shared is not None:
+            await self.shared.close()
 
 
 async def create_server(
@@ -128,28 +155,33 @@ async def create_server(
     """A started gateway on the configured host, its gRPC and HTTP ports."""
     engine = open_engine(settings.resolved_database_url)
     require_current_schema(engine)
-    auth = Authenticator(engine, settings.auth_cache_ttl_s)
+    config = redis_config(settings)
+    shared = None if config is None else SharedLevel(config)
+    auth = Authenticator(engine, settings.auth_cache_ttl_s, shared=shared)
+    quotas = quotas_of(settings, shared, metrics)
     request_ids = RequestIds.from_store(engine)
     experiments = ExperimentView(engine, settings.worker_poll_s)
     await experiments.refresh()
     limits = request_limits(settings)
     service = InferenceService(
-        auth, Quotas(), limits, pool, experiments, Relay(pool, metrics, limits), InferenceLog(publisher),
+        auth, quotas, limits, pool, experiments, Relay(pool, metrics, limits), InferenceLog(publisher),
         FeedbackIntake(request_ids, publisher, metrics), request_ids,
         ModelSpec(settings.model_name, alias=settings.model_alias),
     )  # fmt: skip
     metrics.outbox.set_function(lambda: publisher.pending)
     server, health_servicer = new_server([SERVICE], on_done=metrics.count_request)
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(service), server)
-    port = bind(server, settings.gateway_host, settings.gateway_port)
-    http = HttpServer(
-        create_app(service, metrics), settings.gateway_host, settings.http_port, settings.shutdown_grace_s
-    )
+    tls = GatewayTls.from_settings(settings)
+    credentials = None if tls is None else tls.server_credentials()
+    port = bind(server, settings.gateway_host, settings.gateway_port, credentials)
+    app = create_app(service, metrics)
+    http = HttpServer(app, settings.gateway_host, settings.http_port, settings.shutdown_grace_s, tls)
     await pool.start()
     await server.start()
     await http.start()
+    auth.start()
     await set_serving(health_servicer, [SERVICE], True)
-    return Gateway(server, port, health_servicer, http)
+    return Gateway(server, port, health_servicer, http, service, shared)
 
 
 async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
@@ -174,7 +206,7 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
         metrics.registry, settings.gateway_host, settings.gateway_metrics_port
     )
     address = host_port(settings.gateway_host, gateway.port)
-    http_url = f"http://{host_port(settings.gateway_host, gateway.http_port)}"
+    http_url = f"{gateway.http.scheme}://{host_port(settings.gateway_host, gateway.http_port)}"
     logger.info(
         "gateway serving gRPC on %s and HTTP on %s, workers %s, metrics %s",
         address, http_url, settings.workers, metrics_url,

@@ -14,7 +14,7 @@ from gateway.assignment import ExperimentView
 from gateway.auth import Authenticator
 from gateway.intake import FeedbackIntake, IntakeResult, Item
 from gateway.publishing import InferenceLog
-from gateway.quotas import Quotas
+from gateway.quotas import Quotas, estimated_tokens
 from gateway.relay import Generation, Relay, deadline_of
 from gateway.routing import ModelSpec, WorkerPool
 from gateway.tenants import TenantInfo
@@ -86,12 +86,17 @@ class InferenceService:
         """The completion's messages (the first names where it runs, the last how it ended), within
         the tenant's quotas; the finished one is published as an inference event. Close it (or
         cancel its reader) to stop the generation at the worker's next step."""
-        with self.quotas.admit(generation.tenant):
+        reserve = estimated_tokens(generation.request, self.limits.default_max_tokens)
+        async with self.quotas.admit(generation.tenant, reserve) as charge:
             try:
                 # aclosing: cleanup (quota, outstanding counts, the worker call) runs at once on cancel
                 stream = self.relay.stream(generation, functools.partial(self.log.finished, generation))
                 async with contextlib.aclosing(stream):
                     async for message in stream:
+                        # a worker took it: charged the reservation, or what it used once known
+                        charge.tokens = charge.reserved
+                        if message.HasField("usage"):
+                            charge.tokens = message.usage.prompt_tokens + message.usage.completion_tokens
                         yield message
             except ReflowError as error:
                 # the error-rate guardrail counts failures of the arm, not a request the model
@@ -101,8 +106,15 @@ class InferenceService:
                 raise
 
     async def submit_feedback(self, tenant: TenantInfo, items: AsyncIterator[Item]) -> IntakeResult:
-        """Validates and durably hands over a tenant's feedback items (FeedbackIntake.submit)."""
-        return await self.intake.submit(tenant.name, items)
+        """Validates and durably hands over a tenant's feedback items (FeedbackIntake.submit), a
+        request and a stream of the tenant's quotas."""
+        async with self.quotas.admit(tenant):
+            return await self.intake.submit(tenant.name, items)
+
+    async def close(self) -> None:
+        """Stops the background work of its caches (revocations, leases); after both faces stopped."""
+        await self.auth.close()
+        await self.quotas.close()
 
     def served_models(self) -> list[tuple[str, list[ServedVersion]]]:
         """Each model the healthy workers serve, by name, with its versions in number order."""

@@ -12,6 +12,18 @@ from reflow.store.tables import Tenant, utcnow
 
 
 @dataclass(frozen=True)
+class Limits:
+    """A tenant's quotas (gateway/quotas.py); 0 = no limit. The defaults are a new tenant's."""
+
+    max_concurrent_streams: int = 32
+    requests_per_minute: int = 600
+    tokens_per_minute: int = 0  # prompt + completion tokens, the unit LLM use is billed in
+
+
+UNLIMITED = Limits(0, 0, 0)  # a benchmark's tenant, bounded only by the workers' queues
+
+
+@dataclass(frozen=True)
 class TenantInfo:
     """What the gateway needs to know about the caller of a request."""
 
@@ -19,19 +31,27 @@ class TenantInfo:
     name: str
     max_concurrent_streams: int
     requests_per_minute: int
+    tokens_per_minute: int = 0
 
 
 def _info(tenant: Tenant) -> TenantInfo:
-    return TenantInfo(tenant.id, tenant.name, tenant.max_concurrent_streams, tenant.requests_per_minute)
+    return TenantInfo(
+        tenant.id,
+        tenant.name,
+        tenant.max_concurrent_streams,
+        tenant.requests_per_minute,
+        tenant.tokens_per_minute,
+    )
+
+
+def _set_limits(tenant: Tenant, limits: Limits) -> None:
+    tenant.max_concurrent_streams = limits.max_concurrent_streams
+    tenant.requests_per_minute = limits.requests_per_minute
+    tenant.tokens_per_minute = limits.tokens_per_minute
 
 
 def create_tenant(
-    engine: Engine,
-    name: str,
-    *,
-    api_key: str | None = None,
-    max_concurrent_streams: int = 32,
-    requests_per_minute: int = 600,
+    engine: Engine, name: str, *, api_key: str | None = None, limits: Limits = Limits()
 ) -> tuple[TenantInfo, str]:
     """Creates a tenant with `api_key` (or a new one); returns it and the key, shown only now."""
     key = api_key or new_key()
@@ -40,20 +60,18 @@ def create_tenant(
     with Session(engine) as session, session.begin():
         if session.scalar(select(Tenant).where(Tenant.name == name)) is not None:
             raise ValueError(f"tenant {name!r} already exists")
-        tenant = Tenant(
-            name=name,
-            key_hash=hash_key(key),
-            key_prefix=display_prefix(key),
-            max_concurrent_streams=max_concurrent_streams,
-            requests_per_minute=requests_per_minute,
-        )
+        tenant = Tenant(name=name, key_hash=hash_key(key), key_prefix=display_prefix(key))
+        _set_limits(tenant, limits)
         session.add(tenant)
         session.flush()
         return _info(tenant), key
 
 
-def ensure_tenant(engine: Engine, name: str, api_key: str) -> TenantInfo:
-    """The tenant `name` holding `api_key`: created, or re-keyed to a new key, as needed.
+def ensure_tenant(
+    engine: Engine, name: str, api_key: str, limits: Limits = Limits()
+) -> tuple[TenantInfo, str | None]:
+    """The tenant `name` holding `api_key` with `limits`: created, re-keyed to a new key or given
+    the limits, as needed; also the hash of the key it held before, when that one is retired.
 
     A revoked key is never brought back: re-keying with a different key re-enables the
     tenant, the same key raises ValueError.
@@ -61,32 +79,36 @@ def ensure_tenant(engine: Engine, name: str, api_key: str) -> TenantInfo:
     with Session(engine) as session, session.begin():
         tenant = session.scalar(select(Tenant).where(Tenant.name == name))
         if tenant is not None:
+            retired = None
             if tenant.key_hash == hash_key(api_key):
                 if tenant.revoked_at is not None:
                     raise ValueError(
                         f"the API key of tenant {name!r} was revoked; set a new REFLOW_API_KEY "
                         "or delete the api_key file in the data dir to generate one"
                     )
-                return _info(tenant)
-            if len(api_key) < MIN_API_KEY_LENGTH:
-                raise ValueError(f"an API key needs at least {MIN_API_KEY_LENGTH} characters")
-            tenant.key_hash, tenant.key_prefix, tenant.revoked_at = (
-                hash_key(api_key),
-                display_prefix(api_key),
-                None,
-            )
-            return _info(tenant)
-    return create_tenant(engine, name, api_key=api_key)[0]
+            else:
+                if len(api_key) < MIN_API_KEY_LENGTH:
+                    raise ValueError(f"an API key needs at least {MIN_API_KEY_LENGTH} characters")
+                retired = tenant.key_hash
+                tenant.key_hash, tenant.key_prefix, tenant.revoked_at = (
+                    hash_key(api_key),
+                    display_prefix(api_key),
+                    None,
+                )
+            _set_limits(tenant, limits)
+            return _info(tenant), retired
+    return create_tenant(engine, name, api_key=api_key, limits=limits)[0], None
 
 
-def revoke_tenant(engine: Engine, name: str) -> bool:
-    """Disables a tenant's key; False when there is no such active tenant."""
+def revoke_tenant(engine: Engine, name: str) -> str | None:
+    """Disables a tenant's key; returns its hash (what gateways must forget), or None when there is
+    no such active tenant."""
     with Session(engine) as session, session.begin():
         tenant = session.scalar(select(Tenant).where(Tenant.name == name, Tenant.revoked_at.is_(None)))
         if tenant is None:
-            return False
+            return None
         tenant.revoked_at = utcnow()
-        return True
+        return tenant.key_hash
 
 
 def list_tenants(engine: Engine) -> list[tuple[TenantInfo, str, bool]]:

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 
-import grpc
-
+from reflow.gateway_tls import client_credentials
+from reflow.mtls import open_channel
 from reflow.v1 import inference_pb2, inference_pb2_grpc
 
 
 class Client:
     """Blocking client: `with Client(target, api_key) as c: for m in c.generate("47+38="): ...`."""
 
-    def __init__(self, target: str, api_key: str):
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str, api_key: str, ca_file: str | Path | None = None):
+        """A channel to the gateway at `target`: TLS trusting the CA certificate (PEM) in `ca_file`
+        for the gateway's, else plaintext."""
+        self.channel = open_channel(target, client_credentials(ca_file))
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),)
 

@@ -56,7 +56,8 @@ def channel_credentials(tls: TlsFiles | None) -> grpc.ChannelCredentials | None:
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None, api: Any = grpc) -> Any:
-    """A channel of `api` (grpc, or grpc.aio) to a worker: plaintext, or TLS with `credentials`."""
+    """A channel of `api` (grpc, or grpc.aio) to a worker, or to the gateway with the credentials
+    of `reflow.gateway_tls`: plaintext, or TLS with `credentials`."""
     if credentials is None:
         return api.insecure_channel(address)
     return api.secure_channel(address, credentials)

@@ -29,8 +29,9 @@ class Settings(BaseSettings):
     database_url: str = Field(
         "",
         description=(
-            "SQLAlchemy URL of the store (`postgresql+psycopg://…` in production); "
-            "empty = SQLite in the data dir."
+            "SQLAlchemy URL of the store: `postgresql://…` in production (through psycopg, installed "
+            "with reflow; `postgres://` and `postgresql+psycopg://` mean the same), or `sqlite:///PATH`; "
+            "any other dialect or driver is refused. Empty = SQLite in the data dir."
         ),
     )
     mlflow_tracking_uri: str = Field(
@@ -352,9 +353,57 @@ class Settings(BaseSettings):
         ),
     )
     tls_key_file: str = Field("", description="This process's private key (PEM).")
+    gateway_tls_cert_file: str = Field(
+        "",
+        description=(
+            "The gateway's certificate chain (PEM, its own certificate first; it must name the host "
+            "clients connect to); with the key below, both public ports serve TLS (gRPC, and HTTPS for "
+            "the OpenAI API). Callers need no certificate: their API key identifies them."
+        ),
+    )
+    gateway_tls_key_file: str = Field("", description="The gateway's private key (PEM).")
+    gateway_ca_file: str = Field(
+        "",
+        description=(
+            "The CA certificate (PEM) clients of the gateway (`reflow generate`, `reflow simulate`, "
+            "`reflow up`'s health check and demo users) trust for its certificate (the certificate "
+            "itself when self-signed); empty = plaintext."
+        ),
+    )
 
     auth_cache_ttl_s: float = Field(
-        10.0, ge=0, description="How long an API-key lookup (found or not) is cached."
+        10.0, ge=0, description="How long a gateway keeps a key's lookup (found or not) in its own L1 cache."
+    )
+    redis_url: str = Field(
+        "",
+        description=(
+            "Redis shared by gateway replicas (`redis://host:6379/0`, `rediss://` for TLS): the second "
+            "level of the key cache, revocations announced to every replica, and quotas counted across "
+            "them. Empty = each gateway on its own (one replica, as `reflow up`). Also set it where "
+            "`reflow tenants revoke` runs, so replicas hear of a revocation at once."
+        ),
+    )
+    redis_prefix: str = Field(
+        "reflow:", description="Prefix of every Redis key and channel, so deployments can share one Redis."
+    )
+    redis_key_ttl_s: float = Field(
+        60.0, gt=0, description="How long Redis keeps a found API key (the shared level, L2)."
+    )
+    redis_lease_s: float = Field(
+        15.0,
+        gt=0,
+        description=(
+            "Lease of a stream's slot in Redis, renewed while it runs: a gateway that dies gives its "
+            "tenants' slots back within it."
+        ),
+    )
+    redis_timeout_s: float = Field(
+        0.5,
+        gt=0,
+        description=(
+            "Longest wait for a Redis reply; past it the gateway serves without Redis (its own cache "
+            "and quotas) until Redis answers again."
+        ),
     )
     max_prompt_chars: int = Field(4096, ge=1, description="Longest prompt the gateway accepts.")
     default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request leaves it 0.")
@@ -370,6 +419,17 @@ class Settings(BaseSettings):
         if isinstance(raw, str) and len(raw) < MIN_API_KEY_LENGTH:
             raise ValueError(f"REFLOW_API_KEY needs at least {MIN_API_KEY_LENGTH} characters")
         return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_database_url(cls, value: str) -> str:
+        """A set URL names the driver reflow installs (`postgresql://` means psycopg); others are refused."""
+        if not value:
+            return value
+        # imported here: SQLAlchemy would add 0.2 s to every process that reads the settings
+        from reflow.store.urls import store_url
+
+        return store_url(value).render_as_string(hide_password=False)
 
     @field_validator(
         "workers", "worker_aliases", "isolation_allow_from", "isolation_egress", "lora_targets", mode="before"
@@ -395,7 +455,10 @@ class Settings(BaseSettings):
             parse_destination(entry)
         return value
 
-    @field_validator("tls_ca_file", "tls_cert_file", "tls_key_file")
+    @field_validator(
+        "tls_ca_file", "tls_cert_file", "tls_key_file", "gateway_tls_cert_file", "gateway_tls_key_file",
+        "gateway_ca_file",
+    )  # fmt: skip
     @classmethod
     def _check_tls_file(cls, value: str) -> str:
         if value and not Path(value).is_file():
@@ -409,12 +472,21 @@ class Settings(BaseSettings):
             raise ValueError(
                 "mTLS needs REFLOW_TLS_CA_FILE, REFLOW_TLS_CERT_FILE and REFLOW_TLS_KEY_FILE together"
             )
+        if bool(self.gateway_tls_cert_file) != bool(self.gateway_tls_key_file):
+            raise ValueError(
+                "gateway TLS needs REFLOW_GATEWAY_TLS_CERT_FILE and REFLOW_GATEWAY_TLS_KEY_FILE together"
+            )
         return self
 
     @property
     def tls(self) -> bool:
         """Whether the gateway-worker channel uses mTLS (the three files are set together)."""
         return bool(self.tls_ca_file)
+
+    @property
+    def gateway_tls(self) -> bool:
+        """Whether the gateway's public ports serve TLS (its certificate and key are set together)."""
+        return bool(self.gateway_tls_cert_file)
 
     @classmethod
     def settings_customise_sources(

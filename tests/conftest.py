@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from sqlalchemy import Engine
 
 from feedback.tasks import get_task
@@ -18,6 +19,7 @@ from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
 from tests.support.kafka import Broker
 from tests.support.models import MODEL, save_model, tiny_model
+from tests.support.redis import MACHINE_REDIS, RedisServer, SharedRedis, forget, unique_prefix
 from tests.support.registry import RegistryFixture, local_registry
 from tests.support.stack import Stack, start_stack, stop_stack
 from workers.models.interface import CausalLM
@@ -117,6 +119,28 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         with admin.connect() as connection:
             connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture
+def shared_redis() -> Iterator[SharedRedis]:
+    """The machine's Redis under a key prefix of this test's own; every key under it is deleted
+    afterwards."""
+    shared = SharedRedis(os.environ.get("REFLOW_TEST_REDIS_URL", MACHINE_REDIS), unique_prefix())
+    try:
+        forget(shared)
+    except redis.RedisError as error:
+        pytest.skip(f"Redis unreachable at {shared.url} (set REFLOW_TEST_REDIS_URL): {error}")
+    yield shared
+    forget(shared)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis of the test's own, started; the test may stop and restart it."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -22,6 +22,8 @@ import grpc
 from feedback.events import ChatMessage, FeedbackEvent, InferenceEvent, Latency, TokenUsage
 from feedback.tasks.task import Task, as_prompt
 from reflow.errors import RETRY_PUSHBACK_KEY
+from reflow.gateway_tls import client_credentials
+from reflow.mtls import open_channel
 from reflow.v1 import inference_pb2, inference_pb2_grpc
 from workers.models.greedy import greedy_answers
 from workers.models.interface import CausalLM, Tokenizer
@@ -60,15 +62,16 @@ async def simulate(
     seed: int = 0,
     model: str = "",
     on_request: Callable[[SimulationReport], None] | None = None,
+    ca_file: str | None = None,
 ) -> SimulationReport:
     """Sends `rate` of `task`'s live-traffic prompts a second for `duration_s` seconds (at most
     `rate * duration_s`; 0 = until cancelled), each from one of `users` users, and rates every
-    answer; returns once all are answered and rated."""
+    answer; returns once all are answered and rated. With `ca_file`, over TLS trusting that CA."""
     rng = random.Random(seed)
     report = SimulationReport()
     metadata = (("authorization", f"Bearer {api_key}"),)
     ratings: asyncio.Queue[inference_pb2.Feedback | None] = asyncio.Queue()
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with open_channel(target, client_credentials(ca_file), grpc.aio) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         rater = asyncio.create_task(_rate(stub, metadata, ratings, report))
         in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from reflow.gateway_tls import GatewayTls
+
 
 class _InLoopServer(uvicorn.Server):
     """uvicorn without its signal handlers: the gateway's own handler drains both faces."""
@@ -22,9 +24,9 @@ class _InLoopServer(uvicorn.Server):
 
 
 class HttpServer:
-    """An ASGI app served on host:port (0 = a free one) until `stop`."""
+    """An ASGI app served on host:port (0 = a free one) until `stop`, over HTTPS with `tls`."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float):
+    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float, tls: GatewayTls | None = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets of that protocol, and
         # without it Nagle holds a response's second write for the client's delayed ACK (~40 ms)
@@ -39,8 +41,12 @@ class HttpServer:
                 f"cannot bind HTTP port {host}:{port} ({error.strerror}); set REFLOW_HTTP_PORT"
             ) from None
         self.port: int = self.socket.getsockname()[1]
+        self.scheme = "http" if tls is None else "https"
         config = uvicorn.Config(
             app,
+            # uvicorn wraps the sockets it is handed in TLS too (its ssl context is the Config's)
+            ssl_certfile=None if tls is None else tls.cert,
+            ssl_keyfile=None if tls is None else tls.key,
             lifespan="off",
             log_config=None,  # reflow's logging, as configured
             access_log=False,  # the relay logs every completion

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.text import Text
 
@@ -24,20 +25,44 @@ err_console = Console(stderr=True)
 ReadyFile = Annotated[
     Path | None, typer.Option(help="Write {'address': ...} here once serving (used by `reflow up`).")
 ]
+GatewayCaFile = Annotated[
+    str | None,
+    typer.Option(
+        envvar="REFLOW_GATEWAY_CA_FILE",
+        help="CA certificate (PEM) to trust for the gateway's TLS certificate [default: plaintext].",
+        show_default=False,
+    ),
+]
 
 
 def fail(message: object, status: int = 1, *, label: str = "error") -> NoReturn:
     """Ends the command: `label: message` on stderr, and exit status `status`. The message is
     printed as it is, never read as rich markup: one quoting a name or path with `[bold]` in it
-    would lose it, one with `[/x]` would raise."""
-    err_console.print(Text.assemble((f"{label}:", "red"), " ", str(message)))
+    would lose it, one with `[/x]` would raise. It stays one line (soft_wrap): rich would break it
+    at 80 columns where stderr is no terminal, as in a log."""
+    err_console.print(Text.assemble((f"{label}:", "red"), " ", str(message)), soft_wrap=True)
     raise typer.Exit(status) from None
 
 
 def settings_with(**overrides: Any) -> Settings:
     """Settings from the environment and REFLOW_CONFIG, with the command-line options given (not
-    None) on top."""
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    None) on top; a bad one ends the command in one line, exit status 2."""
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as error:
+        fail(_settings_problems(error), 2, label="bad settings")
+
+
+def _settings_problems(error: ValidationError) -> str:
+    """Pydantic's report on the settings as one line, each problem after the variable it is about."""
+    problems = []
+    for problem in error.errors(include_url=False):
+        # a validator's own message reads without pydantic's "Value error, " before it
+        message = str(problem["ctx"]["error"]) if problem["type"] == "value_error" else problem["msg"]
+        name = f"REFLOW_{str(problem['loc'][0]).upper()}" if problem["loc"] else ""
+        # messages that name their variable already (REFLOW_API_KEY needs …) are not named twice
+        problems.append(f"{name}: {message}" if name and name not in message else message)
+    return "; ".join(problems)
 
 
 def load_settings(**overrides: Any) -> Settings:

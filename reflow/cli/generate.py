@@ -6,7 +6,15 @@ from typing import Annotated
 
 import typer
 
-from reflow.cli.common import console, default_api_key, default_target, err_console, fail, settings_with
+from reflow.cli.common import (
+    GatewayCaFile,
+    console,
+    default_api_key,
+    default_target,
+    err_console,
+    fail,
+    settings_with,
+)
 
 
 def generate(
@@ -31,6 +39,7 @@ def generate(
         str | None, typer.Option(help="Gateway host:port [default: from endpoints.json].")
     ] = None,
     api_key: Annotated[str | None, typer.Option(envvar="REFLOW_API_KEY", show_default=False)] = None,
+    ca_file: GatewayCaFile = None,
 ) -> None:
     """Stream a completion to the terminal: reasoning dimmed, then the answer and usage."""
     import grpc
@@ -39,14 +48,15 @@ def generate(
     from reflow.v1 import inference_pb2
 
     messages = chat_messages(prompt, chat, system)
-    settings = settings_with(api_key=api_key or None)
+    settings = settings_with(api_key=api_key or None, gateway_ca_file=ca_file)
     sampling = inference_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop or []
     )
     last = None
     thinking = False  # the answer starts on a line of its own after the thought
     try:
-        with Client(target or default_target(settings), default_api_key(settings)) as client:
+        target = target or default_target(settings)
+        with Client(target, default_api_key(settings), settings.gateway_ca_file) as client:
             for message in client.generate(
                 prompt or "",
                 messages=messages,

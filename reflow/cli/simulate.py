@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from reflow.cli.common import default_api_key, default_target, err_console, fail, settings_with
+from reflow.cli.common import GatewayCaFile, default_api_key, default_target, err_console, fail, settings_with
 
 
 def simulate(
@@ -22,6 +22,7 @@ def simulate(
         str | None, typer.Option(help="Gateway host:port [default: from endpoints.json].")
     ] = None,
     api_key: Annotated[str | None, typer.Option(envvar="REFLOW_API_KEY", show_default=False)] = None,
+    ca_file: GatewayCaFile = None,
 ) -> None:
     """Simulated users: the task's prompts through the gateway, each answer rated by its oracle."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -33,7 +34,7 @@ def simulate(
     lo, hi = lo or 0, 99 if hi is None else hi
     if lo > hi:
         fail(f"--lo {lo} is above --hi {hi}", 2)
-    settings = settings_with(api_key=api_key or None)
+    settings = settings_with(api_key=api_key or None, gateway_ca_file=ca_file)
     try:
         asked = get_task(task or settings.task, **({"traffic": (lo, hi)} if ranged else {}))
     except ValueError as error:
@@ -47,7 +48,7 @@ def simulate(
         report = asyncio.run(
             run_simulation(
                 target or default_target(settings), default_api_key(settings), rate=rate,
-                task=asked, duration_s=duration, users=users, seed=seed,
+                task=asked, duration_s=duration, users=users, seed=seed, ca_file=settings.gateway_ca_file,
                 on_request=lambda r: progress.update(bar, completed=r.finished, accuracy=r.accuracy),
             )
         )  # fmt: skip

@@ -17,11 +17,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from reflow.gateway_tls import client_credentials
+from reflow.mtls import open_channel
 from reflow.settings import Settings
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a worker may download and load a model first
 STOP_MARGIN_S = 10.0  # beyond the children's own drain grace
+MAX_RESTARTS, RESTART_WINDOW_S = 3, 600.0  # a child that exits more often is broken, not unlucky
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen
 
@@ -32,12 +35,17 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 @dataclass
 class Child:
-    """One supervised process and where its log goes."""
+    """One supervised process and where its log goes; a restartable one is started again (with
+    `restart_args` added) when it exits, at most MAX_RESTARTS times in RESTART_WINDOW_S."""
 
     name: str
     process: subprocess.Popen[bytes]
     log: Path
     ready_file: Path | None = None
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restart_args: list[str] | None = None  # None: its exit ends the supervision
+    restarts: list[float] = field(default_factory=list)  # when it was restarted (monotonic)
 
     def tail(self, lines: int = 20) -> str:
         """The last lines of the child's log, for an error message."""
@@ -68,19 +76,13 @@ class Supervisor:
             ready_file.unlink(missing_ok=True)
             args = [*args, "--ready-file", str(ready_file)]
         command = args if os.path.isabs(args[0]) else [sys.executable, "-m", "reflow", *args]
-        with log.open("ab") as out:
-            process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **env},
-                start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
-                preexec_fn=_die_with_parent,
-            )
-        child = Child(name, process, log, ready_file)
+        child = Child(name, _start(command, env, log), log, ready_file, command, env)
         self.children.append(child)
         return child
+
+    def restart_on_exit(self, child: Child, *args: str) -> None:
+        """From now on, `child` exiting starts it again with `args` added (e.g. the port it had)."""
+        child.restart_args = list(args)
 
     def wait_ready(self, child: Child, timeout_s: float = START_TIMEOUT_S) -> dict[str, str]:
         """What a child wrote to its ready file (address, metrics); RuntimeError if it died or timed out."""
@@ -105,13 +107,21 @@ class Supervisor:
         return f"127.0.0.1:{port}"
 
     def check_alive(self) -> None:
-        """RuntimeError naming the first child that exited, with the end of its log."""
+        """Restarts a restartable child that exited; RuntimeError naming the first other child that
+        exited (or one that keeps exiting), with the end of its log."""
         for child in self.children:
             code = child.process.poll()
-            if code is not None:
+            if code is None:
+                continue
+            now = time.monotonic()
+            child.restarts = [at for at in child.restarts if now - at < RESTART_WINDOW_S]
+            if child.restart_args is None or len(child.restarts) >= MAX_RESTARTS:
                 raise RuntimeError(
                     f"{child.name} exited with status {code}; its log ({child.log}) ends:\n{child.tail()}"
                 )
+            logger.warning("%s exited with status %s; starting it again", child.name, code)
+            child.restarts.append(now)
+            child.process = _start([*child.command, *child.restart_args], child.env, child.log)
 
     def stop(self) -> None:
         """SIGTERM to each child, newest first (gateway drains before workers go), then SIGKILL."""
@@ -130,10 +140,24 @@ class Supervisor:
         self.children.clear()
 
 
-def wait_serving(address: str, timeout_s: float = 60.0) -> None:
-    """Blocks until the gRPC server at `address` answers health checks with SERVING."""
+def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
+            preexec_fn=_die_with_parent,
+        )
+
+
+def wait_serving(address: str, timeout_s: float = 60.0, ca_file: str | None = None) -> None:
+    """Blocks until the gRPC server at `address` answers health checks with SERVING (over TLS
+    trusting the CA in `ca_file`, as the gateway's clients call it, when given)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, client_credentials(ca_file)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             with contextlib.suppress(grpc.RpcError):

@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -20,9 +20,10 @@ from reflow.settings import Settings
 
 if TYPE_CHECKING:
     from feedback.training.bootstrap import BaseModelSpec
+    from gateway.tenants import Limits
 
 # `reflow up --demo`: fine-tune every minute, send half the users to a challenger, decide every
-# 10 s; users (under the default tenant's 600 requests a minute) ask the task's live traffic (for
+# 10 s; users (8 requests and ratings a second, under no quota) ask the task's live traffic (for
 # arith, sums over 0-99), where the base model is mostly wrong and learns from their corrections.
 DEMO_SETTINGS = {"finetune_interval_s": "60", "ab_traffic": "0.5", "ab_evaluate_s": "10"}
 DEMO_SIMULATION = ["--rate", "8", "--duration", "0", "--users", "1000"]
@@ -53,13 +54,36 @@ def up(
             show_default=False,
         ),
     ] = None,
+    gateways: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Gateway replicas, on the ports given and the next ones; they share keys and quotas "
+            "through REFLOW_REDIS_URL when it is set.",
+        ),
+    ] = 1,
+    max_streams: Annotated[
+        int, typer.Option(min=0, help="The default tenant's concurrent streams; 0 = unlimited.")
+    ] = 0,
+    rpm: Annotated[
+        int, typer.Option(min=0, help="The default tenant's requests per minute; 0 = unlimited.")
+    ] = 0,
+    tpm: Annotated[
+        int, typer.Option(min=0, help="The default tenant's tokens per minute; 0 = unlimited.")
+    ] = 0,
 ) -> None:
-    """Run everything on this machine with embedded defaults until Ctrl-C or SIGTERM."""
+    """Run everything on this machine with embedded defaults until Ctrl-C or SIGTERM.
+
+    The default tenant is one local user: no quota unless given (the workers' queues still say
+    429 when full); tenants made with `reflow tenants create` get 32 streams and 600 rpm."""
+    from gateway.tenants import Limits
+
     settings = load_settings(data_dir=data_dir, gateway_port=port, http_port=http_port, api_key=api_key)
     if model is not None:
         settings = served_model(settings, model)
     count = workers or (cuda_device_count() if settings.device == "auto" else 0) or 1
-    raise typer.Exit(run_up(settings, count, console, demo=demo))
+    limits = Limits(max_streams, rpm, tpm)
+    raise typer.Exit(run_up(settings, count, console, demo=demo, n_gateways=gateways, limits=limits))
 
 
 class Stopped(Exception):
@@ -135,12 +159,23 @@ def demo_overrides(settings: Settings) -> dict[str, str]:
     }  # fmt: skip
 
 
-def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = False) -> int:
-    """Runs everything on one machine until a signal; returns the exit status. With `demo`, the
-    schedule is shortened and simulated users send traffic, so the learning loop turns by itself."""
+def run_up(
+    settings: Settings,
+    n_workers: int,
+    console: Console,
+    demo: bool = False,
+    n_gateways: int = 1,
+    limits: Limits | None = None,
+) -> int:
+    """Runs everything on one machine until a signal, the default tenant with `limits` (none by
+    default); returns the exit status. With `demo`, the schedule is shortened and simulated users
+    send traffic, so the learning loop turns by itself."""
     from feedback.bus.kafka import ensure_topics
     from feedback.training.bootstrap import ensure_base_model
-    from gateway.tenants import ensure_tenant
+    from gateway.auth import announce_key_change
+    from gateway.server import redis_config
+    from gateway.tenants import UNLIMITED, ensure_tenant
+    from reflow.api_keys import hash_key
     from reflow.cgroups import remove_instance
     from reflow.cli.supervisor import Supervisor, wait_http, wait_serving
     from reflow.registry import Registry
@@ -149,6 +184,14 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
     from workers.models.builtin import MODEL_TYPE as BUILTIN
     from workers.models.loader import model_type
 
+    if settings.gateway_tls and not settings.gateway_ca_file:
+        # up's own calls to the gateway (its health check; --demo's users, who inherit the
+        # variable) verify its certificate, and which CA signed it is not up's to guess
+        fail(
+            "the gateway serves TLS: set REFLOW_GATEWAY_CA_FILE to the CA certificate that signed "
+            "REFLOW_GATEWAY_TLS_CERT_FILE (the certificate itself when self-signed)",
+            2,
+        )
     signal.signal(signal.SIGINT, _raise_stopped)
     signal.signal(signal.SIGTERM, _raise_stopped)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -162,8 +205,17 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
     try:
         engine = open_engine(settings.resolved_database_url)
         migrate(engine)
-        ensure_tenant(engine, "default", resolve_api_key(settings, console))
+        key = resolve_api_key(settings, console)
+        _, retired = ensure_tenant(engine, "default", key, limits or UNLIMITED)
         engine.dispose()
+        # replicas of an earlier run may share Redis with this one: the key's limits or the key changed
+        announce_key_change(redis_config(settings), hash_key(key), revoked=False)
+        if retired is not None:
+            announce_key_change(redis_config(settings), retired, revoked=True)
+        if n_gateways > 1 and not settings.redis_url:
+            console.print(
+                f"[yellow]{n_gateways} gateways without REFLOW_REDIS_URL: each has its own quotas[/]"
+            )
         registry = Registry.from_settings(settings)
         served = ensure_base_model(base_model_of(settings), registry, console)
         chat = model_type(registry.download(served, settings.model_cache_dir)) != BUILTIN  # a real model
@@ -201,24 +253,32 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
             ready = {child.name: supervisor.wait_ready(child) for child in workers}
         supervisor.wait_ready(consumer)
         addresses = [r["address"] for r in ready.values()]
-        gateway = supervisor.spawn(
-            "gateway",
-            ["gateway", "--port", str(settings.gateway_port), "--http-port", str(settings.http_port)],
-            {**env, "REFLOW_WORKERS": ",".join(addresses)},
-        )
-        ready["gateway"] = supervisor.wait_ready(gateway)
+        for child, address in zip(workers, addresses, strict=True):  # a crashed worker comes back there
+            supervisor.restart_on_exit(child, "--port", address.rpartition(":")[2])
+        replicas = []
+        for i in range(n_gateways):  # replica i on the configured ports + i (0 stays "a free one")
+            ports = [str(p + i if p else 0) for p in (settings.gateway_port, settings.http_port)]
+            name = "gateway" if i == 0 else f"gateway-{i}"
+            gateway = supervisor.spawn(
+                name,
+                ["gateway", "--port", ports[0], "--http-port", ports[1]],
+                {**env, "REFLOW_WORKERS": ",".join(addresses)},
+            )
+            ready[name] = supervisor.wait_ready(gateway)
+            replicas.append({"address": ready[name]["address"], "http": ready[name]["http"]})
+            wait_serving(ready[name]["address"], ca_file=settings.gateway_ca_file)
         gateway_address = ready["gateway"]["address"]
-        wait_serving(gateway_address)
         if mlflow_url.startswith("http") and not wait_http(f"{mlflow_url}/health"):
             console.print(f"[yellow]the MLflow UI at {mlflow_url} is not answering yet[/]")
 
-        endpoints: dict[str, str | list[str] | dict[str, str]] = {
+        endpoints: dict[str, Any] = {
             "gateway": gateway_address,
             "http": ready["gateway"]["http"],
             "mlflow": mlflow_url,
             "kafka": bootstrap,
             "database": engine.url.render_as_string(hide_password=True),
             "api_key_file": str((settings.data_dir / API_KEY_FILE).resolve()),
+            "gateways": replicas,  # every replica; "gateway" and "http" are the first's
             "workers": addresses,
             "metrics": {name: r["metrics"] for name, r in ready.items()},
             "logs": str(supervisor.log_dir.resolve()),
@@ -232,6 +292,10 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
         for key, value in endpoints.items():
             if isinstance(value, dict):
                 value = "\n".join(f"{k}: {v}" for k, v in value.items())
+            if key == "gateways":  # a row only when there is more than the one above
+                if len(value) < 2:
+                    continue
+                value = [f"{r['address']} + {r['http']}" for r in value]
             table.add_row(key, ", ".join(value) if isinstance(value, list) else value)
         console.print(table)
         example = (
@@ -239,9 +303,11 @@ def run_up(settings: Settings, n_workers: int, console: Console, demo: bool = Fa
             if chat
             else 'reflow generate "47+38="'
         )
-        console.print(f"try: {example}   (stop with Ctrl-C; endpoints in {endpoints_path})")
+        ca = f" --ca-file {settings.gateway_ca_file}" if settings.gateway_tls else ""
+        console.print(f"try: {example}{ca}   (stop with Ctrl-C; endpoints in {endpoints_path})")
         base_url, key_file = f"{endpoints['http']}/v1", endpoints["api_key_file"]
-        console.print(f"or any OpenAI client: base_url {base_url}, API key in {key_file}")
+        trust = f", trusting the CA in {settings.gateway_ca_file}" if settings.gateway_tls else ""
+        console.print(f"or any OpenAI client: base_url {base_url}, API key in {key_file}{trust}")
         if demo:
             console.print(
                 "demo: simulated users are rating answers; watch `reflow experiments list` and "

@@ -11,15 +11,19 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 
+from reflow.store.urls import store_url
+
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
 
 def open_engine(url: str) -> Engine:
-    """An engine for `url`; SQLite gets WAL, a busy timeout and its parent directory."""
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    """An engine for `url` (normalised or refused by `store_url`); SQLite gets WAL, a busy timeout and
+    its parent directory."""
+    parsed = store_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database:
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     # hide_parameters: an error message never carries prompts, completions or corrections into logs
-    engine = create_engine(url, pool_pre_ping=True, hide_parameters=True)
+    engine = create_engine(parsed, pool_pre_ping=True, hide_parameters=True)
     if engine.dialect.name == "sqlite":
 
         @event.listens_for(engine, "connect")

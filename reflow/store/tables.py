@@ -45,8 +45,10 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(128), unique=True)
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the key
     key_prefix: Mapped[str] = mapped_column(String(16))  # first characters, to recognise a key
+    # the quotas (gateway/quotas.py); 0 = no limit
     max_concurrent_streams: Mapped[int] = mapped_column(Integer, default=32)
-    requests_per_minute: Mapped[int] = mapped_column(Integer, default=600)  # 0 = unlimited
+    requests_per_minute: Mapped[int] = mapped_column(Integer, default=600)
+    tokens_per_minute: Mapped[int] = mapped_column(Integer, default=0)  # prompt + completion tokens
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
 

@@ -216,7 +216,7 @@ async def test_the_stream_quota_is_shared_by_both_faces(settings: Settings) -> N
     try:
         call = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
         await call.read()  # a gRPC stream holds the tenant's one slot
-        with pytest.raises(openai.RateLimitError, match="1 streams open"):
+        with pytest.raises(openai.RateLimitError, match="its 1 concurrent streams"):
             await async_client(stack).completions.create(model="arith", prompt="1+1=")
         call.cancel()
     finally:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from sqlalchemy import text
 
 from gateway.auth import Authenticator
-from gateway.quotas import Quotas
+from gateway.quotas import LocalQuotas, QuotaExceeded
 from gateway.tenants import (
+    Limits,
     TenantInfo,
     create_tenant,
     ensure_tenant,
@@ -41,8 +44,8 @@ def test_keys_are_stored_only_as_hashes(database_url: str) -> None:
     assert find_by_key(engine, key + "x") is None
     with pytest.raises(ValueError, match="already exists"):
         create_tenant(engine, "acme")
-    assert revoke_tenant(engine, "acme") and find_by_key(engine, key) is None
-    assert not revoke_tenant(engine, "acme")
+    assert revoke_tenant(engine, "acme") == hash_key(key) and find_by_key(engine, key) is None
+    assert revoke_tenant(engine, "acme") is None
     assert [(i.name, revoked) for i, _, revoked in list_tenants(engine)] == [("acme", True), ("byok", False)]
     engine.dispose()
 
@@ -50,11 +53,15 @@ def test_keys_are_stored_only_as_hashes(database_url: str) -> None:
 def test_ensure_tenant_rekeys_but_never_revives_a_revoked_key(tmp_path) -> None:
     engine = open_engine(f"sqlite:///{tmp_path / 's.db'}")
     migrate(engine)
-    ensure_tenant(engine, "default", "first-key-0123456789")
+    info, retired = ensure_tenant(engine, "default", "first-key-0123456789")
+    assert retired is None and (info.max_concurrent_streams, info.tokens_per_minute) == (32, 0)
+    info, retired = ensure_tenant(engine, "default", "first-key-0123456789", Limits(4, 0, 1000))
+    assert retired is None and info == TenantInfo(info.id, "default", 4, 0, 1000)  # new limits kept
     revoke_tenant(engine, "default")
     with pytest.raises(ValueError, match="was revoked"):
         ensure_tenant(engine, "default", "first-key-0123456789")
-    ensure_tenant(engine, "default", "second-key-0123456789")
+    _, retired = ensure_tenant(engine, "default", "second-key-0123456789")
+    assert retired == hash_key("first-key-0123456789")  # what gateways are told to forget
     assert find_by_key(engine, "first-key-0123456789") is None
     assert find_by_key(engine, "second-key-0123456789") is not None
     with pytest.raises(ValueError, match="at least 16"):
@@ -76,23 +83,24 @@ async def test_lookups_are_cached_for_the_ttl(tmp_path) -> None:
         await auth.authenticate(f"Bearer {key}")
 
 
-def test_stream_quota_and_rate_limit() -> None:
+async def test_stream_quota_and_rate_limit() -> None:
     clock = Clock()
-    quotas = Quotas(clock)
+    quotas = LocalQuotas(clock)
     tenant = TenantInfo(1, "acme", max_concurrent_streams=2, requests_per_minute=3)
-    with (
-        quotas.admit(tenant),
-        quotas.admit(tenant),
-        pytest.raises(ResourceExhausted, match="2 streams open"),
-        quotas.admit(tenant),
-    ):
+    async with quotas.admit(tenant), quotas.admit(tenant):
+        with pytest.raises(QuotaExceeded, match="its 2 concurrent streams; retry when one ends") as refused:
+            async with quotas.admit(tenant):
+                pass
+        assert refused.value.quota == "streams"  # and, refused, it took no request of the rate
+    async with quotas.admit(tenant):
         pass
-    with pytest.raises(ResourceExhausted, match=r"retry in 20\.0s"), quotas.admit(tenant):
-        pass
-    clock.now = 20.0  # one request's worth refilled
-    with quotas.admit(tenant):
-        pass
-    other = TenantInfo(2, "other", max_concurrent_streams=1, requests_per_minute=0)  # unlimited rate
-    for _ in range(100):
-        with quotas.admit(other):
+    with pytest.raises(ResourceExhausted, match=r"3 requests per minute; retry in 20\.0s"):
+        async with quotas.admit(tenant):
             pass
+    clock.now = 20.0  # one request's worth refilled
+    async with quotas.admit(tenant):
+        pass
+    other = TenantInfo(2, "other", max_concurrent_streams=0, requests_per_minute=0)  # no limits at all
+    async with contextlib.AsyncExitStack() as streams:
+        for _ in range(100):
+            await streams.enter_async_context(quotas.admit(other))

@@ -74,3 +74,11 @@ def test_isolation_policies_and_tls_files_are_checked(
     with pytest.raises(ValidationError, match="together"):
         Settings(tls_ca_file=str(tmp_path / "ca.pem"))
     assert Settings().tls is False
+    with pytest.raises(ValidationError, match="is not a file"):
+        Settings(gateway_ca_file=str(tmp_path / "missing.pem"))
+    with pytest.raises(ValidationError, match="REFLOW_GATEWAY_TLS_CERT_FILE and REFLOW_GATEWAY_TLS_KEY_FILE"):
+        Settings(gateway_tls_key_file=str(tmp_path / "ca.pem"))
+    gateway_tls = Settings(
+        gateway_tls_cert_file=str(tmp_path / "ca.pem"), gateway_tls_key_file=str(tmp_path / "ca.pem")
+    )
+    assert gateway_tls.gateway_tls and not gateway_tls.tls and Settings().gateway_tls is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,7 +14,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing import WorkerPool
 from gateway.server import Gateway
 from gateway.server import create_server as create_gateway
-from gateway.tenants import create_tenant
+from gateway.tenants import Limits, create_tenant
+from reflow.gateway_tls import client_credentials
+from reflow.mtls import open_channel
 from reflow.registry import Registry
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
@@ -65,7 +68,7 @@ class Stack:
     @property
     def http_url(self) -> str:
         """The OpenAI-compatible API's base URL (`.../v1` is what the `openai` SDK takes)."""
-        return f"http://127.0.0.1:{self.gateway.http_port}"
+        return f"{self.gateway.http.scheme}://127.0.0.1:{self.gateway.http_port}"
 
     def worker_stub(self, i: int = 0) -> worker_pb2_grpc.WorkerStub:
         channel = grpc.aio.insecure_channel(self.workers[i].address)
@@ -99,18 +102,34 @@ async def start_stack(
     model: str = MODEL,
     **tenant: int,
 ) -> Stack:
-    """Workers serving `model`, a migrated store with one tenant, and a gateway routing to them."""
+    """Workers serving `model`, a migrated store with one tenant, and a gateway routing to them
+    (over TLS when the settings give it a certificate; the stack's channel trusts
+    REFLOW_GATEWAY_CA_FILE)."""
     workers = [await start_worker(settings, config=engine_config, model=model) for _ in range(n_workers)]
     engine = open_engine(settings.resolved_database_url)
     migrate(engine)
-    _, api_key = create_tenant(engine, "acme", **tenant)
+    _, api_key = create_tenant(engine, "acme", limits=Limits(**tenant))
     pool = WorkerPool([w.address for w in workers] + list(extra_addresses), settings.worker_poll_s)
     metrics = GatewayMetrics()
     publisher = Publisher(settings.kafka_bootstrap, settings.outbox_path, settings.kafka_handover_timeout_s)
     gateway = await create_gateway(settings, pool, metrics, publisher)
     address = f"127.0.0.1:{gateway.port}"
-    channel = grpc.aio.insecure_channel(address)
+    channel = open_channel(address, client_credentials(settings.gateway_ca_file), grpc.aio)
     return Stack(settings, gateway, address, workers, api_key, channel, pool, metrics, publisher)
+
+
+async def start_replica(stack: Stack) -> Stack:
+    """Another gateway replica in front of the stack's workers, on the same settings and store (so
+    the same tenant); stopping it leaves the workers to the stack."""
+    settings = stack.settings
+    pool = WorkerPool([w.address for w in stack.workers], settings.worker_poll_s)
+    metrics = GatewayMetrics()
+    outbox = settings.data_dir / f"outbox-{uuid.uuid4().hex[:8]}.db"  # each replica has its own disk
+    publisher = Publisher(settings.kafka_bootstrap, outbox, settings.kafka_handover_timeout_s)
+    gateway = await create_gateway(settings, pool, metrics, publisher)
+    address = f"127.0.0.1:{gateway.port}"
+    channel = open_channel(address, client_credentials(settings.gateway_ca_file), grpc.aio)
+    return Stack(settings, gateway, address, [], stack.api_key, channel, pool, metrics, publisher)
 
 
 async def stop_stack(stack: Stack) -> None:

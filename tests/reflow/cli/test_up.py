@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from reflow.client import Client
 from reflow.v1 import inference_pb2
 from tests.support.cli import reflow
 from tests.support.up import Up, alive, descendants, feedback_stats
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +70,9 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
         finetuned = reflow_in(data_dir, "finetune", "run")  # 21 ratings: enough for `run`, which doesn't wait
         assert finetuned.returncode == 0, finetuned.stderr
         assert "held_out_accuracy" in finetuned.stdout
+        tenants = reflow_in(data_dir, "tenants", "list")
+        # one local user: no quota of its own (the queues still push back)
+        assert tenants.stdout.split("\t")[2:5] == ["0 streams", "0 rpm", "0 tpm"], tenants.stdout
         children = descendants(up.process.pid)
         assert len(children) >= 7  # kafka, consumer, scheduler, mlflow, two workers, gateway
     finally:
@@ -75,12 +83,47 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
     assert not (data_dir / "endpoints.json").exists()
     assert "training base model" in up.output()
 
-    again = Up(data_dir)
+    limits = ("--max-streams", "3", "--rpm", "100", "--tpm", "5000")
+    again = Up(data_dir, "--workers", "1", "--gateways", "2", *limits)
     try:
-        again.endpoints()
+        endpoints = again.endpoints()
         # what was served and rated before the stop was stored, not lost: 1 + 1 (`reflow
         # generate`) + 20 (`reflow simulate`) completions, 1 + 20 ratings
         assert feedback_stats(data_dir, lambda s: s["inferences"] == 22)["joined_feedback"] == 21
+        first, second = endpoints["gateways"]
+        assert (first["address"], first["http"]) == (endpoints["gateway"], endpoints["http"])
+        assert second["address"] != first["address"]
+        for replica in endpoints["gateways"]:  # both serve
+            with Client(replica["address"], "rf_test_key_0123456789") as client:
+                assert [m.name for m in client.list_models().models] == ["arith"]
+        tenants = reflow_in(data_dir, "tenants", "list")
+        assert tenants.stdout.split("\t")[2:5] == ["3 streams", "100 rpm", "5000 tpm"], tenants.stdout
+
+        # a worker that crashes is started again on its address, and serves again
+        (worker,) = [pid for pid in descendants(again.process.pid) if b"worker-0.json" in cmdline(pid)]
+        os.kill(worker, signal.SIGKILL)
+        with Client(endpoints["gateway"], "rf_test_key_0123456789") as client:
+            wait_for(
+                lambda: served_by_a_new_worker(client, worker, again.process.pid), 120, what="the restart"
+            )
+        assert "worker-0 exited with status -9; starting it again" in again.output()
     finally:
         assert again.stop() == 0
     assert "training base model" not in again.output()  # the registered champion is reused
+    assert "2 gateways without REFLOW_REDIS_URL: each has its own quotas" in again.output()
+
+
+def cmdline(pid: int) -> bytes:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b""
+
+
+def served_by_a_new_worker(client: Client, old_pid: int, up_pid: int) -> bool:
+    """Whether a worker other than `old_pid` runs under `reflow up` and a completion goes through."""
+    if not [pid for pid in descendants(up_pid) if b"worker-0.json" in cmdline(pid) and pid != old_pid]:
+        return False
+    try:
+        return bool(list(client.generate("1+1=", sampling=inference_pb2.SamplingParams(max_tokens=2))))
+    except grpc.RpcError:
+        return False
