@@ -23,7 +23,8 @@ from reflow.api_keys import MIN_API_KEY_LENGTH
 class Settings(BaseSettings):
     """Every knob of every reflow process; docs/configuration.md is generated from the descriptions."""
 
-    model_config = SettingsConfigDict(env_prefix="REFLOW_", extra="forbid")
+    # hide_input_in_errors: a bad setting's error never echoes its value (a URL's password, a key)
+    model_config = SettingsConfigDict(env_prefix="REFLOW_", extra="forbid", hide_input_in_errors=True)
 
     data_dir: Path = Field(Path(".reflow"), description="Where every embedded store lives.")
     database_url: str = Field(

@@ -82,3 +82,14 @@ def test_isolation_policies_and_tls_files_are_checked(
         gateway_tls_cert_file=str(tmp_path / "ca.pem"), gateway_tls_key_file=str(tmp_path / "ca.pem")
     )
     assert gateway_tls.gateway_tls and not gateway_tls.tls and Settings().gateway_tls is False
+
+
+def test_a_refused_setting_never_echoes_its_value() -> None:
+    for bad in (
+        {"api_key": "short-secret"},
+        {"redis_timeout_s": "secret"},
+        {"database_url": "mysql://u:secret@h/db"},
+    ):
+        with pytest.raises(ValidationError) as refused:
+            Settings(**bad)
+        assert "secret" not in str(refused.value), bad
