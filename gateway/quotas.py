@@ -44,7 +44,7 @@ class QuotaExceeded(ResourceExhausted):
             "tokens_per_minute": f"its {tenant.tokens_per_minute} tokens per minute (this request reserves "
             f"{reserved}: its prompt's characters / {PROMPT_CHARS_PER_TOKEN} plus max_tokens)",
         }
-        retry = "" if quota == "streams" else f"; retry in {retry_after_ms / 1000:.1f}s"
+        retry = "" if quota == "streams" else f"; retry in {math.ceil(retry_after_ms / 100) / 10:.1f}s"
         super().__init__(
             f"tenant {tenant.name!r} is at {limits[quota]}{retry}", retry_after_ms=retry_after_ms
         )

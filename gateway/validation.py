@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 from feedback.events import MAX_MESSAGES, MAX_ROLE_CHARS, MAX_USER_ID_CHARS
@@ -11,6 +12,9 @@ from reflow.v1 import inference_pb2, worker_pb2
 
 MIN_TEMPERATURE = 0.01  # below it logits / temperature overflows; use 0 for greedy
 MAX_TEMPERATURE = 100.0
+# The minimum as a `float` (float32) field carries it: 0.01 arrives as 0.009999999776..., which must
+# pass, or the documented minimum itself is refused (100.0 is exact).
+_MIN_TEMPERATURE_F32: float = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]
 MAX_STOP_CHARS = 64
 MAX_LABELS = 32
 MAX_LABEL_CHARS = 256
@@ -40,7 +44,7 @@ def check_request(request: inference_pb2.GenerateRequest, limits: RequestLimits)
         )
     s = request.sampling
     if not math.isfinite(s.temperature) or not (
-        s.temperature == 0.0 or MIN_TEMPERATURE <= s.temperature <= MAX_TEMPERATURE
+        s.temperature == 0.0 or _MIN_TEMPERATURE_F32 <= s.temperature <= MAX_TEMPERATURE
     ):
         raise InvalidArgument(
             f"sampling.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "

@@ -1,14 +1,16 @@
 """Errors with their gRPC and HTTP status codes, and the one interceptor that turns them into gRPC
-statuses (the HTTP face maps them in gateway/http/errors.py)."""
+statuses, a request that is no message included (the HTTP face maps them in gateway/http/errors.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +95,9 @@ OnDone = Callable[[str, grpc.StatusCode], None]
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps ReflowError to its status and anything unexpected to INTERNAL, for reflow services.
+    """Maps ReflowError to its status and anything unexpected to INTERNAL, for reflow services; for
+    every service (health and reflection too), refuses a request protobuf cannot parse as
+    INVALID_ARGUMENT.
 
     `on_done(method, code)`, when given, learns how every RPC of a reflow service ended.
     """
@@ -107,7 +111,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith("/reflow."):
+        if handler is None:
+            return None
+        handler = _refusing_undecodable(handler)  # every service's, health and reflection too
+        if not handler_call_details.method.startswith("/reflow."):
             return handler
         method = handler_call_details.method
         if handler.unary_stream:
@@ -129,6 +136,101 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 handler.response_serializer,
             )
         return handler
+
+
+class _Undecodable:
+    """A request message protobuf could not parse, in its place until the behavior refuses it."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def tolerant(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as error:
+            return _Undecodable(error)
+
+    return tolerant
+
+
+async def _refuse(context: grpc.aio.ServicerContext, request: _Undecodable) -> None:
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"the request is not a valid message ({request.error}); send the method's request message "
+        "as the .proto files define it, with UTF-8 in every string field",
+    )
+
+
+def _refusing_undecodable(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """`handler` refusing, as INVALID_ARGUMENT, a request that is no serialization of its message
+    (bad wire format, a string field that is not UTF-8): gRPC itself answers UNKNOWN, or INTERNAL
+    inside a stream, with the parser's exception, and logs a traceback for every such call."""
+    deserialize = handler.request_deserializer
+    behavior = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    generator = inspect.isasyncgenfunction(behavior)
+    if deserialize is None or behavior is None or not (generator or inspect.iscoroutinefunction(behavior)):
+        return handler  # bytes as they come, or a behavior grpc runs in a thread: nothing to check
+    if handler.request_streaming:
+        checked = _checking_stream(behavior)
+    elif generator:
+        checked = _checking_generator(behavior)
+    else:
+        checked = _checking_one(behavior)
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return make(checked, _tolerant(deserialize), handler.response_serializer)
+
+
+def _checking_one(behavior: Behavior) -> Behavior:
+    """A coroutine behavior (or one that writes its stream with context.write) of one request."""
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await _refuse(context, request)
+        return await behavior(request, context)
+
+    return checked
+
+
+def _checking_generator(behavior: Behavior) -> Behavior:
+    """An async generator behavior of one request."""
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, _Undecodable):
+            await _refuse(context, request)
+        async for response in behavior(request, context):
+            yield response
+
+    return checked
+
+
+def _checking_stream(behavior: Behavior) -> Behavior:
+    """A behavior of a request stream, refusing the call at its first undecodable message."""
+
+    async def requests(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for request in iterator:
+            if isinstance(request, _Undecodable):
+                await _refuse(context, request)
+            yield request
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def checked_generator(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            async for response in behavior(requests(iterator, context), context):
+                yield response
+
+        return checked_generator
+
+    async def checked(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(requests(iterator, context), context)
+
+    return checked
 
 
 # The gRPC retry-pushback header: a client with a retry policy waits this long before retrying.

@@ -5,10 +5,7 @@ The gateway runs in a thread of its own, as schemathesis calls are blocking."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +17,10 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import ignored_auth, positive_data_acceptance
 
 from reflow.settings import Settings
-from tests.support.registry import local_registry
 from tests.support.smollm2 import converted_smollm2, tiny_chat_checkpoint
-from tests.support.stack import Stack, start_stack, stop_stack
+from tests.support.stack import Stack
+from tests.support.threaded import StackThread, tiny_chat_settings
 
-MODEL = "chat"
 EXAMPLES = 25  # per operation and mode, the same every run (derandomized: the suite must not fail
 # on a new draw); to explore, run the test with a fresh `--hypothesis-seed` and derandomize off
 # ignored_auth cannot tell the test's key from one it made up (test_openai_api asserts the 401s);
@@ -34,38 +30,12 @@ EXAMPLES = 25  # per operation and mode, the same every run (derandomized: the s
 NOT_CHECKED = [ignored_auth, positive_data_acceptance]
 
 
-class StackThread:
-    """A Stack serving from an event loop in a thread of its own."""
-
-    def __init__(self, settings: Settings):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="gateway-under-test", daemon=True)
-        self.thread.start()
-        self.stack: Stack = self.run(start_stack(settings, model=MODEL))
-
-    def run(self, coroutine: Any) -> Any:
-        future: Future[Any] = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-        return future.result(timeout=120)
-
-    def stop(self) -> None:
-        self.run(stop_stack(self.stack))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
-        self.loop.close()
-
-
 @pytest.fixture
 def gateway(settings: Settings, tmp_path: Path) -> Iterator[Stack]:
     """A tiny chat model (SmolLM2's tokenizer and template) with a 128-token context, so that any
     max_tokens the fuzzer picks is generated or refused in milliseconds."""
     checkpoint = tiny_chat_checkpoint(converted_smollm2(tmp_path / "smollm2"), tmp_path / "tiny")
-    registry = local_registry(tmp_path, "fuzz-registry")
-    registry.register(MODEL, checkpoint, params={}, metrics={}, alias="champion")
-    fuzz_settings = settings.model_copy(
-        update={"mlflow_tracking_uri": registry.tracking_uri, "mlflow_artifact_root": registry.artifact_root,
-                "model_name": MODEL, "max_model_len": 128, "max_prompt_chars": 512}
-    )  # fmt: skip
-    running = StackThread(fuzz_settings)
+    running = StackThread(tiny_chat_settings(settings, checkpoint, tmp_path))
     yield running.stack
     running.stop()
 
