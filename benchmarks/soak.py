@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
@@ -44,6 +45,7 @@ from typing import Any
 
 import grpc
 import httpx
+import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
@@ -110,14 +112,25 @@ async def grpc_stream(clients: Clients, rng: random.Random, tally: Tally, cancel
                 tally.unrated.append(request_id)
         tally.outcomes["grpc finished"] += 1
     except grpc.aio.AioRpcError as error:
-        tally.outcomes[f"grpc {error.code().name}"] += 1
+        tally.outcomes[f"grpc {refusal(error)}"] += 1
+
+
+def refusal(error: grpc.aio.AioRpcError) -> str:
+    """A failed call's status, and for RESOURCE_EXHAUSTED which limit said no."""
+    if error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # never expected: say what was wrong
+        return f"INVALID_ARGUMENT ({(error.details() or '')[:80]})"
+    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return error.code().name
+    details = error.details() or ""
+    limit = next((q for q in ("concurrent streams", "per minute", "full queue") if q in details), "?")
+    return f"RESOURCE_EXHAUSTED ({limit})"
 
 
 async def grpc_deadline(clients: Clients, rng: random.Random, tally: Tally) -> None:
     """A request whose latency budget (or the client's deadline) is too short for it."""
     request = inference_pb2.GenerateRequest(
         prompt=prompt(rng),
-        sampling=inference_pb2.SamplingParams(max_tokens=64),
+        sampling=inference_pb2.SamplingParams(max_tokens=32),
         latency_budget_ms=rng.choice([5, 50]),
     )
     try:
@@ -128,7 +141,7 @@ async def grpc_deadline(clients: Clients, rng: random.Random, tally: Tally) -> N
                 tally.finished.add(message.request_id)
         tally.outcomes["budget finished anyway"] += 1
     except grpc.aio.AioRpcError as error:
-        tally.outcomes[f"budget {error.code().name}"] += 1
+        tally.outcomes[f"budget {refusal(error)}"] += 1
 
 
 async def http_completion(clients: Clients, rng: random.Random, tally: Tally) -> None:
@@ -141,15 +154,23 @@ async def http_completion(clients: Clients, rng: random.Random, tally: Tally) ->
             if response.status_code == 200:
                 tally.finished.add(response.json()["id"])
                 tally.unrated.append(response.json()["id"])
-            tally.outcomes[f"http {response.status_code}"] += 1
+            message = response.json()["error"]["message"] if response.status_code == 429 else ""
+            limit = next((q for q in ("concurrent streams", "per minute", "full queue") if q in message), "")
+            tally.outcomes[f"http {response.status_code}" + (f" ({limit})" if limit else "")] += 1
             return
         async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
-            request_id = response.headers.get("x-request-id", "")
+            request_id, outcome = (
+                response.headers.get("x-request-id", ""),
+                f"http stream {response.status_code}",
+            )
             async for line in response.aiter_lines():
-                if line == "data: [DONE]":
+                event = json.loads(line.removeprefix("data: ")) if line.startswith("data: {") else {}
+                if "error" in event:  # a stream that failed after its first token says so, then [DONE]
+                    outcome = f"http stream error {event['error']['code']}"
+                elif event and event["choices"] and event["choices"][0]["finish_reason"]:
                     tally.finished.add(request_id)
                     tally.unrated.append(request_id)
-            tally.outcomes[f"http stream {response.status_code}"] += 1
+            tally.outcomes[outcome] += 1
     except httpx.HTTPError as error:
         tally.outcomes[f"http {type(error).__name__}"] += 1
 
@@ -168,7 +189,7 @@ async def rate(clients: Clients, rng: random.Random, tally: Tally) -> None:
                     iter(feedback), metadata=clients.metadata, timeout=30
                 )
             except grpc.aio.AioRpcError as error:
-                tally.outcomes[f"feedback grpc {error.code().name}"] += 1
+                tally.outcomes[f"feedback grpc {refusal(error)}"] += 1
                 continue
             rejected = {e.index for e in ack.errors}
         else:
@@ -200,6 +221,18 @@ async def client(clients: Clients, seed: int, until: float, tally: Tally) -> Non
             await http_completion(clients, rng, tally)
         else:
             await rate(clients, rng, tally)
+
+
+def held_slots(url: str) -> list[str]:
+    """The stream slots in Redis whose lease has not run out (on Redis's clock)."""
+    with redis.Redis.from_url(url) as shared:
+        seconds, micros = shared.time()
+        now_ms = seconds * 1000 + micros // 1000
+        return [
+            member.decode()
+            for key in shared.scan_iter(match="reflow:tenant:*:streams")
+            for member in shared.zrangebyscore(key, now_ms, "+inf")
+        ]
 
 
 def children_of(up_pid: int) -> dict[str, int]:
@@ -308,11 +341,14 @@ async def soak(
     await asyncio.gather(
         *(client(clients, seed, until, tally) for seed in range(args.clients)),
         sample_memory(up_pid, until, samples),
-        disturb(up_pid, redis_server, duration_s, log),
+        *([] if args.calm else [disturb(up_pid, redis_server, duration_s, log)]),
     )
     while tally.unrated:  # rate what is left, so every finished completion's rating is checked
         await rate(clients, random.Random(0), tally)
     await clients.close()
+    for wait_s in (1, 16):  # every stream has ended: no slot is held, not even until its lease runs out
+        await asyncio.sleep(wait_s)
+        log.append(f"stream slots held in Redis {wait_s} s after the traffic: {held_slots(redis_server.url)}")
     print("\n".join(log))
     print("\noutcomes:", ", ".join(f"{k} {v}" for k, v in sorted(tally.outcomes.items())))
     report(samples, duration_s)
@@ -323,6 +359,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--clients", type=int, default=12)
+    parser.add_argument("--calm", action="store_true", help="no worker crash, no Redis restart")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"

@@ -47,12 +47,14 @@ class SharedLevel:
     """A Redis client with the key prefix of this deployment, up or down."""
 
     def __init__(self, config: RedisConfig, probe_interval_s: float = 1.0):
-        # No retries: a request never waits for Redis to come back, it uses its own level.
+        # One retry, at once, on a new connection: after Redis restarts, each pooled connection
+        # fails once (and a lost give-back would hold its slot for a lease); more would make a
+        # request wait for Redis to come back, when it should use its own level instead.
         self.client = redis.Redis.from_url(
             config.url,
             socket_timeout=config.timeout_s,
             socket_connect_timeout=config.timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 1),
         )
         self.config = config
         self.prefix = config.prefix

@@ -110,6 +110,7 @@ class SharedQuotas(Quotas):
         self._ids = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())  # this replica's leases
         self._held: dict[int, set[str]] = defaultdict(set)  # tenant id -> members renewed here
         self._renewal: asyncio.Task[None] | None = None
+        self._giving_back: set[asyncio.Future[None]] = set()  # held here only while they run
 
     def _key(self, tenant_id: int, counts: str) -> str:
         """`streams`, `requests` or `tokens` of a tenant; its id in braces is the key's hash tag, so
@@ -146,8 +147,18 @@ class SharedQuotas(Quotas):
         if not self.shared.available:
             return  # the lease runs out by itself
         keys = [self._key(tenant.id, "streams"), self._key(tenant.id, "tokens")]
+        # shielded: a stream ends this way when its client cancels it, and a cancelled give-back
+        # would hold the slot until its lease ran out
+        giving_back = asyncio.ensure_future(
+            self._give_back_now(keys, [hold.member, tenant.tokens_per_minute, refund_tokens])
+        )
+        self._giving_back.add(giving_back)
+        giving_back.add_done_callback(self._giving_back.discard)
+        await asyncio.shield(giving_back)
+
+    async def _give_back_now(self, keys: list[str], args: list[str | int]) -> None:
         try:
-            await self._give_back(keys=keys, args=[hold.member, tenant.tokens_per_minute, refund_tokens])
+            await self._give_back(keys=keys, args=args)
         except OUTAGE as error:
             self.shared.failed(error)
 
@@ -171,7 +182,9 @@ class SharedQuotas(Quotas):
                 self.shared.failed(error)
 
     async def close(self) -> None:
-        """Stops renewing (what this replica still holds then runs out with its leases)."""
+        """Finishes the give-backs under way and stops renewing (what this replica still holds
+        then runs out with its leases)."""
+        await asyncio.gather(*self._giving_back)
         if self._renewal is not None:
             self._renewal.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -12,6 +12,7 @@ import time
 import grpc
 import openai
 import pytest
+import redis
 
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2 as P
@@ -70,6 +71,39 @@ async def test_two_replicas_share_a_tenants_four_streams_on_both_faces(
         release.set()
         await stop_stack(replica)
         await stop_stack(stack)
+
+
+async def test_streams_cancelled_on_either_face_give_their_slot_back_at_once(
+    settings: Settings, shared_redis: SharedRedis
+) -> None:
+    stack = await start_stack(
+        shared_redis.settings(settings), max_concurrent_streams=2, requests_per_minute=0
+    )
+    replica = await start_replica(stack)
+    try:
+        for i in range(10):  # five times the quota, each cancelled after its first message
+            gateway = (stack, replica)[i % 2]
+            call = gateway.stub.Generate(request(max_tokens=60), metadata=gateway.metadata)
+            await call.read()
+            call.cancel()
+            async with http_client(gateway).completions.with_streaming_response.create(
+                model="arith", prompt="1+1=", max_tokens=60, stream=True
+            ) as response:
+                await anext(response.iter_lines())
+        await eventually(lambda: held_slots(shared_redis) == 0, timeout_s=2, what="every slot given back")
+    finally:
+        await stop_stack(replica)
+        await stop_stack(stack)
+
+
+def held_slots(shared: SharedRedis) -> int:
+    """Stream slots whose lease has not run out, on Redis's clock."""
+    with redis.Redis.from_url(shared.url) as client:
+        seconds, micros = client.time()
+        now_ms = seconds * 1000 + micros // 1000
+        return sum(
+            client.zcount(key, now_ms, "+inf") for key in client.scan_iter(match=f"{shared.prefix}*streams")
+        )
 
 
 async def test_a_key_revoked_through_the_cli_is_refused_by_both_replicas_within_a_second(

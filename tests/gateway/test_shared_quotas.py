@@ -121,9 +121,11 @@ async def test_without_redis_each_replica_enforces_the_limits_alone_and_sharing_
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     tenant = TenantInfo(1, "acme", max_concurrent_streams=1, requests_per_minute=0)
+    many = TenantInfo(2, "many", max_concurrent_streams=0, requests_per_minute=1000)
     async with replicas(redis_server.shared) as (a, b):
         async with a.admit(tenant):
             await refused(b, tenant)  # shared
+        await admit_at_once(a, many, 8)  # eight connections in the pool, each to go stale
         redis_server.stop()
         with caplog.at_level(logging.WARNING, logger="gateway.shared_level"):
             async with a.admit(tenant), b.admit(tenant):  # served, each replica on its own
@@ -134,5 +136,20 @@ async def test_without_redis_each_replica_enforces_the_limits_alone_and_sharing_
         ) == 2  # once per replica, not per call
         redis_server.start()
         await eventually(lambda: a.shared.available and b.shared.available, timeout_s=5, what="Redis back")
+        await admit_at_once(a, many, 8)  # on the stale connections: each is made anew, none fails
+        assert a.shared.available and len(caplog.records) == 2
         async with a.admit(tenant):
             await refused(b, tenant)  # shared again
+
+
+async def admit_at_once(quotas: SharedQuotas, tenant: TenantInfo, n: int) -> None:
+    """`n` calls admitted at the same moment (so on `n` connections), all open together."""
+    all_in = asyncio.Barrier(n + 1)
+
+    async def call() -> None:
+        async with quotas.admit(tenant):
+            await all_in.wait()
+
+    calls = [asyncio.create_task(call()) for _ in range(n)]
+    await all_in.wait()
+    await asyncio.gather(*calls)
