@@ -45,13 +45,12 @@ from typing import Any
 
 import grpc
 import httpx
-import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
 from reflow.endpoints import read_endpoints
 from reflow.v1 import inference_pb2, inference_pb2_grpc
-from tests.support.redis import RedisServer
+from tests.support.redis import RedisServer, SharedRedis
 from tests.support.up import descendants
 
 KEY = "rf_soak_key_0123456789"
@@ -121,9 +120,12 @@ def refusal(error: grpc.aio.AioRpcError) -> str:
         return f"INVALID_ARGUMENT ({(error.details() or '')[:80]})"
     if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return error.code().name
-    details = error.details() or ""
-    limit = next((q for q in ("concurrent streams", "per minute", "full queue") if q in details), "?")
-    return f"RESOURCE_EXHAUSTED ({limit})"
+    return f"RESOURCE_EXHAUSTED ({limit_of(error.details() or '')})"
+
+
+def limit_of(message: str) -> str:
+    """Which limit a 429 / RESOURCE_EXHAUSTED message names."""
+    return next((q for q in ("concurrent streams", "per minute", "full queue") if q in message), "?")
 
 
 async def grpc_deadline(clients: Clients, rng: random.Random, tally: Tally) -> None:
@@ -154,9 +156,10 @@ async def http_completion(clients: Clients, rng: random.Random, tally: Tally) ->
             if response.status_code == 200:
                 tally.finished.add(response.json()["id"])
                 tally.unrated.append(response.json()["id"])
-            message = response.json()["error"]["message"] if response.status_code == 429 else ""
-            limit = next((q for q in ("concurrent streams", "per minute", "full queue") if q in message), "")
-            tally.outcomes[f"http {response.status_code}" + (f" ({limit})" if limit else "")] += 1
+            limit = (
+                f" ({limit_of(response.json()['error']['message'])})" if response.status_code == 429 else ""
+            )
+            tally.outcomes[f"http {response.status_code}{limit}"] += 1
             return
         async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
             request_id, outcome = (
@@ -221,18 +224,6 @@ async def client(clients: Clients, seed: int, until: float, tally: Tally) -> Non
             await http_completion(clients, rng, tally)
         else:
             await rate(clients, rng, tally)
-
-
-def held_slots(url: str) -> list[str]:
-    """The stream slots in Redis whose lease has not run out (on Redis's clock)."""
-    with redis.Redis.from_url(url) as shared:
-        seconds, micros = shared.time()
-        now_ms = seconds * 1000 + micros // 1000
-        return [
-            member.decode()
-            for key in shared.scan_iter(match="reflow:tenant:*:streams")
-            for member in shared.zrangebyscore(key, now_ms, "+inf")
-        ]
 
 
 def children_of(up_pid: int) -> dict[str, int]:
@@ -348,7 +339,8 @@ async def soak(
     await clients.close()
     for wait_s in (1, 16):  # every stream has ended: no slot is held, not even until its lease runs out
         await asyncio.sleep(wait_s)
-        log.append(f"stream slots held in Redis {wait_s} s after the traffic: {held_slots(redis_server.url)}")
+        held = SharedRedis(redis_server.url, "reflow:").held_slots()  # up's gateways use the default prefix
+        log.append(f"stream slots held in Redis {wait_s} s after the traffic: {held}")
     print("\n".join(log))
     print("\noutcomes:", ", ".join(f"{k} {v}" for k, v in sorted(tally.outcomes.items())))
     report(samples, duration_s)

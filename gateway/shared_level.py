@@ -57,7 +57,6 @@ class SharedLevel:
             retry=Retry(NoBackoff(), 1),
         )
         self.config = config
-        self.prefix = config.prefix
         self.probe_interval_s = probe_interval_s
         self.available = True
         self.on_recovery: list[Callable[[], None]] = []  # what to redo when it answers again
@@ -65,7 +64,7 @@ class SharedLevel:
 
     def key(self, *parts: object) -> str:
         """A key of this deployment, e.g. key("tenant", "{7}", "streams")."""
-        return shared_key(self.prefix, *parts)
+        return shared_key(self.config.prefix, *parts)
 
     def failed(self, error: BaseException) -> None:
         """A call failed: serve without Redis until the probe reaches it again."""

@@ -107,7 +107,8 @@ class SharedQuotas(Quotas):
         self._take = shared.client.register_script(TAKE)
         self._give_back = shared.client.register_script(GIVE_BACK)
         self._renew = shared.client.register_script(RENEW)
-        self._ids = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())  # this replica's leases
+        replica = uuid.uuid4().hex[:12]  # drawn once: every lease of this replica carries it
+        self._ids = (f"{replica}-{n}" for n in itertools.count())
         self._held: dict[int, set[str]] = defaultdict(set)  # tenant id -> members renewed here
         self._renewal: asyncio.Task[None] | None = None
         self._giving_back: set[asyncio.Future[None]] = set()  # held here only while they run

@@ -6,13 +6,14 @@ until it returns."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import openai
 import pytest
-import redis
 
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2 as P
@@ -32,6 +33,19 @@ async def status_of(replica: Stack, req: P.GenerateRequest) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+@contextlib.asynccontextmanager
+async def replicas(settings: Settings, **limits: int) -> AsyncIterator[tuple[Stack, Stack]]:
+    """A stack (a worker, the store, a tenant with `limits`, a gateway) and a second gateway
+    replica in front of the same worker."""
+    stack = await start_stack(settings, **limits)
+    replica = await start_replica(stack)
+    try:
+        yield stack, replica
+    finally:
+        await stop_stack(replica)
+        await stop_stack(stack)
+
+
 def redis_up(gateway: Stack) -> float | None:
     """The gateway's reflow_gateway_redis_up, as Prometheus reads it."""
     return gateway.metrics.registry.get_sample_value("reflow_gateway_redis_up")
@@ -44,43 +58,37 @@ def http_client(replica: Stack) -> openai.AsyncOpenAI:
 async def test_two_replicas_share_a_tenants_four_streams_on_both_faces(
     settings: Settings, shared_redis: SharedRedis
 ) -> None:
-    stack = await start_stack(
-        shared_redis.settings(settings), max_concurrent_streams=4, requests_per_minute=0
-    )
-    replica = await start_replica(stack)
-    engine = stack.workers[0].engine
-    release = threading.Event()
-    stalled = asyncio.create_task(asyncio.to_thread(engine.run, release.wait))  # no step runs meanwhile
-    try:
-        held = [
-            asyncio.create_task(status_of(gateway, request(max_tokens=4)))
-            for gateway in (stack, stack, replica, replica)
-        ]
-        await eventually(lambda: engine.waiting == 4, what="four streams to queue at the worker")
-        assert await status_of(replica, request()) == grpc.StatusCode.RESOURCE_EXHAUSTED  # the fifth
-        with pytest.raises(openai.RateLimitError, match="its 4 concurrent streams") as refused:
-            await http_client(stack).completions.create(model="arith", prompt="1+1=")
-        assert int(refused.value.response.headers["retry-after"]) >= 1
-        release.set()
-        await stalled
-        assert await asyncio.gather(*held) == [grpc.StatusCode.OK] * 4
-        assert await status_of(replica, request()) == grpc.StatusCode.OK  # ended ones let the next in
-        refused_streams = ("reflow_gateway_quota_refusals_total", {"quota": "streams"})
-        assert [g.metrics.registry.get_sample_value(*refused_streams) for g in (stack, replica)] == [1.0, 1.0]
-    finally:
-        release.set()
-        await stop_stack(replica)
-        await stop_stack(stack)
+    settings = shared_redis.settings(settings)
+    async with replicas(settings, max_concurrent_streams=4, requests_per_minute=0) as (stack, replica):
+        engine = stack.workers[0].engine
+        release = threading.Event()
+        stalled = asyncio.create_task(asyncio.to_thread(engine.run, release.wait))  # no step runs meanwhile
+        try:
+            held = [
+                asyncio.create_task(status_of(gateway, request(max_tokens=4)))
+                for gateway in (stack, stack, replica, replica)
+            ]
+            await eventually(lambda: engine.waiting == 4, what="four streams to queue at the worker")
+            assert await status_of(replica, request()) == grpc.StatusCode.RESOURCE_EXHAUSTED  # the fifth
+            with pytest.raises(openai.RateLimitError, match="its 4 concurrent streams") as refused:
+                await http_client(stack).completions.create(model="arith", prompt="1+1=")
+            assert int(refused.value.response.headers["retry-after"]) >= 1
+            release.set()
+            await stalled
+            assert await asyncio.gather(*held) == [grpc.StatusCode.OK] * 4
+            assert await status_of(replica, request()) == grpc.StatusCode.OK  # ended ones let the next in
+            refused_streams = ("reflow_gateway_quota_refusals_total", {"quota": "streams"})
+            refusals = [g.metrics.registry.get_sample_value(*refused_streams) for g in (stack, replica)]
+            assert refusals == [1.0, 1.0]
+        finally:
+            release.set()
 
 
 async def test_streams_cancelled_on_either_face_give_their_slot_back_at_once(
     settings: Settings, shared_redis: SharedRedis
 ) -> None:
-    stack = await start_stack(
-        shared_redis.settings(settings), max_concurrent_streams=2, requests_per_minute=0
-    )
-    replica = await start_replica(stack)
-    try:
+    settings = shared_redis.settings(settings)
+    async with replicas(settings, max_concurrent_streams=2, requests_per_minute=0) as (stack, replica):
         for i in range(10):  # five times the quota, each cancelled after its first message
             gateway = (stack, replica)[i % 2]
             call = gateway.stub.Generate(request(max_tokens=60), metadata=gateway.metadata)
@@ -90,29 +98,14 @@ async def test_streams_cancelled_on_either_face_give_their_slot_back_at_once(
                 model="arith", prompt="1+1=", max_tokens=60, stream=True
             ) as response:
                 await anext(response.iter_lines())
-        await eventually(lambda: held_slots(shared_redis) == 0, timeout_s=2, what="every slot given back")
-    finally:
-        await stop_stack(replica)
-        await stop_stack(stack)
-
-
-def held_slots(shared: SharedRedis) -> int:
-    """Stream slots whose lease has not run out, on Redis's clock."""
-    with redis.Redis.from_url(shared.url) as client:
-        seconds, micros = client.time()
-        now_ms = seconds * 1000 + micros // 1000
-        return sum(
-            client.zcount(key, now_ms, "+inf") for key in client.scan_iter(match=f"{shared.prefix}*streams")
-        )
+        await eventually(lambda: shared_redis.held_slots() == [], timeout_s=2, what="every slot given back")
 
 
 async def test_a_key_revoked_through_the_cli_is_refused_by_both_replicas_within_a_second(
     settings: Settings, shared_redis: SharedRedis
 ) -> None:
     settings = shared_redis.settings(settings.model_copy(update={"auth_cache_ttl_s": 60.0}))
-    stack = await start_stack(settings)
-    replica = await start_replica(stack)
-    try:
+    async with replicas(settings) as (stack, replica):
         for gateway in (stack, replica):  # the key is in both replicas' L1, and in L2
             assert await status_of(gateway, request(max_tokens=1)) == grpc.StatusCode.OK
         env = {"REFLOW_DATA_DIR": str(settings.data_dir), "REFLOW_REDIS_URL": shared_redis.url,
@@ -127,9 +120,6 @@ async def test_a_key_revoked_through_the_cli_is_refused_by_both_replicas_within_
                 what="the revocation to reach the replica",
             )
         assert time.monotonic() - revoked_at < 1.0
-    finally:
-        await stop_stack(replica)
-        await stop_stack(stack)
 
 
 async def _refused(gateway: Stack) -> bool:
@@ -139,12 +129,9 @@ async def _refused(gateway: Stack) -> bool:
 async def test_without_redis_both_replicas_serve_and_they_share_again_once_it_is_back(
     settings: Settings, redis_server: RedisServer
 ) -> None:
-    stack = await start_stack(
-        redis_server.shared.settings(settings), max_concurrent_streams=1, requests_per_minute=0
-    )
-    replica = await start_replica(stack)
-    engine = stack.workers[0].engine
-    try:
+    settings = redis_server.shared.settings(settings)
+    async with replicas(settings, max_concurrent_streams=1, requests_per_minute=0) as (stack, replica):
+        engine = stack.workers[0].engine
         redis_server.stop()
         # each replica serves with its own count: one stream apiece, on either face
         answers = await asyncio.gather(
@@ -167,6 +154,3 @@ async def test_without_redis_both_replicas_serve_and_they_share_again_once_it_is
         release.set()
         await stalled
         assert await held == grpc.StatusCode.OK
-    finally:
-        await stop_stack(replica)
-        await stop_stack(stack)

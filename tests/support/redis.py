@@ -40,6 +40,17 @@ class SharedRedis:
         """A gateway replica's connection to it (one per replica)."""
         return SharedLevel(self.config, probe_interval_s=0.1)
 
+    def held_slots(self) -> list[str]:
+        """The stream slots (lease members) whose lease has not run out, on Redis's clock."""
+        with redis.Redis.from_url(self.url) as client:
+            seconds, micros = client.time()
+            now_ms = seconds * 1000 + micros // 1000
+            return [
+                member.decode()
+                for key in client.scan_iter(match=f"{self.prefix}tenant:*:streams")
+                for member in client.zrangebyscore(key, now_ms, "+inf")
+            ]
+
     def settings(self, settings: Settings) -> Settings:
         """`settings` with this Redis as every gateway's shared level."""
         return settings.model_copy(update={"redis_url": self.url, "redis_prefix": self.prefix})
