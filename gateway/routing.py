@@ -50,6 +50,24 @@ class ModelSpec:
 
 
 @dataclass
+class ServedVersion:
+    """One version as the healthy workers serve it: its aliases, how many ready workers hold it, and
+    its variants (REFLOW_VARIANTS) with the lowest greedy agreement a worker measured for each."""
+
+    version: str
+    aliases: list[str] = field(default_factory=list)
+    ready_workers: int = 0
+    variants: dict[str, float] = field(default_factory=dict)
+
+    def add(self, loaded: worker_pb2.LoadedVersion) -> None:
+        """Counts one more worker holding the version as `loaded` reports it."""
+        self.aliases = sorted({*self.aliases, *loaded.aliases})
+        self.ready_workers += 1
+        for v in loaded.variants:
+            self.variants[v.name] = min(self.variants.get(v.name, 1.0), v.greedy_agreement)
+
+
+@dataclass
 class WorkerHandle:
     """One worker: its channel, last reported status and requests in flight through us."""
 
@@ -137,16 +155,19 @@ class WorkerPool:
             w.healthy and (v := w.serves(spec)) is not None and v.version == version for w in self.workers
         )
 
-    def served_versions(self) -> dict[str, dict[str, tuple[set[str], int]]]:
-        """model -> version -> (aliases, ready workers), over healthy workers."""
-        models: dict[str, dict[str, tuple[set[str], int]]] = {}
+    def served_versions(self) -> list[tuple[str, list[ServedVersion]]]:
+        """Each model the healthy workers serve, by name, with its versions in number order."""
+        models: dict[str, dict[str, ServedVersion]] = {}
         for worker in self.workers:
             if not worker.healthy:
                 continue
             for v in worker.loaded:
-                aliases, count = models.setdefault(v.model, {}).get(v.version, (set(), 0))
-                models[v.model][v.version] = (aliases | set(v.aliases), count + 1)
-        return models
+                served = models.setdefault(v.model, {}).setdefault(v.version, ServedVersion(v.version))
+                served.add(v)
+        return [
+            (name, sorted(versions.values(), key=lambda s: int(s.version)))
+            for name, versions in sorted(models.items())
+        ]
 
     async def close(self) -> None:
         """Stops polling and closes every channel."""

@@ -90,7 +90,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         for name, versions in self.service.served_models():
             model = response.models.add(name=name)
             for v in versions:
-                model.versions.add(version=v.version, aliases=v.aliases, ready_workers=v.ready_workers)
+                served = model.versions.add(
+                    version=v.version, aliases=v.aliases, ready_workers=v.ready_workers
+                )
+                for variant, agreement in v.variants.items():
+                    served.variants.add(name=variant, greedy_agreement=agreement)
         return response
 
 

@@ -8,7 +8,6 @@ import contextlib
 import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 
 from gateway.assignment import ExperimentView
 from gateway.auth import Authenticator
@@ -16,21 +15,12 @@ from gateway.intake import FeedbackIntake, IntakeResult, Item
 from gateway.publishing import InferenceLog
 from gateway.quotas import Quotas, estimated_tokens
 from gateway.relay import Generation, Relay, deadline_of
-from gateway.routing import ModelSpec, WorkerPool
+from gateway.routing import ModelSpec, ServedVersion, WorkerPool
 from gateway.tenants import TenantInfo
 from gateway.validation import RequestLimits, check_request
 from reflow.errors import InvalidArgument, ReflowError
 from reflow.request_ids import RequestIds
 from reflow.v1 import inference_pb2
-
-
-@dataclass(frozen=True)
-class ServedVersion:
-    """One version as the workers serve it: its aliases and how many ready workers hold it."""
-
-    version: str
-    aliases: list[str]
-    ready_workers: int
 
 
 class InferenceService:
@@ -118,8 +108,4 @@ class InferenceService:
 
     def served_models(self) -> list[tuple[str, list[ServedVersion]]]:
         """Each model the healthy workers serve, by name, with its versions in number order."""
-        return [
-            (name, [ServedVersion(v, sorted(aliases), ready) for v, (aliases, ready) in
-                    sorted(versions.items(), key=lambda kv: int(kv[0]))])
-            for name, versions in sorted(self.pool.served_versions().items())
-        ]  # fmt: skip
+        return self.pool.served_versions()

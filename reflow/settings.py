@@ -99,6 +99,14 @@ class Settings(BaseSettings):
             "(float16 on GPUs without it)."
         ),
     )
+    variants: Annotated[list[Literal["float32", "bfloat16", "float16", "int8"]], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Variants of each version a worker holds beside it for latency budgets, comma-separated: "
+            "`int8` (dynamic quantization, CPU), `bfloat16`, `float16` (CUDA), `float32`; each has its "
+            "own copy of the weights and its own REFLOW_KV_CACHE_MB. Empty = the version alone."
+        ),
+    )
     max_batch_size: int = Field(
         64, ge=1, description="Sequences a worker decodes together, per loaded version (its batch rows)."
     )
@@ -433,7 +441,13 @@ class Settings(BaseSettings):
         return store_url(value).render_as_string(hide_password=False)
 
     @field_validator(
-        "workers", "worker_aliases", "isolation_allow_from", "isolation_egress", "lora_targets", mode="before"
+        "workers",
+        "worker_aliases",
+        "variants",
+        "isolation_allow_from",
+        "isolation_egress",
+        "lora_targets",
+        mode="before",
     )
     @classmethod
     def _split_addresses(cls, value: object) -> object:

@@ -224,6 +224,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.metrics = metrics
         self._runners: dict[tuple[str, str], ModelRunner] = {}
+        # (name, version, variant) -> the runner of a variant of a loaded version (workers/variants.py)
+        self._variants: dict[tuple[str, str, str], ModelRunner] = {}
         self._draining: list[ModelRunner] = []  # unloaded, still finishing their sequences
         self._lock = threading.Lock()  # guards _runners and _draining across threads
         self._wake = threading.Event()
@@ -253,15 +255,21 @@ class Engine:
     def add(self, loaded: LoadedModel) -> None:
         """Makes a version servable (replacing the same version if it was loaded); its cache is
         allocated, and its decode step compiled when enabled, on the engine thread. An adapter
-        joins the runner of its base version, which must be loaded."""
+        joins the runner of its base version, which must be loaded; a variant runs beside its
+        version's, which must be loaded, on a pool of its own."""
         if loaded.adapter is not None:
             base = self._base_runner(loaded.name, loaded.base_version)
             self.run(lambda: base.add_adapter(loaded))
             return
         runner = self.run(lambda: self._new_runner(loaded))
         with self._lock:
-            self._retire_locked((loaded.name, loaded.version))
-            self._runners[(loaded.name, loaded.version)] = runner
+            if loaded.variant:
+                self._base_runner(loaded.name, loaded.version)
+                self._retire_runner(self._variants.pop((loaded.name, loaded.version, loaded.variant), None))
+                self._variants[(loaded.name, loaded.version, loaded.variant)] = runner
+            else:
+                self._retire_locked((loaded.name, loaded.version))
+                self._runners[(loaded.name, loaded.version)] = runner
         self._observe_capacity()
 
     def _new_runner(self, loaded: LoadedModel) -> ModelRunner:
@@ -287,13 +295,28 @@ class Engine:
             self.metrics.observe_capacity(self.kv_slots, self.kv_blocks()[1])
 
     def _retire_locked(self, key: tuple[str, str]) -> bool:
-        runner = self._runners.pop(key, None)
+        """Retires a version's runner and its variants' runners."""
+        for variant in [k for k in self._variants if k[:2] == key]:
+            self._retire_runner(self._variants.pop(variant))
+        return self._retire_runner(self._runners.pop(key, None))
+
+    def _retire_runner(self, runner: ModelRunner | None) -> bool:
         if runner is None:
             return False
         runner.scheduler.close()
         self._draining.append(runner)
         self._wake.set()
         return True
+
+    def variants(self, name: str, version: str) -> list[tuple[LoadedModel, Scheduler]]:
+        """A loaded version and its variants, each with the scheduler that holds its sequences (an
+        adapter's is its base's, and it has no variants)."""
+        runner, loaded = self._serving(name, version)
+        if loaded.adapter is not None:
+            return [(loaded, runner.scheduler)]
+        with self._lock:
+            others = [(r.loaded, r.scheduler) for k, r in self._variants.items() if k[:2] == (name, version)]
+        return [(loaded, runner.scheduler), *others]
 
     def loaded(self) -> list[LoadedModel]:
         """Every servable version, adapters after the version they are served over."""
@@ -304,12 +327,16 @@ class Engine:
         found = self._lookup(name, version)
         return None if found is None else found[1]
 
-    def get(self, name: str, version: str) -> LoadedModel:
-        """The loaded version; NotFound names what is loaded instead."""
-        return self._serving(name, version)[1]
+    def get(self, name: str, version: str, variant: str = "") -> LoadedModel:
+        """The loaded version (or its variant); NotFound names what is loaded instead."""
+        return self._serving(name, version, variant)[1]
 
-    def _lookup(self, name: str, version: str) -> tuple[ModelRunner, LoadedModel] | None:
-        """The runner that serves a version, and the version: a base one's, or an adapter's."""
+    def _lookup(self, name: str, version: str, variant: str = "") -> tuple[ModelRunner, LoadedModel] | None:
+        """The runner that serves a version, and the version: a base one's, an adapter's, or a
+        variant's."""
+        if variant:
+            runner = self._variants.get((name, version, variant))
+            return None if runner is None else (runner, runner.loaded)
         runner = self._runners.get((name, version))
         if runner is not None:
             return runner, runner.loaded
@@ -318,11 +345,12 @@ class Engine:
                 return runner, adapter
         return None
 
-    def _serving(self, name: str, version: str) -> tuple[ModelRunner, LoadedModel]:
-        found = self._lookup(name, version)
+    def _serving(self, name: str, version: str, variant: str = "") -> tuple[ModelRunner, LoadedModel]:
+        found = self._lookup(name, version, variant)
         if found is None:
             have = ", ".join(f"{m.name}/{m.version}" for m in self.loaded()) or "nothing"
-            raise NotFound(f"{name}/{version} is not loaded on this worker (loaded: {have})")
+            what = f"{name}/{version}" + (f" variant {variant}" if variant else "")
+            raise NotFound(f"{what} is not loaded on this worker (loaded: {have})")
         return found
 
     def _base_runner(self, name: str, version: str) -> ModelRunner:
@@ -358,15 +386,16 @@ class Engine:
 
     def _all_runners(self) -> list[ModelRunner]:
         with self._lock:
-            return [*self._runners.values(), *self._draining]
+            return [*self._runners.values(), *self._variants.values(), *self._draining]
 
     async def generate(
-        self, name: str, version: str, prompt_ids: list[int], params: GenerationParams
+        self, name: str, version: str, prompt_ids: list[int], params: GenerationParams, variant: str = ""
     ) -> AsyncGenerator[Delta]:
-        """Streams the deltas of one completion; leaving early frees its slot at the next step."""
+        """Streams the deltas of one completion (on a variant of the version when `variant` names
+        one); leaving early frees its slot at the next step."""
         if not self._thread.is_alive():
             raise Unavailable("this worker's engine has stopped; restart the worker")
-        runner, loaded = self._serving(name, version)
+        runner, loaded = self._serving(name, version, variant)
         max_len = loaded.max_len
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")

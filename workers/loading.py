@@ -13,6 +13,21 @@ from workers.models.loader import load_checkpoint
 from workers.models.lora import Adapter
 
 
+@dataclass(frozen=True)
+class Quality:
+    """A variant as measured when it loaded (workers/quality.py), against its version's reference on
+    a fixed prompt set."""
+
+    greedy_agreement: float  # share of the reference's greedy tokens it reproduces; 1 for the reference
+    prefill_ms_per_token: float  # prompt tokens over time to first token, one prompt alone
+    decode_ms_per_token: float  # time per later token, one sequence alone
+
+
+def variant_name(loaded: LoadedModel) -> str:
+    """What a variant is called on the wire: `int8`, or the dtype of a float one."""
+    return loaded.variant or str(loaded.model.dtype).removeprefix("torch.")
+
+
 @dataclass
 class LoadedModel:
     """A version in memory, ready to generate."""
@@ -27,6 +42,8 @@ class LoadedModel:
     max_len: int = 0  # longest prompt plus completion, in tokens; 0 = the model's context
     adapter: Adapter | None = None  # a LoRA adapter served over the weights of version `base_version`
     base_version: str = ""
+    variant: str = ""  # a variant of the version (workers/variants.py); "" = the version as loaded
+    quality: Quality | None = None  # measured against the version as loaded; None until measured
 
     banned_tokens: torch.Tensor = field(init=False)  # [V] bool
 

@@ -67,6 +67,12 @@ class WorkerMetrics:
         self.kv_cache_usage = Gauge(
             "reflow_worker_kv_cache_usage", "KV cache blocks held / allocated (0 to 1).", registry=r
         )
+        self.variant_agreement = Gauge(
+            "reflow_worker_variant_greedy_agreement",
+            "Share of its version's greedy tokens a variant reproduces (REFLOW_VARIANTS), measured at load.",
+            ["model", "version", "variant"],
+            registry=r,
+        )
 
     def watch_isolation(self, stats: Callable[[], dict[str, int]]) -> None:
         """Exports the isolation programs' counters, read at each scrape."""

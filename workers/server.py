@@ -38,7 +38,9 @@ from workers.models.interface import Tokenizer
 from workers.models.loader import resolve_device, resolve_dtype
 from workers.models.prompts import prompt_ids
 from workers.sampling import SamplingParams
+from workers.scheduler import Scheduler
 from workers.sequence import Delta, GenerationParams
+from workers.variants import check_variants, variant_name, weight_bytes
 from workers.versions import Versions
 
 logger = logging.getLogger(__name__)
@@ -86,8 +88,9 @@ def delta_to_pb(delta: Delta) -> worker_pb2.WorkerGenerateResponse:
     return message
 
 
-def loaded_to_pb(loaded: LoadedModel) -> worker_pb2.LoadedVersion:
-    """Wire form of a loaded version."""
+def loaded_to_pb(loaded: LoadedModel, engine: Engine) -> worker_pb2.LoadedVersion:
+    """Wire form of a loaded version, with its measured variants."""
+    measured = [(v, s) for v, s in engine.variants(loaded.name, loaded.version) if v.quality is not None]
     return worker_pb2.LoadedVersion(
         model=loaded.name,
         version=loaded.version,
@@ -98,6 +101,24 @@ def loaded_to_pb(loaded: LoadedModel) -> worker_pb2.LoadedVersion:
         dtype=str(loaded.model.dtype).removeprefix("torch."),
         base_version=loaded.base_version,
         adapter_parameters=loaded.adapter.parameter_count() if loaded.adapter is not None else 0,
+        variants=[variant_to_pb(v, scheduler) for v, scheduler in measured],
+    )
+
+
+def variant_to_pb(variant: LoadedModel, scheduler: Scheduler) -> worker_pb2.LoadedVariant:
+    """Wire form of a measured variant and its load now."""
+    assert variant.quality is not None
+    return worker_pb2.LoadedVariant(
+        name=variant_name(variant),
+        reference=not variant.variant,
+        greedy_agreement=variant.quality.greedy_agreement,
+        prefill_ms_per_token=variant.quality.prefill_ms_per_token,
+        decode_ms_per_token=variant.quality.decode_ms_per_token,
+        running=scheduler.running,
+        waiting=scheduler.waiting,
+        kv_blocks_used=scheduler.blocks_used,
+        kv_blocks_total=scheduler.n_blocks,
+        weight_bytes=weight_bytes(variant.model),
     )
 
 
@@ -130,9 +151,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         loaded = self.engine.get(request.model, request.version)
         loaded.last_request = time.monotonic()
+        variant = "" if request.variant == variant_name(loaded) else request.variant
         params = params_from_pb(request)
         prompt_ids = prompt_ids_of(request, loaded.tokenizer)
-        stream = self.engine.generate(request.model, request.version, prompt_ids, params)
+        stream = self.engine.generate(request.model, request.version, prompt_ids, params, variant)
         async with contextlib.aclosing(stream):  # a cancelled call frees its slot at once
             async for delta in stream:
                 yield delta_to_pb(delta)
@@ -158,7 +180,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         stats = self.isolation.stats()
         blocks_used, blocks_total = self.engine.kv_blocks()
         return worker_pb2.WorkerStatusResponse(
-            loaded=[loaded_to_pb(m) for m in self.engine.loaded()],
+            loaded=[loaded_to_pb(m, self.engine) for m in self.engine.loaded()],
             running=self.engine.running,
             waiting=self.engine.waiting,
             memory_bytes=resident_memory_bytes(),
@@ -178,7 +200,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not request.model or not (request.version or request.alias):
             raise InvalidArgument("Load needs a model and a version or an alias")
         loaded = await self.versions.load(request.model, version=request.version, alias=request.alias)
-        return worker_pb2.LoadResponse(loaded=loaded_to_pb(loaded))
+        return worker_pb2.LoadResponse(loaded=loaded_to_pb(loaded, self.engine))
 
     async def Unload(
         self, request: worker_pb2.UnloadRequest, context: grpc.aio.ServicerContext
@@ -241,7 +263,10 @@ async def _serve_isolated(
     metrics = WorkerMetrics()
     engine = Engine(engine_config(settings, device), metrics)
     dtype = resolve_dtype(settings.dtype)
-    versions = Versions(engine, Registry.from_settings(settings), settings.model_cache_dir, device, dtype)
+    variants = tuple(settings.variants)
+    check_variants(variants, device)
+    registry = Registry.from_settings(settings)
+    versions = Versions(engine, registry, settings.model_cache_dir, device, dtype, variants)
     servicer = WorkerServicer(versions, isolation)
     metrics.watch_isolation(isolation.stats)
     follower = None

@@ -13,6 +13,8 @@ from reflow.errors import NotFound
 from reflow.registry import BASE_VERSION_TAG, Registry
 from workers.engine import Engine
 from workers.loading import LoadedModel, load_adapter, load_directory
+from workers.quality import measure
+from workers.variants import make_variant, variant_name, wanted_variants
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +29,14 @@ class Versions:
         cache_dir: Path,
         device: torch.device,
         dtype: torch.dtype | None = None,
+        variants: tuple[str, ...] = (),
     ):
         self.engine = engine
         self.registry = registry  # None: nothing can be loaded (a worker given its versions)
         self.cache_dir = cache_dir
         self.device = device
         self.dtype = dtype  # None: each architecture's choice (REFLOW_DTYPE=auto)
+        self.variants = variants  # REFLOW_VARIANTS: built beside each version with weights of its own
 
     async def load(self, name: str, *, version: str = "", alias: str = "") -> LoadedModel:
         """Resolves, fetches and loads a version off the event loop, then makes it servable; an
@@ -69,5 +73,32 @@ class Versions:
             return loaded
 
         loaded = await asyncio.to_thread(self.engine.run, build)
+        await self._add_variants(loaded)
         logger.info("loaded model=%s version=%s alias=%s device=%s", name, ref.version, alias, self.device)
         return loaded
+
+    async def _add_variants(self, loaded: LoadedModel) -> None:
+        """Builds the variants of a version with weights of its own beside it (an adapter is served
+        over its base's reference only), then measures them all against it; without variants to
+        build, nothing is measured."""
+        names = () if loaded.adapter is not None else wanted_variants(loaded, self.variants)
+        if not names:
+            return
+
+        def build(name: str) -> LoadedModel:
+            variant = make_variant(loaded, name)
+            self.engine.add(variant)
+            return variant
+
+        variants = [await asyncio.to_thread(self.engine.run, lambda n=name: build(n)) for name in names]
+        await measure(self.engine, loaded, variants)
+        for v in [loaded, *variants]:
+            assert v.quality is not None
+            if self.engine.metrics is not None:
+                labels = (v.name, v.version, variant_name(v))
+                self.engine.metrics.variant_agreement.labels(*labels).set(v.quality.greedy_agreement)
+            logger.info(
+                "variant model=%s version=%s variant=%s greedy_agreement=%.3f prefill_ms_per_token=%.2f "
+                "decode_ms_per_token=%.1f", v.name, v.version, variant_name(v), v.quality.greedy_agreement,
+                v.quality.prefill_ms_per_token, v.quality.decode_ms_per_token,
+            )  # fmt: skip

@@ -155,14 +155,24 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelVersion(_message.Message):
-    __slots__ = ("version", "aliases", "ready_workers")
+    __slots__ = ("version", "aliases", "ready_workers", "variants")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     READY_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
     version: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
     ready_workers: int
-    def __init__(self, version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., ready_workers: _Optional[int] = ...) -> None: ...
+    variants: _containers.RepeatedCompositeFieldContainer[ModelVariant]
+    def __init__(self, version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., ready_workers: _Optional[int] = ..., variants: _Optional[_Iterable[_Union[ModelVariant, _Mapping]]] = ...) -> None: ...
+
+class ModelVariant(_message.Message):
+    __slots__ = ("name", "greedy_agreement")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    greedy_agreement: float
+    def __init__(self, name: _Optional[str] = ..., greedy_agreement: _Optional[float] = ...) -> None: ...
 
 class Model(_message.Message):
     __slots__ = ("name", "versions")

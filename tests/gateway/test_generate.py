@@ -264,7 +264,7 @@ async def test_stop_strings_and_reasoning_budget_reach_the_worker(stack: Stack) 
         P.GenerateRequest(prompt="1+1=", reasoning_budget=7, sampling=P.SamplingParams(stop=["x"], top_k=3)),
         request_limits(stack.settings),
         request_id="r",
-        loaded=loaded_to_pb(loaded),
+        loaded=loaded_to_pb(loaded, stack.workers[0].servicer.engine),
     )
     params = params_from_pb(outgoing)
     assert (params.reasoning_budget, params.stop, params.sampling.top_k) == (7, ("x",), 3)
@@ -273,7 +273,8 @@ async def test_stop_strings_and_reasoning_budget_reach_the_worker(stack: Stack) 
 
 async def test_messages_reach_the_worker_which_refuses_them_without_a_chat_template(stack: Stack) -> None:
     conversation = [P.ChatMessage(role="system", content="Add."), USER]
-    loaded = loaded_to_pb(stack.workers[0].servicer.engine.get("arith", "1"))
+    engine = stack.workers[0].servicer.engine
+    loaded = loaded_to_pb(engine.get("arith", "1"), engine)
     outgoing = worker_request(
         P.GenerateRequest(messages=conversation),
         request_limits(stack.settings),
@@ -305,6 +306,24 @@ async def test_list_models(stack: Stack) -> None:
     assert [
         (m.name, [(v.version, list(v.aliases), v.ready_workers) for v in m.versions]) for m in reply.models
     ] == [("arith", [("1", ["champion"], 1)])]
+    assert not reply.models[0].versions[0].variants  # none without REFLOW_VARIANTS
+
+
+async def test_list_models_reports_the_variants_the_workers_measured(settings: Settings) -> None:
+    stack = await start_stack(settings.model_copy(update={"variants": ["int8"]}))
+    try:
+        reply = await stack.stub.ListModels(P.ListModelsRequest(), metadata=stack.metadata)
+        reference, int8 = reply.models[0].versions[0].variants
+        assert (reference.name, reference.greedy_agreement) == ("float32", 1.0)
+        assert int8.name == "int8" and 0.0 <= int8.greedy_agreement < 1.0
+        metrics = stack.workers[0].servicer.engine.metrics
+        assert metrics is not None
+        gauge = metrics.registry.get_sample_value(
+            "reflow_worker_variant_greedy_agreement", {"model": "arith", "version": "1", "variant": "int8"}
+        )
+        assert gauge == pytest.approx(int8.greedy_agreement)
+    finally:
+        await stop_stack(stack)
 
 
 @pytest.mark.parametrize("target", ["gateway", "worker"])

@@ -85,9 +85,9 @@ async def start_worker(
 ) -> WorkerUnderTest:
     """A worker with `model@alias` loaded, serving on a free port (over mTLS with `credentials`)."""
     registry = Registry.from_settings(settings)
-    versions = Versions(
-        Engine(config, WorkerMetrics()), registry, settings.model_cache_dir, torch.device("cpu")
-    )
+    engine = Engine(config, WorkerMetrics())
+    cpu = torch.device("cpu")
+    versions = Versions(engine, registry, settings.model_cache_dir, cpu, variants=tuple(settings.variants))
     await versions.load(model, alias=alias)
     servicer = WorkerServicer(versions)
     server, port, _ = await create_worker(servicer, "127.0.0.1", 0, credentials)

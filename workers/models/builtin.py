@@ -214,13 +214,14 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of the weights."""
-        return self.output.weight.dtype
+        """The dtype of the weights (the embeddings': an int8 variant quantizes only the linear
+        layers, workers/variants.py)."""
+        return self.tok_embeddings.weight.dtype
 
     @property
     def device(self) -> torch.device:
         """Where the weights are."""
-        return self.output.weight.device
+        return self.tok_embeddings.weight.device
 
     @property
     def min_batch_rows(self) -> int:

