@@ -33,7 +33,7 @@ from tests.support.smollm2 import converted_smollm2
 from workers.engine import Engine, EngineConfig
 from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
-from workers.variants import variant_name, weight_bytes
+from workers.variants import variant_name
 from workers.versions import Versions
 
 PROMPT = "Please suggest a three-day itinerary for Lisbon, with a few restaurants and museums."
@@ -80,7 +80,7 @@ async def main(variants: list[str], tokens: int, repeats: int) -> None:
             ttft = statistics.median(f for f, _ in runs)
             total = statistics.median(t for _, t in runs)
             tpot = statistics.median((t - f) / (tokens - 1) for f, t in runs)
-            mib = weight_bytes(v.model) / 2**20
+            mib = v.quality.weight_bytes / 2**20
             print(
                 f"{name:<9} {v.quality.greedy_agreement:>9.3f} {mib:>11.0f} {level:>3} {ttft * 1000:>8.1f} "
                 f"{tpot * 1000:>8.1f} {total * 1000:>9.1f} {total / base[level]:>9.2f}x"

@@ -21,11 +21,7 @@ class Quality:
     greedy_agreement: float  # share of the reference's greedy tokens it reproduces; 1 for the reference
     prefill_ms_per_token: float  # prompt tokens over time to first token, one prompt alone
     decode_ms_per_token: float  # time per later token, one sequence alone
-
-
-def variant_name(loaded: LoadedModel) -> str:
-    """What a variant is called on the wire: `int8`, or the dtype of a float one."""
-    return loaded.variant or str(loaded.model.dtype).removeprefix("torch.")
+    weight_bytes: int  # of its weights as held (int8 ones packed)
 
 
 @dataclass

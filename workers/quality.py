@@ -15,6 +15,7 @@ from workers.engine import Engine
 from workers.loading import LoadedModel, Quality
 from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
+from workers.variants import weight_bytes
 
 # Fixed: the same prompts for every version, so qualities compare across versions and workers.
 QUALITY_PROMPTS = (
@@ -59,6 +60,7 @@ async def _timed(engine: Engine, loaded: LoadedModel, prompt: list[int], agreeme
         greedy_agreement=agreement,
         prefill_ms_per_token=(first - started) * 1000 / len(prompt),
         decode_ms_per_token=(last - first) * 1000 / max(tokens - 1, 1),
+        weight_bytes=weight_bytes(loaded.model),
     )
 
 

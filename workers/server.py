@@ -40,7 +40,7 @@ from workers.models.prompts import prompt_ids
 from workers.sampling import SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import Delta, GenerationParams
-from workers.variants import check_variants, variant_name, weight_bytes
+from workers.variants import check_variants, variant_name
 from workers.versions import Versions
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def variant_to_pb(variant: LoadedModel, scheduler: Scheduler) -> worker_pb2.Load
         waiting=scheduler.waiting,
         kv_blocks_used=scheduler.blocks_used,
         kv_blocks_total=scheduler.n_blocks,
-        weight_bytes=weight_bytes(variant.model),
+        weight_bytes=variant.quality.weight_bytes,
     )
 
 
