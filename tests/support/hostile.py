@@ -100,20 +100,25 @@ def _field_values(
     field: FieldDescriptor, bases: Mapping[str, Message], small: bool, depth: int
 ) -> st.SearchStrategy[Any]:
     """Values of `field`: a scalar or message, or for a repeated field or map a few hostile elements
-    or thousands of them (small ones: a message of thousands of huge strings helps no one)."""
+    or thousands of them (small ones: a message of thousands of huge strings helps no one). A
+    `small` message has a few at most: a stream of thousands of messages of thousands of labels
+    each is hundreds of MB, which tests the network, not the gateway."""
     if _is_map(field):
         assert field.message_type is not None
         key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
         values = _single(value, bases, True, depth)
-        return st.one_of(
-            st.dictionaries(_scalars(key, True), values, max_size=4),
-            st.builds(lambda n, v: dict.fromkeys(_many_keys(key, n), v), st.sampled_from(MANY), values),
+        few = st.dictionaries(_scalars(key, True), values, max_size=4)
+        if small:
+            return few
+        return few | st.builds(
+            lambda n, v: dict.fromkeys(_many_keys(key, n), v), st.sampled_from(MANY), values
         )
     if field.is_repeated:
         element = _single(field, bases, True, depth)
-        return st.one_of(
-            st.lists(element, max_size=4), st.builds(lambda e, n: [e] * n, element, st.sampled_from(MANY))
-        )
+        few = st.lists(element, max_size=4)
+        if small:
+            return few
+        return few | st.builds(lambda e, n: [e] * n, element, st.sampled_from(MANY))
     return _single(field, bases, small, depth)
 
 
