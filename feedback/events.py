@@ -89,6 +89,17 @@ class Latency(BaseModel):
     total_ms: float = Field(ge=0)
 
 
+class Routing(BaseModel):
+    """How the gateway placed a generation to meet its deadline (the response's `routing`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    variant: Arm = ""  # "" where its workers hold no variants
+    latency_budget_ms: Count = 0  # the request's; 0 = none
+    predicted_first_token_ms: float = Field(ge=0)
+    predicted_total_ms: float = Field(ge=0)
+    reasoning_budget: Count = 0  # applied; 0 = none
+
+
 class ChatMessage(BaseModel):
     """One message of the conversation a chat completion continues."""
 
@@ -115,6 +126,8 @@ class InferenceEvent(_Event):
     finish_reason: Literal["STOP", "LENGTH", "CANCELLED", "ERROR"]
     usage: TokenUsage
     latency: Latency
+    # None (left out of the record) for a failed request, which was never placed
+    routing: Routing | None = None
     time: AwareDatetime
 
     def to_record(self) -> Record:

@@ -40,6 +40,18 @@ class GatewayMetrics:
             ["model", "arm"],
             registry=r,
         )
+        self.placed = Counter(
+            "reflow_gateway_placements",
+            'Generations placed, by model and variant ("-" where its workers hold no variants).',
+            ["model", "variant"],
+            registry=r,
+        )
+        self.reasoning_lowered = Counter(
+            "reflow_gateway_reasoning_budget_lowered",
+            "Generations whose reasoning budget was lowered to meet their deadline, by model.",
+            ["model"],
+            registry=r,
+        )
         self.feedback = Counter(
             "reflow_gateway_feedback_items",
             "SubmitFeedback items by outcome (accepted, rejected).",

@@ -9,7 +9,7 @@ import time
 from pydantic import ValidationError
 
 from feedback.bus.publisher import Publisher
-from feedback.events import ChatMessage, InferenceEvent, Latency, TokenUsage, storable
+from feedback.events import MAX_COUNT, ChatMessage, InferenceEvent, Latency, Routing, TokenUsage, storable
 from gateway.relay import Generation
 from reflow.registry import CHALLENGER
 from reflow.store.tables import utcnow
@@ -42,7 +42,7 @@ class InferenceLog:
                 reasoning_tokens=usage.reasoning_tokens,
             ),
             latency=Latency(first_token_ms=usage.time_to_first_token_ms, total_ms=usage.total_ms),
-            answer=answer, reasoning=reasoning,
+            placed=header.routing, answer=answer, reasoning=reasoning,
         )  # fmt: skip
 
     def failed(self, generation: Generation) -> None:
@@ -72,6 +72,7 @@ class InferenceLog:
         finish_reason: str,
         usage: TokenUsage,
         latency: Latency,
+        placed: inference_pb2.Routing | None = None,
         answer: str = "",
         reasoning: str = "",
     ) -> None:
@@ -84,7 +85,8 @@ class InferenceLog:
                 arm=header.arm, experiment=experiment.id if experiment is not None else None,
                 prompt=storable(request.prompt), messages=_messages(request),
                 reasoning=storable(reasoning), completion=storable(answer),
-                finish_reason=finish_reason, usage=usage, latency=latency, time=utcnow(),
+                finish_reason=finish_reason, usage=usage, latency=latency,
+                routing=None if placed is None else _routing(request, placed), time=utcnow(),
             )  # fmt: skip
         except ValidationError:
             logger.exception("request_id=%s: no inference event could be made", header.request_id)
@@ -96,3 +98,14 @@ def _messages(request: inference_pb2.GenerateRequest) -> list[ChatMessage] | Non
     """The conversation of a chat request as the event records it; None for a prompt."""
     messages = [ChatMessage(role=storable(m.role), content=storable(m.content)) for m in request.messages]
     return messages or None
+
+
+def _routing(request: inference_pb2.GenerateRequest, routing: inference_pb2.Routing) -> Routing:
+    """The event's record of how the generation was placed."""
+    return Routing(
+        variant=routing.variant, latency_budget_ms=min(request.latency_budget_ms, MAX_COUNT),
+        predicted_first_token_ms=routing.predicted_time_to_first_token_ms,
+        predicted_total_ms=routing.predicted_total_ms,
+        # a uint32 past the store's INTEGER bounds nothing a model reaches: stored as its largest
+        reasoning_budget=min(routing.reasoning_budget, MAX_COUNT),
+    )  # fmt: skip

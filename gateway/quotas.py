@@ -87,8 +87,13 @@ class Quotas:
 def estimated_tokens(request: inference_pb2.GenerateRequest, default_max_tokens: int) -> int:
     """What a Generate request reserves of a tokens-per-minute quota: its prompt's characters over
     PROMPT_CHARS_PER_TOKEN (the worker has not tokenized it yet) plus the most it may generate."""
-    chars = len(request.prompt) + sum(len(m.role) + len(m.content) for m in request.messages)
+    chars = prompt_chars(request)
     return math.ceil(chars / PROMPT_CHARS_PER_TOKEN) + (request.sampling.max_tokens or default_max_tokens)
+
+
+def prompt_chars(request: inference_pb2.GenerateRequest) -> int:
+    """The characters of a request's prompt, or of its conversation's roles and contents."""
+    return len(request.prompt) + sum(len(m.role) + len(m.content) for m in request.messages)
 
 
 def refill(level: float, elapsed_s: float, per_minute: int) -> float:

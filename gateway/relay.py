@@ -18,6 +18,7 @@ import grpc
 
 from gateway.assignment import Assignment
 from gateway.metrics import GatewayMetrics
+from gateway.placement import PlacedStream, Placement, Placer
 from gateway.routing import WorkerHandle, WorkerPool
 from gateway.tenants import TenantInfo
 from gateway.validation import RequestLimits, worker_request
@@ -54,10 +55,11 @@ class Generation:
 class Relay:
     """Relays completions from the workers of a pool."""
 
-    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, limits: RequestLimits):
+    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, limits: RequestLimits, placer: Placer):
         self.pool = pool
         self.metrics = metrics
         self.limits = limits
+        self.placer = placer
 
     async def stream(
         self, generation: Generation, on_finish: OnFinish
@@ -69,8 +71,13 @@ class Relay:
         tried: set[str] = set()
         full: set[str] = set()  # workers whose queue was full
         while True:
+            deadline = generation.deadline
+            remaining_s = None if deadline is None else max(deadline - time.perf_counter(), 0.001)
             try:
-                worker, loaded = self.pool.route(spec, exclude=frozenset(tried))
+                placement = self.placer.place(
+                    spec, generation.request, None if remaining_s is None else remaining_s * 1000,
+                    exclude=frozenset(tried),
+                )  # fmt: skip
             except (NotFound, Unavailable):
                 if assignment.experiment is not None and assignment.arm == CHALLENGER and not full:
                     assignment.fall_back_to_champion()
@@ -84,21 +91,25 @@ class Relay:
                 if not tried:
                     raise
                 raise Unavailable(f"every worker serving {spec} failed; retry the request") from None
+            worker, loaded = placement.option.worker, placement.option.loaded
             tried.add(worker.address)
             call_request = worker_request(
-                generation.request, self.limits, request_id=generation.request_id, loaded=loaded
-            )
+                generation.request, self.limits, request_id=generation.request_id, loaded=loaded,
+                variant=placement.option.name, reasoning_budget=placement.reasoning_budget,
+            )  # fmt: skip
             header = inference_pb2.GenerateResponse(
                 request_id=generation.request_id,
                 model=loaded.model,
                 model_version=loaded.version,
                 arm=assignment.arm,
+                routing=placement.routing(),
             )
-            deadline = generation.deadline
-            remaining_s = None if deadline is None else max(deadline - time.perf_counter(), 0.001)
+            self.metrics.placed.labels(loaded.model, placement.option.name or "-").inc()
+            if placement.reasoning_budget != generation.request.reasoning_budget:
+                self.metrics.reasoning_lowered.labels(loaded.model).inc()
             try:
                 async with contextlib.aclosing(
-                    self._stream_from(worker, call_request, remaining_s, header, generation.received)
+                    self._stream_from(placement, call_request, remaining_s, header, generation.received)
                 ) as stream:
                     answer: list[str] = []
                     reasoning: list[str] = []
@@ -123,18 +134,21 @@ class Relay:
 
     async def _stream_from(
         self,
-        worker: WorkerHandle,
+        placement: Placement,
         call_request: worker_pb2.WorkerGenerateRequest,
         remaining_s: float | None,
         header: inference_pb2.GenerateResponse,
         received: float,
     ) -> AsyncGenerator[inference_pb2.GenerateResponse]:
         """Relays one worker stream; when the client reads slower than the worker writes, the
-        deltas that piled up go out as one message (in order; the first is never held back)."""
+        deltas that piled up go out as one message (in order; the first is never held back). The
+        worker's load counts it while it runs, and the latency model learns from it when it ends
+        (PlacedStream)."""
+        worker = placement.option.worker
+        tracked = PlacedStream(placement, self.placer)
         call = worker.stub.Generate(call_request, timeout=remaining_s)
         mailbox: Mailbox[worker_pb2.WorkerGenerateResponse] = Mailbox(merge_worker_deltas)
         reader = asyncio.create_task(_pump(call, mailbox), name=f"relay-{header.request_id}")
-        worker.outstanding += 1
         self.metrics.in_flight.inc()
         first_token_at: float | None = None
         last_sent = received
@@ -146,6 +160,7 @@ class Relay:
                     raise _worker_error(worker, error, started=first_token_at is not None) from None
                 message = inference_pb2.GenerateResponse(text=delta.text, reasoning_text=delta.reasoning_text)
                 now = time.perf_counter()
+                tracked.tokens_arrived(len(delta.token_ids), now)
                 later_tokens = len(delta.token_ids)  # tokens after the first one of the stream
                 if first_token_at is None:
                     first_token_at = now
@@ -175,11 +190,12 @@ class Relay:
                         inference_pb2.FinishReason.Name(delta.finish_reason),
                         delta.completion_tokens, message.usage.total_ms,
                     )  # fmt: skip
+                    tracked.finished(placement.prompt_chars, message.usage)
                     yield message
                     return
                 yield message
         finally:
-            worker.outstanding -= 1
+            tracked.close()
             self.metrics.in_flight.dec()
             reader.cancel()
             call.cancel()  # no-op when finished; stops the worker when the client went away

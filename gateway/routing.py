@@ -1,19 +1,21 @@
-"""The worker pool: tracks what each worker serves and picks the least-busy one for a model."""
+"""The worker pool: tracks what each worker serves, its load, and which workers can take a model."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import math
 from dataclasses import dataclass, field
 
 import grpc
 
 from reflow.errors import InvalidArgument, NotFound, Unavailable
 from reflow.mtls import open_channel
-from reflow.v1 import worker_pb2, worker_pb2_grpc
+from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+SMOOTHING = 0.2  # weight of the newest gap in a worker's arrival rate
 
 
 @dataclass(frozen=True)
@@ -52,19 +54,46 @@ class ModelSpec:
 @dataclass
 class ServedVersion:
     """One version as the healthy workers serve it: its aliases, how many ready workers hold it, and
-    its variants (REFLOW_VARIANTS) with the lowest greedy agreement a worker measured for each."""
+    its variants (REFLOW_VARIANTS) with the lowest agreements a worker measured for each."""
 
     version: str
     aliases: list[str] = field(default_factory=list)
     ready_workers: int = 0
-    variants: dict[str, float] = field(default_factory=dict)
+    variants: dict[str, inference_pb2.ModelVariant] = field(default_factory=dict)
 
     def add(self, loaded: worker_pb2.LoadedVersion) -> None:
         """Counts one more worker holding the version as `loaded` reports it."""
         self.aliases = sorted({*self.aliases, *loaded.aliases})
         self.ready_workers += 1
         for v in loaded.variants:
-            self.variants[v.name] = min(self.variants.get(v.name, 1.0), v.greedy_agreement)
+            seen = self.variants.get(v.name)
+            self.variants[v.name] = inference_pb2.ModelVariant(
+                name=v.name,
+                greedy_agreement=min(v.greedy_agreement, seen.greedy_agreement if seen else 1.0),
+                token_agreement=min(v.token_agreement, seen.token_agreement if seen else 1.0),
+            )
+
+
+@dataclass
+class ArrivalRate:
+    """Requests per second sent to a worker lately: an exponentially weighted mean of the gaps
+    between them (SMOOTHING per arrival), and the silence since the last one when it is longer."""
+
+    mean_gap_s: float = math.inf
+    last: float | None = None
+
+    def arrived(self, now: float) -> None:
+        if self.last is not None:
+            gap = now - self.last
+            self.mean_gap_s = (
+                gap if math.isinf(self.mean_gap_s) else self.mean_gap_s + SMOOTHING * (gap - self.mean_gap_s)
+            )
+        self.last = now
+
+    def per_second(self, now: float) -> float:
+        if self.last is None:
+            return 0.0
+        return 1.0 / max(self.mean_gap_s, now - self.last, 1e-3)
 
 
 @dataclass
@@ -76,7 +105,12 @@ class WorkerHandle:
     stub: worker_pb2_grpc.WorkerStub
     loaded: list[worker_pb2.LoadedVersion] = field(default_factory=list)
     healthy: bool = False
-    outstanding: int = 0
+    outstanding: int = 0  # streams through this gateway that have not ended
+    streams: dict[str, int] = field(default_factory=dict)  # of those, by variant ("" for none)
+    active_variant: str = ""  # the variant of the latest request placed on it
+    queued_tokens: int = 0  # of those, the estimated prompt tokens of ones before their first token
+    reported_running: int = 0  # sequences generating on it at its last status, from every gateway
+    arrivals: ArrivalRate = field(default_factory=ArrivalRate)  # of streams from this gateway
 
     def serves(self, spec: ModelSpec) -> worker_pb2.LoadedVersion | None:
         """The loaded version matching `spec`, if this worker has one."""
@@ -125,7 +159,7 @@ class WorkerPool:
             logger.info(
                 "worker %s ready: %s", worker.address, [f"{v.model}/{v.version}" for v in status.loaded]
             )
-        worker.loaded, worker.healthy = list(status.loaded), True
+        worker.loaded, worker.healthy, worker.reported_running = list(status.loaded), True, status.running
 
     async def _poll(self) -> None:
         while True:
@@ -136,10 +170,11 @@ class WorkerPool:
         """Takes a worker out of routing until its next successful status poll."""
         worker.healthy = False
 
-    def route(
+    def candidates(
         self, spec: ModelSpec, exclude: frozenset[str] = frozenset()
-    ) -> tuple[WorkerHandle, worker_pb2.LoadedVersion]:
-        """The least-busy healthy worker serving `spec`; Unavailable or NotFound otherwise."""
+    ) -> list[tuple[WorkerHandle, worker_pb2.LoadedVersion]]:
+        """The healthy workers serving `spec` (but those in `exclude`), each with the version it
+        serves for it; Unavailable or NotFound when there is none."""
         healthy = [w for w in self.workers if w.healthy and w.address not in exclude]
         if not healthy:
             raise Unavailable("no worker is available; check that `reflow worker` processes are running")
@@ -147,7 +182,7 @@ class WorkerPool:
         if not candidates:
             served = sorted({f"{v.model}/{v.version} {list(v.aliases)}" for w in healthy for v in w.loaded})
             raise NotFound(f"no worker serves model {spec}; served now: {', '.join(served) or 'nothing'}")
-        return min(candidates, key=lambda pair: pair[0].outstanding)
+        return candidates
 
     def serves(self, spec: ModelSpec, version: str) -> bool:
         """True when a healthy worker serves `spec` as `version` (e.g. `@challenger` as v2)."""

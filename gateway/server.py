@@ -23,7 +23,9 @@ from gateway.auth import Authenticator, authorization_metadata
 from gateway.http.app import create_app
 from gateway.http.server import HttpServer
 from gateway.intake import FeedbackIntake
+from gateway.latency import LatencyModel
 from gateway.metrics import GatewayMetrics
+from gateway.placement import Placer
 from gateway.publishing import InferenceLog
 from gateway.quotas import LocalQuotas, Quotas
 from gateway.relay import Relay
@@ -93,8 +95,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 served = model.versions.add(
                     version=v.version, aliases=v.aliases, ready_workers=v.ready_workers
                 )
-                for variant, agreement in v.variants.items():
-                    served.variants.add(name=variant, greedy_agreement=agreement)
+                served.variants.extend(v.variants.values())
         return response
 
 
@@ -167,8 +168,10 @@ async def create_server(
     experiments = ExperimentView(engine, settings.worker_poll_s)
     await experiments.refresh()
     limits = request_limits(settings)
+    placer = Placer(pool, LatencyModel(), limits, settings.reasoning_budget_floor)
+    relay = Relay(pool, metrics, limits, placer)
     service = InferenceService(
-        auth, quotas, limits, pool, experiments, Relay(pool, metrics, limits), InferenceLog(publisher),
+        auth, quotas, limits, pool, experiments, relay, InferenceLog(publisher),
         FeedbackIntake(request_ids, publisher, metrics), request_ids,
         ModelSpec(settings.model_name, alias=settings.model_alias),
     )  # fmt: skip

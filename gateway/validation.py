@@ -83,14 +83,10 @@ def _check_messages(request: inference_pb2.GenerateRequest, limits: RequestLimit
         )
 
 
-def worker_request(
-    request: inference_pb2.GenerateRequest,
-    limits: RequestLimits,
-    *,
-    request_id: str,
-    loaded: worker_pb2.LoadedVersion,
-) -> worker_pb2.WorkerGenerateRequest:
-    """The request for the worker serving `loaded`, with max_tokens defaulted and bounded."""
+def max_tokens_for(
+    request: inference_pb2.GenerateRequest, limits: RequestLimits, loaded: worker_pb2.LoadedVersion
+) -> int:
+    """The request's max_tokens on `loaded`: defaulted, and InvalidArgument beyond its context."""
     limit = loaded.max_sequence_length - 1
     max_tokens = request.sampling.max_tokens or min(limits.default_max_tokens, limit)
     if max_tokens > limit:
@@ -98,9 +94,23 @@ def worker_request(
             f"sampling.max_tokens must be between 1 and {limit} for {loaded.model}/{loaded.version}, "
             f"got {max_tokens}"
         )
+    return max_tokens
+
+
+def worker_request(
+    request: inference_pb2.GenerateRequest,
+    limits: RequestLimits,
+    *,
+    request_id: str,
+    loaded: worker_pb2.LoadedVersion,
+    variant: str = "",
+    reasoning_budget: int | None = None,
+) -> worker_pb2.WorkerGenerateRequest:
+    """The request for the worker serving `loaded` (on its `variant`), with max_tokens defaulted
+    and bounded, and the reasoning budget the gateway applied (None: the request's)."""
     sampling = inference_pb2.SamplingParams()
     sampling.CopyFrom(request.sampling)
-    sampling.max_tokens = max_tokens
+    sampling.max_tokens = max_tokens_for(request, limits, loaded)
     return worker_pb2.WorkerGenerateRequest(
         request_id=request_id,
         model=loaded.model,
@@ -108,5 +118,6 @@ def worker_request(
         prompt=request.prompt,
         messages=request.messages,
         sampling=sampling,
-        reasoning_budget=request.reasoning_budget,
+        reasoning_budget=request.reasoning_budget if reasoning_budget is None else reasoning_budget,
+        variant=variant,
     )

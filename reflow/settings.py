@@ -417,6 +417,14 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(4096, ge=1, description="Longest prompt the gateway accepts.")
     default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request leaves it 0.")
     max_stop_strings: int = Field(8, ge=0, description="Most stop strings per request.")
+    reasoning_budget_floor: int = Field(
+        16,
+        ge=0,
+        description=(
+            "Fewest thinking tokens the gateway lowers a request's reasoning budget to when even the "
+            "fastest variant is predicted to miss its deadline (never above the request's own)."
+        ),
+    )
 
     @field_validator("api_key", mode="before")
     @classmethod

@@ -19,6 +19,7 @@ class Quality:
     a fixed prompt set."""
 
     greedy_agreement: float  # share of the reference's greedy tokens it reproduces; 1 for the reference
+    token_agreement: float  # share of them it predicts given the reference's tokens before each
     prefill_ms_per_token: float  # prompt tokens over time to first token, one prompt alone
     decode_ms_per_token: float  # time per later token, one sequence alone
     weight_bytes: int  # of its weights as held (int8 ones packed)

@@ -73,6 +73,12 @@ class WorkerMetrics:
             ["model", "version", "variant"],
             registry=r,
         )
+        self.variant_token_agreement = Gauge(
+            "reflow_worker_variant_token_agreement",
+            "Share of its version's greedy tokens a variant predicts, teacher-forced, measured at load.",
+            ["model", "version", "variant"],
+            registry=r,
+        )
 
     def watch_isolation(self, stats: Callable[[], dict[str, int]]) -> None:
         """Exports the isolation programs' counters, read at each scrape."""

@@ -1,6 +1,12 @@
 """Measures a loaded version's variants when they load: how much of the reference's greedy output each
 reproduces on a fixed prompt set, and how fast each prefills and decodes one sequence alone.
 
+Two agreements: greedy agreement, the share of the reference's greedy tokens a variant's own
+greedy continuation reproduces before they first differ (strict: one early divergence into equally
+good text scores 0); and token agreement, the share of them the variant predicts as its top token
+given the reference's tokens before each (teacher-forced, as speculative decoding accepts drafts): a
+per-token fidelity in which a divergence counts once. The gateway ranks variants by token agreement.
+
 The prompts run through the engine like any request (greedy, batched with live traffic), so a
 variant is measured as it will be served; the speeds are priors that the gateway's latency model
 refines from live streams.
@@ -9,7 +15,10 @@ refines from live streams.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
+
+import torch
 
 from workers.engine import Engine
 from workers.loading import LoadedModel, Quality
@@ -24,6 +33,7 @@ QUALITY_PROMPTS = (
     "def fibonacci(n):", "The three primary colors are",
 )  # fmt: skip
 QUALITY_TOKENS = 16  # greedy tokens compared per prompt
+TIMED_RUNS = 3  # the speeds are the median of this many runs: one run is noise on a shared machine
 GREEDY = GenerationParams(max_tokens=QUALITY_TOKENS, sampling=SamplingParams(temperature=0.0))
 
 
@@ -31,11 +41,16 @@ async def measure(engine: Engine, reference: LoadedModel, variants: list[LoadedM
     """Sets `quality` on the reference and on each of its variants (added to the engine already)."""
     prompts = [reference.tokenizer.encode(p) for p in QUALITY_PROMPTS]
     expected = await _greedy(engine, reference, prompts)
-    reference.quality = await _timed(engine, reference, prompts[0], 1.0)
+    # the speeds come from one longer prompt (all of them, ~60 tokens, a chat turn's size, within
+    # half the context): a short one's time to first token is its fixed cost, which per prompt token
+    # would look ten times dearer
+    timing = [t for p in prompts for t in p][: reference.max_len // 2]
+    reference.quality = await _timed(engine, reference, timing, 1.0, 1.0)
     for variant in variants:
         got = await _greedy(engine, variant, prompts)
         agreement = sum(_agreed(e, g) for e, g in zip(expected, got, strict=True)) / len(prompts)
-        variant.quality = await _timed(engine, variant, prompts[0], agreement)
+        token = await asyncio.to_thread(engine.run, lambda v=variant: _token_agreement(v, prompts, expected))
+        variant.quality = await _timed(engine, variant, timing, agreement, token)
 
 
 async def _greedy(engine: Engine, loaded: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
@@ -47,8 +62,23 @@ async def _tokens(engine: Engine, loaded: LoadedModel, prompt: list[int]) -> lis
     return [t async for delta in stream for t in delta.token_ids]
 
 
-async def _timed(engine: Engine, loaded: LoadedModel, prompt: list[int], agreement: float) -> Quality:
-    """The variant's quality with its speeds, from one prompt run alone (of what this worker runs)."""
+async def _timed(
+    engine: Engine, loaded: LoadedModel, prompt: list[int], agreement: float, token_agreement: float
+) -> Quality:
+    """The variant's quality with its speeds: the medians of TIMED_RUNS runs of one prompt alone
+    (of what this worker runs)."""
+    runs = [await _speeds(engine, loaded, prompt) for _ in range(TIMED_RUNS)]
+    return Quality(
+        greedy_agreement=agreement,
+        token_agreement=token_agreement,
+        prefill_ms_per_token=statistics.median(prefill for prefill, _ in runs),
+        decode_ms_per_token=statistics.median(decode for _, decode in runs),
+        weight_bytes=weight_bytes(loaded.model),
+    )
+
+
+async def _speeds(engine: Engine, loaded: LoadedModel, prompt: list[int]) -> tuple[float, float]:
+    """Milliseconds per prompt token to the first token, and per later token, of one run."""
     started = time.perf_counter()
     first = last = started
     tokens = 0
@@ -56,12 +86,7 @@ async def _timed(engine: Engine, loaded: LoadedModel, prompt: list[int], agreeme
         last = time.perf_counter()
         first = last if tokens == 0 else first
         tokens += len(delta.token_ids)
-    return Quality(
-        greedy_agreement=agreement,
-        prefill_ms_per_token=(first - started) * 1000 / len(prompt),
-        decode_ms_per_token=(last - first) * 1000 / max(tokens - 1, 1),
-        weight_bytes=weight_bytes(loaded.model),
-    )
+    return (first - started) * 1000 / len(prompt), (last - first) * 1000 / max(tokens - 1, 1)
 
 
 def _agreed(expected: list[int], got: list[int]) -> float:
@@ -72,3 +97,18 @@ def _agreed(expected: list[int], got: list[int]) -> float:
             break
         same += 1
     return same / max(len(expected), 1)
+
+
+def _token_agreement(variant: LoadedModel, prompts: list[list[int]], expected: list[list[int]]) -> float:
+    """Share of the reference's greedy tokens `expected` that `variant` predicts as its top token,
+    each given the prompt and the reference's tokens before it: one causal pass per prompt."""
+    agreed = total = 0
+    with torch.inference_mode():
+        for prompt, tokens in zip(prompts, expected, strict=True):
+            if not tokens:
+                continue
+            row = torch.tensor([prompt + tokens[:-1]], device=variant.device)
+            predicted = variant.model(row)[0, len(prompt) - 1 :].argmax(-1).tolist()
+            agreed += sum(p == t for p, t in zip(predicted, tokens, strict=True))
+            total += len(tokens)
+    return agreed / max(total, 1)

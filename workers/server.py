@@ -90,7 +90,9 @@ def delta_to_pb(delta: Delta) -> worker_pb2.WorkerGenerateResponse:
 
 def loaded_to_pb(loaded: LoadedModel, engine: Engine) -> worker_pb2.LoadedVersion:
     """Wire form of a loaded version, with its measured variants."""
-    measured = [(v, s) for v, s in engine.variants(loaded.name, loaded.version) if v.quality is not None]
+    held = engine.variants(loaded.name, loaded.version)
+    pool = held[0][1]  # the version's own scheduler (an adapter's base's)
+    measured = [(v, s) for v, s in held if v.quality is not None]
     return worker_pb2.LoadedVersion(
         model=loaded.name,
         version=loaded.version,
@@ -102,6 +104,10 @@ def loaded_to_pb(loaded: LoadedModel, engine: Engine) -> worker_pb2.LoadedVersio
         base_version=loaded.base_version,
         adapter_parameters=loaded.adapter.parameter_count() if loaded.adapter is not None else 0,
         variants=[variant_to_pb(v, scheduler) for v, scheduler in measured],
+        kv_blocks_used=pool.blocks_used,
+        kv_blocks_total=pool.n_blocks,
+        kv_block_size=pool.block_size,
+        reasons=loaded.tokenizer.reasoning_markers is not None,
     )
 
 
@@ -112,6 +118,7 @@ def variant_to_pb(variant: LoadedModel, scheduler: Scheduler) -> worker_pb2.Load
         name=variant_name(variant),
         reference=not variant.variant,
         greedy_agreement=variant.quality.greedy_agreement,
+        token_agreement=variant.quality.token_agreement,
         prefill_ms_per_token=variant.quality.prefill_ms_per_token,
         decode_ms_per_token=variant.quality.decode_ms_per_token,
         running=scheduler.running,

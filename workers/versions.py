@@ -97,8 +97,10 @@ class Versions:
             if self.engine.metrics is not None:
                 labels = (v.name, v.version, variant_name(v))
                 self.engine.metrics.variant_agreement.labels(*labels).set(v.quality.greedy_agreement)
+                self.engine.metrics.variant_token_agreement.labels(*labels).set(v.quality.token_agreement)
             logger.info(
-                "variant model=%s version=%s variant=%s greedy_agreement=%.3f prefill_ms_per_token=%.2f "
-                "decode_ms_per_token=%.1f", v.name, v.version, variant_name(v), v.quality.greedy_agreement,
-                v.quality.prefill_ms_per_token, v.quality.decode_ms_per_token,
+                "variant model=%s version=%s variant=%s greedy_agreement=%.3f token_agreement=%.3f "
+                "prefill_ms_per_token=%.2f decode_ms_per_token=%.1f", v.name, v.version, variant_name(v),
+                v.quality.greedy_agreement, v.quality.token_agreement, v.quality.prefill_ms_per_token,
+                v.quality.decode_ms_per_token,
             )  # fmt: skip

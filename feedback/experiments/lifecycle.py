@@ -134,6 +134,21 @@ def arm_stats(engine: Engine, experiment_id: int) -> dict[str, ArmStats]:
     return stats
 
 
+def variant_mix(engine: Engine, experiment_id: int) -> dict[str, dict[str, int]]:
+    """Each arm's completions by the variant that served them ("" where its workers held none):
+    variants are chosen inside an arm, per request, to meet its deadline (docs/latency.md)."""
+    with Session(engine) as session:
+        rows = session.execute(
+            select(Inference.arm, Inference.variant, func.count())
+            .where(Inference.experiment_id == experiment_id, Inference.finish_reason != "ERROR")
+            .group_by(Inference.arm, Inference.variant)
+        ).all()
+    mix: dict[str, dict[str, int]] = {CHAMPION: {}, CHALLENGER: {}}
+    for arm, variant, n in rows:
+        mix.setdefault(arm, {})[variant] = n
+    return mix
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The `q` quantile by the nearest-rank method; 0 for no values."""
     if not values:

@@ -31,7 +31,7 @@ from feedback.bus.kafka import (
     new_consumer,
     new_producer,
 )
-from feedback.events import FeedbackEvent, InferenceEvent, decode
+from feedback.events import FeedbackEvent, InferenceEvent, Routing, decode
 from reflow.store.tables import FeedbackItem, Inference, utcnow
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,17 @@ def inference_row(event: InferenceEvent, stored_at: datetime) -> dict[str, Any]:
         "completion_tokens": event.usage.completion_tokens,
         "reasoning_tokens": event.usage.reasoning_tokens,
         "first_token_ms": event.latency.first_token_ms, "total_ms": event.latency.total_ms,
-        "created_at": event.time, "stored_at": stored_at,
+        "created_at": event.time, "stored_at": stored_at, **routing_columns(event.routing),
+    }  # fmt: skip
+
+
+def routing_columns(routing: Routing | None) -> dict[str, Any]:
+    """The `inferences` columns of how a generation was placed; their defaults where it was not."""
+    if routing is None:
+        return {}
+    return {
+        "variant": routing.variant, "latency_budget_ms": routing.latency_budget_ms,
+        "predicted_total_ms": routing.predicted_total_ms, "reasoning_budget": routing.reasoning_budget,
     }  # fmt: skip
 
 

@@ -118,11 +118,19 @@ class Served:
     model: str
     version: str
     arm: str
+    variant: str  # "" where its workers hold no variants
     created: int
 
     @classmethod
     def of(cls, header: inference_pb2.GenerateResponse) -> Served:
-        return cls(header.request_id, header.model, header.model_version, header.arm, int(time.time()))
+        return cls(
+            header.request_id,
+            header.model,
+            header.model_version,
+            header.arm,
+            header.routing.variant,
+            int(time.time()),
+        )
 
     @property
     def fingerprint(self) -> str:
@@ -130,7 +138,8 @@ class Served:
         return f"{self.model}/{self.version}" + (f"@{self.arm}" if self.arm else "")
 
     def headers(self) -> dict[str, str]:
-        return {"x-request-id": self.id, "x-reflow-model-version": self.version, "x-reflow-arm": self.arm}
+        return {"x-request-id": self.id, "x-reflow-model-version": self.version, "x-reflow-arm": self.arm,
+                "x-reflow-variant": self.variant}  # fmt: skip
 
     def envelope(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,

@@ -76,9 +76,14 @@ def experiments_show(experiment_id: int) -> None:
     """One experiment: its versions, its status and why, and every evaluation with its numbers."""
     from rich.table import Table
 
+    from feedback.experiments.lifecycle import variant_mix
+
     experiment, looks = _history(experiment_id)
     for key, value in _experiment_summary(experiment).items():
         print(f"{key}\t{value if value is not None else '-'}")
+    for arm, counts in variant_mix(current_engine(load_settings()), experiment_id).items():
+        served = ", ".join(f"{variant or 'as loaded'} {n}" for variant, n in sorted(counts.items()))
+        print(f"{arm} variants\t{served or '-'}")
     shown = looks[-SHOWN_EVALUATIONS:]
     table = Table(title=f"the last {len(shown)} of {len(looks)} evaluation(s)")
     for column in ("time", "outcome", "champion +/rated", "challenger +/rated", "LR", "SRM p", "reason"):

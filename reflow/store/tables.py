@@ -79,6 +79,11 @@ class Inference(Base):
     stored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # the experiment that assigned its arm; None outside experiments (and for pinned versions)
     experiment_id: Mapped[int | None] = mapped_column(Integer, index=True, default=None)
+    # how the gateway placed it for its deadline (docs/latency.md); "" / 0 where it did not say
+    variant: Mapped[str] = mapped_column(String(32), default="", server_default="")
+    latency_budget_ms: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    predicted_total_ms: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    reasoning_budget: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class FeedbackItem(Base):

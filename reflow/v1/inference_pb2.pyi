@@ -86,7 +86,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "model", "model_version", "arm", "text", "reasoning_text", "finish_reason", "usage")
+    __slots__ = ("request_id", "model", "model_version", "arm", "text", "reasoning_text", "finish_reason", "usage", "routing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class GenerateResponse(_message.Message):
     REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     model_version: str
@@ -103,7 +104,24 @@ class GenerateResponse(_message.Message):
     reasoning_text: str
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., arm: _Optional[str] = ..., text: _Optional[str] = ..., reasoning_text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    routing: Routing
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., arm: _Optional[str] = ..., text: _Optional[str] = ..., reasoning_text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ...) -> None: ...
+
+class Routing(_message.Message):
+    __slots__ = ("variant", "token_agreement", "predicted_time_to_first_token_ms", "predicted_total_ms", "reasoning_budget", "predicted_to_meet_deadline")
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TO_MEET_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    variant: str
+    token_agreement: float
+    predicted_time_to_first_token_ms: float
+    predicted_total_ms: float
+    reasoning_budget: int
+    predicted_to_meet_deadline: bool
+    def __init__(self, variant: _Optional[str] = ..., token_agreement: _Optional[float] = ..., predicted_time_to_first_token_ms: _Optional[float] = ..., predicted_total_ms: _Optional[float] = ..., reasoning_budget: _Optional[int] = ..., predicted_to_meet_deadline: _Optional[bool] = ...) -> None: ...
 
 class Feedback(_message.Message):
     __slots__ = ("feedback_id", "request_id", "rating", "correction", "user_id", "labels")
@@ -167,12 +185,14 @@ class ModelVersion(_message.Message):
     def __init__(self, version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., ready_workers: _Optional[int] = ..., variants: _Optional[_Iterable[_Union[ModelVariant, _Mapping]]] = ...) -> None: ...
 
 class ModelVariant(_message.Message):
-    __slots__ = ("name", "greedy_agreement")
+    __slots__ = ("name", "greedy_agreement", "token_agreement")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GREEDY_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     greedy_agreement: float
-    def __init__(self, name: _Optional[str] = ..., greedy_agreement: _Optional[float] = ...) -> None: ...
+    token_agreement: float
+    def __init__(self, name: _Optional[str] = ..., greedy_agreement: _Optional[float] = ..., token_agreement: _Optional[float] = ...) -> None: ...
 
 class Model(_message.Message):
     __slots__ = ("name", "versions")

@@ -52,7 +52,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadedVersion(_message.Message):
-    __slots__ = ("model", "version", "aliases", "parameters", "device", "max_sequence_length", "dtype", "base_version", "adapter_parameters", "variants")
+    __slots__ = ("model", "version", "aliases", "parameters", "device", "max_sequence_length", "dtype", "base_version", "adapter_parameters", "variants", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "reasons")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,10 @@ class LoadedVersion(_message.Message):
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
@@ -73,10 +77,14 @@ class LoadedVersion(_message.Message):
     base_version: str
     adapter_parameters: int
     variants: _containers.RepeatedCompositeFieldContainer[LoadedVariant]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., base_version: _Optional[str] = ..., adapter_parameters: _Optional[int] = ..., variants: _Optional[_Iterable[_Union[LoadedVariant, _Mapping]]] = ...) -> None: ...
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_block_size: int
+    reasons: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., base_version: _Optional[str] = ..., adapter_parameters: _Optional[int] = ..., variants: _Optional[_Iterable[_Union[LoadedVariant, _Mapping]]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., reasons: _Optional[bool] = ...) -> None: ...
 
 class LoadedVariant(_message.Message):
-    __slots__ = ("name", "reference", "greedy_agreement", "prefill_ms_per_token", "decode_ms_per_token", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "weight_bytes")
+    __slots__ = ("name", "reference", "greedy_agreement", "prefill_ms_per_token", "decode_ms_per_token", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "weight_bytes", "token_agreement")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     GREEDY_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +95,7 @@ class LoadedVariant(_message.Message):
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     reference: bool
     greedy_agreement: float
@@ -97,7 +106,8 @@ class LoadedVariant(_message.Message):
     kv_blocks_used: int
     kv_blocks_total: int
     weight_bytes: int
-    def __init__(self, name: _Optional[str] = ..., reference: _Optional[bool] = ..., greedy_agreement: _Optional[float] = ..., prefill_ms_per_token: _Optional[float] = ..., decode_ms_per_token: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    token_agreement: float
+    def __init__(self, name: _Optional[str] = ..., reference: _Optional[bool] = ..., greedy_agreement: _Optional[float] = ..., prefill_ms_per_token: _Optional[float] = ..., decode_ms_per_token: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., token_agreement: _Optional[float] = ...) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
     __slots__ = ("loaded", "running", "waiting", "memory_bytes", "device_memory_bytes", "kv_slots", "max_waiting", "isolation", "connections_dropped", "connects_denied", "kv_blocks_total", "kv_blocks_used")

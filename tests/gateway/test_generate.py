@@ -316,12 +316,17 @@ async def test_list_models_reports_the_variants_the_workers_measured(settings: S
         reference, int8 = reply.models[0].versions[0].variants
         assert (reference.name, reference.greedy_agreement) == ("float32", 1.0)
         assert int8.name == "int8" and 0.0 <= int8.greedy_agreement < 1.0
+        assert reference.token_agreement == 1.0 and 0.0 < int8.token_agreement < 1.0
         metrics = stack.workers[0].servicer.engine.metrics
         assert metrics is not None
         gauge = metrics.registry.get_sample_value(
             "reflow_worker_variant_greedy_agreement", {"model": "arith", "version": "1", "variant": "int8"}
         )
         assert gauge == pytest.approx(int8.greedy_agreement)
+        token = metrics.registry.get_sample_value(
+            "reflow_worker_variant_token_agreement", {"model": "arith", "version": "1", "variant": "int8"}
+        )
+        assert token == pytest.approx(int8.token_agreement)
     finally:
         await stop_stack(stack)
 

@@ -43,6 +43,9 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+API_KEY = "rf_test_key_0123456789"  # the tenant key `reflow up` is given
+
+
 class Up:
     """A `reflow up` process in a temp data dir."""
 
@@ -55,7 +58,7 @@ class Up:
             "REFLOW_MODEL_PRESET": "tiny",
             "REFLOW_BOOTSTRAP_STEPS": "5",
             "REFLOW_DEVICE": "cpu",
-            "REFLOW_API_KEY": "rf_test_key_0123456789",
+            "REFLOW_API_KEY": API_KEY,
             **(env or {}),
         }
         with self.log.open("wb") as out:

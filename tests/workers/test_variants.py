@@ -44,7 +44,9 @@ async def test_the_int8_variant_is_measured_below_the_reference_and_reported_in_
     assert (reference.name, reference.reference, reference.greedy_agreement) == ("float32", True, 1.0)
     assert (int8.name, int8.reference) == ("int8", False)
     assert 0.0 < int8.greedy_agreement < 1.0  # close to the reference, not the same model
+    assert reference.token_agreement == 1.0 and 0.0 < int8.token_agreement < 1.0
     assert int8.weight_bytes < 0.7 * reference.weight_bytes  # int8 linears; embeddings, MLP outputs float
+    assert 0 < int8.decode_ms_per_token < reference.decode_ms_per_token  # what it is for
     for variant in loaded.variants:
         assert variant.prefill_ms_per_token > 0 and variant.decode_ms_per_token > 0
         assert variant.kv_blocks_total > 0 and variant.kv_blocks_used == 0

@@ -15,10 +15,10 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from feedback.events import FeedbackEvent, InferenceEvent, Latency, TokenUsage
+from feedback.events import FeedbackEvent, InferenceEvent, Latency, Routing, TokenUsage
 from feedback.experiments.decision import decide
 from feedback.experiments.job import Evaluation, evaluate_experiments
-from feedback.experiments.lifecycle import arm_stats, history, reconcile, record
+from feedback.experiments.lifecycle import arm_stats, history, reconcile, record, variant_mix
 from feedback.intake.consumer import store_events
 from feedback.scheduler import evaluate_job_of, finetune_job_of
 from feedback.training.job import run_finetune
@@ -80,9 +80,11 @@ def traffic(
     skew: float | None = None,
     errors: dict[str, float] | None = None,
     seed: int = 0,
+    variants: tuple[str, ...] = ("",),
 ) -> None:
     """Stores what `users` users did: one rated request each, assigned as the gateway would (or
-    with `skew` of them on the challenger, for a broken split), positive with the arm's rate."""
+    with `skew` of them on the challenger, for a broken split), positive with the arm's rate, served
+    by `variants` in turn."""
     rng = random.Random(seed)
     events: list[InferenceEvent | FeedbackEvent] = []
     now = utcnow()
@@ -101,6 +103,8 @@ def traffic(
                 prompt="1+2=", completion="" if failed else "3", finish_reason="ERROR" if failed else "STOP",
                 usage=TokenUsage(prompt_tokens=4, completion_tokens=1, reasoning_tokens=0),
                 latency=Latency(first_token_ms=5, total_ms=10 + i % 10), time=now,
+                routing=Routing(variant=variants[i % len(variants)], latency_budget_ms=500,
+                                predicted_first_token_ms=4, predicted_total_ms=9),
             )
         )  # fmt: skip
         if not failed:
@@ -156,6 +160,21 @@ def test_arm_numbers_come_from_the_experiments_inferences_and_their_feedback(
         and challenger.rated == challenger.positive == challenger.requests - challenger.errors
     )
     assert champion.errors == 0 and champion.p95_latency_ms == 19.0
+
+
+def test_variants_are_counted_inside_their_arm_and_reported_as_its_mix(
+    store: Engine, aliases: Registry, experiment: RunningExperiment
+) -> None:
+    """Variant choice is per request, inside the arm: the arm's numbers are the same whatever
+    served them, and the mix says what did."""
+    traffic(store, experiment.id, {CHAMPION: 0.5, CHALLENGER: 0.5}, users=300, errors={CHAMPION: 0.1},
+            variants=("float32", "float32", "int8"))  # fmt: skip
+    stats, mix = arm_stats(store, experiment.id), variant_mix(store, experiment.id)
+    for arm in (CHAMPION, CHALLENGER):
+        served = stats[arm].requests - stats[arm].errors
+        assert sum(mix[arm].values()) == served and set(mix[arm]) == {"float32", "int8"}
+        assert 0.2 < mix[arm]["int8"] / served < 0.45  # a third of the requests, split by arm
+    assert stats[CHAMPION].errors > 0
 
 
 def test_a_clearly_better_challenger_is_promoted(
@@ -248,6 +267,8 @@ def test_the_cli_lists_shows_and_plots_an_experiment(
     shown = cli(tmp_path, url, "show", str(experiment.id))
     assert shown.returncode == 0 and "status\tpromoted" in shown.stdout
     assert shown.stdout.count("continue") == 2 and "promote" in shown.stdout
+    mix = variant_mix(store, experiment.id)
+    assert f"champion variants\tas loaded {mix[CHAMPION]['']}" in shown.stdout
     report = tmp_path / "report" / "experiment.png"
     plotted = cli(tmp_path, url, "report", str(experiment.id), "--out", str(report))
     assert plotted.returncode == 0, plotted.stderr
