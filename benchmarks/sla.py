@@ -160,9 +160,9 @@ async def measure(
             for policy in POLICIES:
                 outcomes = await level(sends[policy], rate, requests, budget_s, rng)
                 goodput = sum(o.met for o in outcomes) / len(outcomes)
-                met = [o for o in outcomes if o.met] or [Outcome(0.0, False, "")]  # none: quality 0
-                quality = statistics.mean(token.get(o.variant, 0.0) for o in met)
-                strict = statistics.mean(greedy.get(o.variant, 0.0) for o in met)
+                met = [o.variant for o in outcomes if o.met]
+                quality = statistics.mean(token[v] for v in met) if met else 0.0
+                strict = statistics.mean(greedy[v] for v in met) if met else 0.0
                 on_int8 = sum(o.variant == "int8" for o in outcomes) / len(outcomes)
                 p50 = statistics.median(o.seconds for o in outcomes) * 1000
                 rows[(k, policy)] = (goodput, quality)

@@ -1,5 +1,5 @@
 """The gateway's latency model: for each worker, version and variant, time to first token and time
-per output token as functions of the worker's load, fitted online to every finished stream.
+per output token as functions of the worker's load, fitted online to every stream it relays.
 
     TTFT ms ≈ θ · [1, tokens to prefill first (queued ahead of it + its prompt), sequences running]
     TPOT ms ≈ φ · [1, sequences running]
@@ -32,8 +32,9 @@ from reflow.v1 import inference_pb2, worker_pb2
 
 FORGETTING = 0.97  # weight of the past per stream: about 30 streams of memory
 LEARNING = 0.1  # weight of one stream in the per-model averages (chars per token, answer tokens)
-# Generic priors for a version its worker did not measure (no REFLOW_VARIANTS): SmolLM2-135M on
-# one CPU core is ~2 ms per prompt token and ~45 ms per token (docs/benchmarks.md); uncertain.
+# Generic priors for a version its worker did not measure (no REFLOW_VARIANTS), of the order of
+# SmolLM2-135M on a CPU (about 45 ms per token alone, docs/benchmarks.md; a prompt token, prefilled
+# in chunks, a small share of that): wide, and corrected by the first streams.
 GENERIC_PREFILL_MS_PER_TOKEN = 2.0
 GENERIC_DECODE_MS_PER_TOKEN = 40.0
 FIRST_ANSWER_TOKENS = 8.0  # the answer after a thought, before any stream said

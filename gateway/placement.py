@@ -93,8 +93,7 @@ class Placement:
 
     @property
     def key(self) -> Key:
-        o = self.option
-        return (o.worker.address, o.loaded.model, o.loaded.version, o.name)
+        return key_of(self.option.worker, self.option.loaded, self.option.name)
 
     def routing(self) -> inference_pb2.Routing:
         o = self.option
@@ -126,24 +125,30 @@ class Placer:
         """The placement of `request` with `budget_ms` left to its deadline (None: no deadline);
         the pool's Unavailable or NotFound when no worker serves `spec`, InvalidArgument for a
         max_tokens beyond the version's context."""
-        chosen = choose(self.options(spec, request, exclude), budget_ms)
+        chars = prompt_chars(request)
+        chosen = choose(self.options(spec, request, exclude, chars), budget_ms)
         reasoning = request.reasoning_budget
         if not chosen.meets(budget_ms) and chosen.loaded.reasons and budget_ms is not None:
             chosen, reasoning = self._think_less(chosen, request, budget_ms)
-        chars = prompt_chars(request)
         return Placement(
             chosen, chars, self.latency.shape(spec.name).prompt_tokens(chars), reasoning, budget_ms
         )
 
     def options(
-        self, spec: ModelSpec, request: inference_pb2.GenerateRequest, exclude: frozenset[str] = frozenset()
+        self,
+        spec: ModelSpec,
+        request: inference_pb2.GenerateRequest,
+        exclude: frozenset[str] = frozenset(),
+        chars: int | None = None,
     ) -> list[Option]:
-        """Every worker and variant that could serve `request` now, with its prediction."""
-        prompt_tokens = self.latency.shape(spec.name).prompt_tokens(prompt_chars(request))
+        """Every worker and variant that could serve `request` now, with its prediction (`chars`:
+        its prompt's characters, when the caller counted them)."""
+        chars = prompt_chars(request) if chars is None else chars
+        prompt_tokens = self.latency.shape(spec.name).prompt_tokens(chars)
         return [
             option
             for worker, loaded in self.pool.candidates(spec, exclude)
-            for option in self._options(worker, loaded, request, prompt_tokens, request.reasoning_budget)
+            for option in self._options(worker, loaded, request, prompt_tokens)
         ]
 
     def _options(
@@ -152,19 +157,16 @@ class Placer:
         loaded: worker_pb2.LoadedVersion,
         request: inference_pb2.GenerateRequest,
         prompt_tokens: int,
-        reasoning: int,
     ) -> list[Option]:
         max_tokens = max_tokens_for(request, self.limits, loaded)
-        output = self._output_tokens(loaded, max_tokens, reasoning)
+        output = self._output_tokens(loaded, max_tokens, request.reasoning_budget)
         alone = Load(max(worker.reported_running, worker.outstanding), worker.queued_tokens)
         block = max(loaded.kv_block_size, 1)
         needed = math.ceil((prompt_tokens + max_tokens) / block)
         queued_blocks = math.ceil(worker.queued_tokens / block)
         variants: list[worker_pb2.LoadedVariant | None] = [*loaded.variants] or [None]
         fits = {
-            v.name if v else "": self.latency.variant(
-                (worker.address, loaded.model, loaded.version, v.name if v else ""), v
-            )
+            (name := v.name if v else ""): self.latency.variant(key_of(worker, loaded, name), v)
             for v in variants
         }
         busy = {v.name for v in loaded.variants if v.running or v.waiting or worker.streams.get(v.name)}
@@ -182,8 +184,9 @@ class Placer:
             prediction = self._expected(fit, worker, prompt_tokens, output, load)
             settled = self._expected(fit, worker, prompt_tokens, output, alone)
             mixes = active is not None and name != active
+            step = fit.step_ms()
             harms = mixes and any(
-                s.pushed_past_deadline(fit.step_ms(), now) for s in running if s.placement.option.name != name
+                s.pushed_past_deadline(step, now) for s in running if s.placement.option.name != name
             )
             options.append(
                 Option(worker, loaded, variant, load, prediction, settled, needed, free, mixes, harms)
@@ -228,6 +231,11 @@ class Placer:
         return replace(option, prediction=replace(option.prediction, output_tokens=output)), lowered
 
 
+def key_of(worker: WorkerHandle, loaded: worker_pb2.LoadedVersion, variant: str) -> Key:
+    """The latency model's key of a variant on a worker ("" for a version without variants)."""
+    return (worker.address, loaded.model, loaded.version, variant)
+
+
 def choose(options: list[Option], budget_ms: float | None) -> Option:
     """The best-quality option predicted to meet `budget_ms` (the version itself when there is no
     deadline), the lowest-cost one among equals, in this order of preference:
@@ -268,7 +276,6 @@ class PlacedStream:
         self.tokens = 0
         self.prompt_tokens = placement.prompt_tokens
         worker, variant = placement.option.worker, placement.option.name
-        worker.outstanding += 1
         worker.arrivals.arrived(self.placed)
         worker.active_variant = variant
         worker.streams[variant] = worker.streams.get(variant, 0) + 1
@@ -295,16 +302,16 @@ class PlacedStream:
         self.tokens += n
         self.last_at = now
 
-    def finished(self, chars: int, usage: inference_pb2.Usage) -> None:
+    def finished(self, usage: inference_pb2.Usage) -> None:
         """Its worker's count of prompt tokens, and what its usage says of its model's requests."""
         self.prompt_tokens = usage.prompt_tokens or self.prompt_tokens
-        self.latency.shape(self.placement.option.loaded.model).learn(chars, usage)
+        shape = self.latency.shape(self.placement.option.loaded.model)
+        shape.learn(self.placement.prompt_chars, usage)
 
     def close(self) -> None:
         """Takes it out of its worker's load and teaches the latency model what it took."""
         option = self.placement.option
         worker = option.worker
-        worker.outstanding -= 1
         worker.streams[option.name] -= 1
         self.running.discard(self)
         if self.first_at is None:

@@ -190,7 +190,7 @@ class Relay:
                         inference_pb2.FinishReason.Name(delta.finish_reason),
                         delta.completion_tokens, message.usage.total_ms,
                     )  # fmt: skip
-                    tracked.finished(placement.prompt_chars, message.usage)
+                    tracked.finished(message.usage)
                     yield message
                     return
                 yield message

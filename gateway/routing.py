@@ -105,12 +105,16 @@ class WorkerHandle:
     stub: worker_pb2_grpc.WorkerStub
     loaded: list[worker_pb2.LoadedVersion] = field(default_factory=list)
     healthy: bool = False
-    outstanding: int = 0  # streams through this gateway that have not ended
-    streams: dict[str, int] = field(default_factory=dict)  # of those, by variant ("" for none)
-    active_variant: str = ""  # the variant of the latest request placed on it
-    queued_tokens: int = 0  # of those, the estimated prompt tokens of ones before their first token
+    streams: dict[str, int] = field(default_factory=dict)  # through this gateway, open, by variant
+    active_variant: str = ""  # the variant of the latest request placed on it ("" for none)
+    queued_tokens: int = 0  # of those streams, the estimated prompt tokens before the first token
     reported_running: int = 0  # sequences generating on it at its last status, from every gateway
     arrivals: ArrivalRate = field(default_factory=ArrivalRate)  # of streams from this gateway
+
+    @property
+    def outstanding(self) -> int:
+        """Streams through this gateway that have not ended."""
+        return sum(self.streams.values())
 
     def serves(self, spec: ModelSpec) -> worker_pb2.LoadedVersion | None:
         """The loaded version matching `spec`, if this worker has one."""

@@ -42,8 +42,8 @@ async def measure(engine: Engine, reference: LoadedModel, variants: list[LoadedM
     prompts = [reference.tokenizer.encode(p) for p in QUALITY_PROMPTS]
     expected = await _greedy(engine, reference, prompts)
     # the speeds come from one longer prompt (all of them, ~60 tokens, a chat turn's size, within
-    # half the context): a short one's time to first token is its fixed cost, which per prompt token
-    # would look ten times dearer
+    # half the context): a short one's time to first token is mostly its fixed cost, which spread
+    # over its few tokens overstates what each token of a real prompt costs
     timing = [t for p in prompts for t in p][: reference.max_len // 2]
     reference.quality = await _timed(engine, reference, timing, 1.0, 1.0)
     for variant in variants:

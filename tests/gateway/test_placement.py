@@ -125,7 +125,7 @@ async def test_the_reasoning_budget_shrinks_on_a_saturated_worker_and_not_on_an_
     idle = placing.place(max_tokens=256, reasoning_budget=200)
     budget = idle.option.prediction.total_ms * 1.2
     assert placing.place(max_tokens=256, reasoning_budget=200, budget_ms=budget).reasoning_budget == 200
-    worker.outstanding = 48  # 48 streams of this gateway running on it
+    worker.streams[""] = 48  # 48 streams of this gateway running on it
     saturated = placing.place(max_tokens=256, reasoning_budget=200, budget_ms=budget)
     assert FLOOR <= saturated.reasoning_budget < 200
     assert saturated.routing().reasoning_budget == saturated.reasoning_budget
@@ -139,7 +139,7 @@ async def test_the_reasoning_budget_shrinks_on_a_saturated_worker_and_not_on_an_
 
 
 async def test_a_version_that_does_not_reason_keeps_its_reasoning_budget(placing: Placing) -> None:
-    placing.worker(0, version()).outstanding = 48
+    placing.worker(0, version()).streams[""] = 48
     assert placing.place(max_tokens=256, reasoning_budget=200, budget_ms=1.0).reasoning_budget == 200
 
 
@@ -151,14 +151,13 @@ async def test_a_worker_with_little_free_kv_gets_fewer_new_long_prompts(placing:
     def spread(prompt: str, n: int) -> dict[str, int]:
         """Where `n` requests in a row go, each counted on its worker as the relay counts it."""
         placed = {roomy.address: 0, tight.address: 0}
+        streams = []
         for _ in range(n):
             placement = placing.place(prompt=prompt)
-            worker = placement.option.worker
-            worker.outstanding += 1
-            worker.queued_tokens += placement.prompt_tokens
-            placed[worker.address] += 1
-        for worker in (roomy, tight):
-            worker.outstanding = worker.queued_tokens = 0
+            streams.append(PlacedStream(placement, placing.placer))
+            placed[placement.option.worker.address] += 1
+        for stream in streams:
+            stream.close()
         return placed
 
     long = spread(long_prompt, 12)
@@ -224,7 +223,7 @@ async def test_no_switch_of_variant_pushes_a_running_stream_past_its_deadline(pl
     assert tight.option.name == "float32"  # the request misses rather than the running stream
     running.close()
     assert placing.placer.inflight[worker.address] == set()
-    worker.outstanding = 1  # the worker still runs float32 for another gateway, without deadline
+    worker.reported_running = 1  # the worker still runs float32 for another gateway, without deadline
     worker.loaded[0].variants[0].running = 1
     assert (
         placing.place(budget_ms=(int8.alone.total_ms + float32.prediction.total_ms) / 2).option.name == "int8"
