@@ -172,17 +172,21 @@ async def test_a_step_level_failure_fails_that_versions_sequences_and_the_engine
 ) -> None:
     runner = engine._runners[("arith", "1")]
     real_step = runner.step
-    calls = 0
+    calls, failed = 0, False
 
     def step_failing_once_mid_stream(metrics):
-        nonlocal calls
+        nonlocal calls, failed
         calls += 1
-        if calls == 3:  # past the per-sequence guards, with sequences mid-prefill and mid-decode
+        held = runner.scheduler.running + runner.scheduler.waiting
+        # past the per-sequence guards, once all three are in (the engine thread may step before
+        # the last one is submitted), with sequences mid-prefill or mid-decode
+        if calls >= 3 and held == 3 and not failed:
+            failed = True
             raise ZeroDivisionError("engine bug")
         return real_step(metrics)
 
     monkeypatch.setattr(runner, "step", step_failing_once_mid_stream)
-    jobs = [collect(engine, p, GenerationParams(max_tokens=10)) for p in PROMPTS[:3]]
+    jobs = [collect(engine, p, GenerationParams(max_tokens=30)) for p in PROMPTS[:3]]
     results = await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), timeout=10)
     assert all(isinstance(r, ZeroDivisionError) for r in results)
     assert (engine.running, engine.waiting) == (0, 0)
