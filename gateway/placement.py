@@ -3,6 +3,7 @@ from the latency model's predictions (gateway/latency.py), the request's deadlin
 worker's free KV blocks.
 
 - Without a deadline, the version as loaded (the best variant), on the worker with the lowest cost.
+- A request that names a variant (GenerateRequest.variant) runs on it, on its lowest-cost worker.
 - With one, the best-quality variant (token agreement, workers/quality.py) predicted to finish
   within it, on its lowest-cost worker; when none is, the lowest-cost option of all. When even that
   one is predicted to miss, a version that reasons gets its reasoning budget lowered just enough to
@@ -30,6 +31,7 @@ from gateway.latency import Key, LatencyModel, Load, Observation, Prediction, Va
 from gateway.quotas import prompt_chars
 from gateway.routing import ModelSpec, WorkerHandle, WorkerPool
 from gateway.validation import RequestLimits, max_tokens_for
+from reflow.errors import NotFound
 from reflow.v1 import inference_pb2, worker_pb2
 
 # A variant idle on a worker busy with another is taken (a new turn on its engine thread) when it
@@ -126,7 +128,10 @@ class Placer:
         the pool's Unavailable or NotFound when no worker serves `spec`, InvalidArgument for a
         max_tokens beyond the version's context."""
         chars = prompt_chars(request)
-        chosen = choose(self.options(spec, request, exclude, chars), budget_ms)
+        options = self.options(spec, request, exclude, chars)
+        if request.variant:
+            options = pinned(options, request.variant, spec)
+        chosen = choose(options, budget_ms)
         reasoning = request.reasoning_budget
         if not chosen.meets(budget_ms) and chosen.loaded.reasons and budget_ms is not None:
             chosen, reasoning = self._think_less(chosen, request, budget_ms)
@@ -236,6 +241,17 @@ def key_of(worker: WorkerHandle, loaded: worker_pb2.LoadedVersion, variant: str)
     return (worker.address, loaded.model, loaded.version, variant)
 
 
+def pinned(options: list[Option], variant: str, spec: ModelSpec) -> list[Option]:
+    """The options on `variant`, which the request named; NotFound, naming the variants there are,
+    when no worker serving `spec` holds it."""
+    on = [o for o in options if o.name == variant]
+    if not on:
+        held = sorted({o.name for o in options if o.name})
+        there = f"its variants are {', '.join(held)}" if held else "its workers hold no variants"
+        raise NotFound(f"no worker serving model {spec} holds variant {variant!r}; {there}")
+    return on
+
+
 def choose(options: list[Option], budget_ms: float | None) -> Option:
     """The best-quality option predicted to meet `budget_ms` (the version itself when there is no
     deadline), the lowest-cost one among equals, in this order of preference:
@@ -251,7 +267,7 @@ def choose(options: list[Option], budget_ms: float | None) -> Option:
 
     The lowest-cost option of all when none would."""
     if budget_ms is None:
-        return min((o for o in options if o.best), key=lambda o: o.cost_ms)
+        return min([o for o in options if o.best] or options, key=lambda o: o.cost_ms)  # or a pinned one
     meeting = [
         o for o in options
         if o.meets(budget_ms)

@@ -18,6 +18,7 @@ _MIN_TEMPERATURE_F32: float = struct.unpack("f", struct.pack("f", MIN_TEMPERATUR
 MAX_STOP_CHARS = 64
 MAX_LABELS = 32
 MAX_LABEL_CHARS = 256
+MAX_VARIANT_CHARS = 64  # variant names are dtype names ("bfloat16")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ def check_request(request: inference_pb2.GenerateRequest, limits: RequestLimits)
         len(k) > MAX_LABEL_CHARS or len(v) > MAX_LABEL_CHARS for k, v in request.labels.items()
     ):
         raise InvalidArgument(f"at most {MAX_LABELS} labels of at most {MAX_LABEL_CHARS} characters each")
+    if len(request.variant) > MAX_VARIANT_CHARS:
+        raise InvalidArgument(f"variant is longer than {MAX_VARIANT_CHARS} characters; ListModels names them")
 
 
 def _check_messages(request: inference_pb2.GenerateRequest, limits: RequestLimits) -> None:

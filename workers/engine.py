@@ -288,6 +288,8 @@ class Engine:
             removed = self._retire_locked((name, version))
         if removed:
             self._observe_capacity()
+            if self.metrics is not None:
+                self.metrics.forget_version(name, version)
         return removed
 
     def _observe_capacity(self) -> None:

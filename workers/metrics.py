@@ -80,6 +80,20 @@ class WorkerMetrics:
             registry=r,
         )
 
+        self._variants: dict[tuple[str, str], set[str]] = {}  # the variant labels set, per version
+
+    def observe_variant(self, model: str, version: str, variant: str, greedy: float, token: float) -> None:
+        """When a version's variants are measured: each one's agreements with the version."""
+        self.variant_agreement.labels(model, version, variant).set(greedy)
+        self.variant_token_agreement.labels(model, version, variant).set(token)
+        self._variants.setdefault((model, version), set()).add(variant)
+
+    def forget_version(self, model: str, version: str) -> None:
+        """When a version is unloaded: its variants' series go, so no dashboard shows it served."""
+        for variant in self._variants.pop((model, version), set()):
+            self.variant_agreement.remove(model, version, variant)
+            self.variant_token_agreement.remove(model, version, variant)
+
     def watch_isolation(self, stats: Callable[[], dict[str, int]]) -> None:
         """Exports the isolation programs' counters, read at each scrape."""
         self.registry.register(_IsolationCollector(stats))

@@ -95,9 +95,9 @@ class Versions:
         for v in [loaded, *variants]:
             assert v.quality is not None
             if self.engine.metrics is not None:
-                labels = (v.name, v.version, variant_name(v))
-                self.engine.metrics.variant_agreement.labels(*labels).set(v.quality.greedy_agreement)
-                self.engine.metrics.variant_token_agreement.labels(*labels).set(v.quality.token_agreement)
+                self.engine.metrics.observe_variant(
+                    v.name, v.version, variant_name(v), v.quality.greedy_agreement, v.quality.token_agreement
+                )
             logger.info(
                 "variant model=%s version=%s variant=%s greedy_agreement=%.3f token_agreement=%.3f "
                 "prefill_ms_per_token=%.2f decode_ms_per_token=%.1f", v.name, v.version, variant_name(v),

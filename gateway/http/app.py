@@ -40,6 +40,7 @@ from gateway.http.schemas import (
 )
 from gateway.http.translation import ChatShape, Served, Shape, TextShape
 from gateway.metrics import GatewayMetrics
+from gateway.routing import ServedVersion
 from gateway.service import InferenceService
 from reflow.errors import NotFound, ReflowError
 from reflow.v1 import inference_pb2
@@ -287,15 +288,20 @@ def _model_cards(service: InferenceService) -> list[dict[str, Any]]:
     for name, versions in service.served_models():
         aliases = sorted({alias for v in versions for alias in v.aliases})
         ready = max(v.ready_workers for v in versions)
-        cards.append(_card(name, None, None, aliases, ready))
+        cards.append(_card(name, None, aliases, ready))
         for v in versions:
-            cards.append(_card(f"{name}/{v.version}", name, v.version, v.aliases, v.ready_workers))
-            cards += [
-                _card(f"{name}@{alias}", name, v.version, [alias], v.ready_workers) for alias in v.aliases
-            ]
+            cards.append(_card(f"{name}/{v.version}", name, v.aliases, v.ready_workers, v))
+            cards += [_card(f"{name}@{alias}", name, [alias], v.ready_workers, v) for alias in v.aliases]
     return cards
 
 
-def _card(id: str, parent: str | None, version: str | None, aliases: list[str], ready: int) -> dict[str, Any]:
+def _card(
+    id: str, parent: str | None, aliases: list[str], ready: int, served: ServedVersion | None = None
+) -> dict[str, Any]:
+    variants = [
+        {"name": m.name, "token_agreement": m.token_agreement, "greedy_agreement": m.greedy_agreement}
+        for m in (served.variants.values() if served else ())
+    ]
     return {"id": id, "object": "model", "created": 0, "owned_by": OWNER, "parent": parent,
-            "version": version, "aliases": aliases, "ready_workers": ready}  # fmt: skip
+            "version": served.version if served else None, "aliases": aliases, "ready_workers": ready,
+            "variants": variants}  # fmt: skip

@@ -4,7 +4,7 @@ validates requests against and what `/openapi.json` documents.
 Fields reflow does not implement are declared too, so that asking for them (`n` > 1, tools,
 logprobs, ...) is refused by name rather than ignored; fields it has never heard of are ignored,
 as OpenAI's clients send new ones first. reflow's own fields (`top_k`, `reasoning_budget`,
-`latency_budget_ms`) are extra body fields (`extra_body=` in the `openai` SDK).
+`latency_budget_ms`, `variant`) are extra body fields (`extra_body=` in the `openai` SDK).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from feedback.events import MAX_USER_ID_CHARS
-from gateway.validation import MAX_LABEL_CHARS, MAX_TEMPERATURE
+from gateway.validation import MAX_LABEL_CHARS, MAX_TEMPERATURE, MAX_VARIANT_CHARS
 
 UINT32 = 2**32 - 1
 UINT64 = 2**64 - 1
@@ -72,6 +72,9 @@ class _CompletionParameters(_Body):
         None, description="Most tokens the model may think for before it must answer; 0 = no bound."
     )
     latency_budget_ms: Uint32 | None = Field(None, description="Deadline for the whole completion; 0 = none.")
+    variant: Annotated[str, Field(max_length=MAX_VARIANT_CHARS)] | None = Field(
+        None, description="The variant to run on (`int8`, as /v1/models lists them); unset = reflow chooses."
+    )
     # refused unless asked for as reflow serves (one choice, no penalties, no logprobs)
     n: int | None = Field(None, description="Only 1 is supported.")
     presence_penalty: float | None = Field(None, description="Only 0 is supported.")
@@ -200,6 +203,15 @@ class Completion(BaseModel):
     usage: Usage | None
 
 
+class VariantCard(BaseModel):
+    """A variant of a version its workers hold (REFLOW_VARIANTS), as they measured it against the
+    version as loaded (the lowest of any worker's measurements)."""
+
+    name: str = Field(description="What a request's `variant` names.")
+    token_agreement: float = Field(description="Share of the version's greedy tokens it predicts; 1 for it.")
+    greedy_agreement: float = Field(description="Share of the version's greedy output it reproduces.")
+
+
 class ModelCard(BaseModel):
     """A servable model id: `NAME`, or one of its versions as `NAME/VERSION` or `NAME@ALIAS`."""
 
@@ -211,6 +223,9 @@ class ModelCard(BaseModel):
     version: str | None = Field(None, description="The version this id serves now.")
     aliases: list[str] = Field(description="Aliases of the version (for a model: of its versions).")
     ready_workers: int
+    variants: list[VariantCard] = Field(
+        description="The version's variants, the version as loaded first; empty for a model, or without any."
+    )
 
 
 class ModelList(BaseModel):

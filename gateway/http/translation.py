@@ -37,6 +37,7 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest) -> inferen
             user_id=body.user or "",
             reasoning_budget=body.reasoning_budget or 0,
             latency_budget_ms=body.latency_budget_ms or 0,
+            variant=body.variant or "",
             labels=body.metadata or {},
         )  # fmt: skip
         if isinstance(body, ChatCompletionRequest):

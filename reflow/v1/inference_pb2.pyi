@@ -37,7 +37,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "sampling", "user_id", "reasoning_budget", "latency_budget_ms", "labels", "messages")
+    __slots__ = ("model", "prompt", "sampling", "user_id", "reasoning_budget", "latency_budget_ms", "labels", "messages", "variant")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class GenerateRequest(_message.Message):
     LATENCY_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     sampling: SamplingParams
@@ -61,7 +62,8 @@ class GenerateRequest(_message.Message):
     latency_budget_ms: int
     labels: _containers.ScalarMap[str, str]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., user_id: _Optional[str] = ..., reasoning_budget: _Optional[int] = ..., latency_budget_ms: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    variant: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., user_id: _Optional[str] = ..., reasoning_budget: _Optional[int] = ..., latency_budget_ms: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., variant: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -81,11 +81,27 @@ async def test_the_budget_picks_the_variant(settings: Settings, tmp_path: Path, 
         generous = await served(stack, budgeted(request, options["float32"] * 10))
         assert generous[0].routing.variant == "float32"
 
+        pinned = P.GenerateRequest()
+        pinned.CopyFrom(request)
+        pinned.variant = "int8"  # no deadline, yet int8 as asked
+        assert (await served(stack, pinned))[0].routing.variant == "int8"
+        pinned.variant = "int4"
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await generate(stack, pinned)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "float32, int8" in (missing.value.details() or "")
+
         async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as http:
             body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 4}
             headers = {"authorization": f"Bearer {stack.api_key}"}
             reply = await http.post("/v1/completions", json=body, headers=headers)
-        assert reply.status_code == 200 and reply.headers["x-reflow-variant"] == "float32"
+            assert reply.status_code == 200 and reply.headers["x-reflow-variant"] == "float32"
+            reply = await http.post("/v1/completions", json={**body, "variant": "int8"}, headers=headers)
+            assert reply.status_code == 200 and reply.headers["x-reflow-variant"] == "int8"
+            card = (await http.get("/v1/models/smollm2@champion", headers=headers)).json()
+        variants = {v["name"]: v for v in card["variants"]}
+        assert list(variants) == ["float32", "int8"] and variants["float32"]["token_agreement"] == 1.0
+        assert 0 < variants["int8"]["token_agreement"] < 1.0
 
         finished = [m[0].request_id for m in (unbudgeted, fast, generous) if m[-1].finish_reason]
         events = [json.loads(r.value) for r in kafka.read(INFERENCES_TOPIC, len(finished) + 1)]

@@ -14,6 +14,7 @@ from gateway.latency import LatencyModel, Load, Observation, RecursiveLeastSquar
 from gateway.placement import PlacedStream, Placement, Placer
 from gateway.routing import ModelSpec, WorkerHandle, WorkerPool
 from gateway.validation import RequestLimits
+from reflow.errors import NotFound
 from reflow.v1 import inference_pb2, worker_pb2
 
 SPEC = ModelSpec("m", alias="champion")
@@ -103,6 +104,19 @@ async def test_a_generous_budget_gets_the_best_variant_and_a_tight_one_the_fast_
     assert generous.option.name == "float32"
     hopeless = placing.place(budget_ms=1.0)  # nothing can: the fastest, said to miss
     assert hopeless.option.name == "int8" and not hopeless.routing().predicted_to_meet_deadline
+
+
+async def test_a_request_naming_a_variant_runs_on_it_whatever_its_budget(placing: Placing) -> None:
+    placing.worker(0, version((FLOAT32, INT8)))
+    request = inference_pb2.GenerateRequest(prompt="1+1=", variant="int8")
+    assert placing.placer.place(SPEC, request, None).option.name == "int8"
+    assert placing.placer.place(SPEC, request, 1e9).option.name == "int8"  # float32 would meet it
+    request.variant = "float16"
+    with pytest.raises(NotFound, match="holds variant 'float16'; its variants are float32, int8"):
+        placing.placer.place(SPEC, request, None)
+    placing.worker(0, version())
+    with pytest.raises(NotFound, match="hold no variants"):
+        placing.placer.place(SPEC, request, None)
 
 
 async def test_a_slowed_worker_moves_a_budget_it_used_to_meet_to_the_fast_variant(placing: Placing) -> None:

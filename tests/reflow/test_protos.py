@@ -34,7 +34,7 @@ def test_public_contract_names() -> None:
     assert feedback.client_streaming and not feedback.server_streaming
     fields = {
         "GenerateRequest": ["model", "prompt", "sampling", "user_id", "reasoning_budget",
-                            "latency_budget_ms", "labels", "messages"],
+                            "latency_budget_ms", "labels", "messages", "variant"],
         "ChatMessage": ["role", "content"],
         "SamplingParams": ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop"],
         "GenerateResponse": ["request_id", "model", "model_version", "arm", "text", "reasoning_text",

@@ -13,6 +13,7 @@ from reflow.v1 import worker_pb2
 from tests.support.registry import local_registry
 from tests.support.smollm2 import converted_smollm2
 from workers.engine import Engine, EngineConfig
+from workers.metrics import WorkerMetrics
 from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
 from workers.server import WorkerServicer
@@ -28,7 +29,7 @@ def versions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Versions]:
     root = tmp_path_factory.mktemp("variants")
     registry = local_registry(root)
     registry.register("smollm2", converted_smollm2(root / "smollm2"), params={}, metrics={}, alias="champion")
-    engine = Engine(EngineConfig(max_batch_size=8, kv_cache_mb=16))
+    engine = Engine(EngineConfig(max_batch_size=8, kv_cache_mb=16), WorkerMetrics())
     cpu = torch.device("cpu")
     yield Versions(engine, registry, root / "cache", cpu, torch.float32, variants=("float32", "int8"))
     engine.close()
@@ -86,8 +87,17 @@ async def test_an_unknown_variant_is_not_found_and_a_removed_version_takes_its_v
     # the reference's own name is the reference
     request.variant = "float32"
     assert [m async for m in servicer.Generate(request, Context())][-1].finish_reason  # type: ignore[arg-type]
+    metrics = versions.engine.metrics
+    assert metrics is not None
+
+    def agreement(variant: str) -> float | None:
+        labels = {"model": "smollm2", "version": "1", "variant": variant}
+        return metrics.registry.get_sample_value("reflow_worker_variant_token_agreement", labels)
+
+    assert agreement("float32") == 1.0 and 0 < (agreement("int8") or 0) < 1
     assert versions.engine.remove("smollm2", "1")
     assert versions.engine.find("smollm2", "1") is None
+    assert agreement("float32") is None and agreement("int8") is None  # no series of what is gone
     with pytest.raises(Exception, match="is not loaded"):
         versions.engine.get("smollm2", "1", "int8")
 
