@@ -12,9 +12,13 @@ times L. At each load level k, requests arrive as a Poisson process at k / L per
 `--requests` of them per policy, the policies taking turns so drift on a shared machine falls on
 all of them:
 
-  * best: every request on float32 (the worker's API, naming the variant);
+  * best: every request on float32 (GenerateRequest.variant names it);
   * fastest: every request on int8 (likewise);
-  * reflow: every request through the gateway with `latency_budget_ms`, which chooses.
+  * reflow: every request with `latency_budget_ms`, and the gateway chooses;
+  * best/direct, fastest/direct: as best and fastest, straight to the worker's own API: what the
+    gateway's path costs (on 2 cores, the gateway and the event pipeline take CPU from the worker).
+
+All but the direct ones go through the gateway, so the three the target compares share one path.
 
 A request meets its budget when its last token arrives within it (reflow's own are cut off at the
 deadline: a miss). Quality is the mean, over the requests that met their budget (the answers users
@@ -57,7 +61,7 @@ PROMPTS = (
     "Explain in detail how a refrigerator works.",
     "Describe the history of the printing press at length.",
 )
-POLICIES = ("best", "fastest", "reflow", "best/gw")
+POLICIES = ("best", "fastest", "reflow", "best/direct", "fastest/direct")
 
 
 @dataclass(frozen=True)
@@ -93,26 +97,27 @@ def direct(worker: worker_pb2_grpc.WorkerStub, variant: str, tokens: int) -> Sen
     return send
 
 
-def through_gateway(gateway: inference_pb2_grpc.InferenceStub, tokens: int, budgeted: bool = True) -> Send:
-    """Requests through the gateway with their budget (reflow's choice), or without one (the
-    version as loaded, measured against the budget)."""
+def through_gateway(gateway: inference_pb2_grpc.InferenceStub, tokens: int, variant: str = "") -> Send:
+    """Requests through the gateway with their budget, which chooses the variant (reflow's
+    policy); or on `variant`, without a budget (measured against it)."""
 
     async def send(prompt: str, budget_s: float) -> Outcome:
         request = inference_pb2.GenerateRequest(
-            model=NAME, messages=[turn(prompt)], latency_budget_ms=int(budget_s * 1000) if budgeted else 0,
+            model=NAME, messages=[turn(prompt)], variant=variant,
+            latency_budget_ms=0 if variant else int(budget_s * 1000),
             sampling=inference_pb2.SamplingParams(max_tokens=tokens),
         )  # fmt: skip
         started = time.perf_counter()
-        variant, finished = "", False
+        served, finished = "", False
         try:
             async for message in gateway.Generate(request, metadata=METADATA, timeout=600):
-                variant = variant or message.routing.variant
+                served = served or message.routing.variant
                 finished = finished or bool(message.finish_reason)
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
         elapsed = time.perf_counter() - started
-        return Outcome(elapsed, finished and elapsed <= budget_s, variant)
+        return Outcome(elapsed, finished and elapsed <= budget_s, served)
 
     return send
 
@@ -137,11 +142,13 @@ async def measure(
         status = await worker.Status(worker_pb2.WorkerStatusRequest())
         token = {v.name: v.token_agreement for v in status.loaded[0].variants}
         greedy = {v.name: v.greedy_agreement for v in status.loaded[0].variants}
+        gateway = inference_pb2_grpc.InferenceStub(to_gateway)
         sends = {
-            "best": direct(worker, "float32", tokens),
-            "fastest": direct(worker, "int8", tokens),
-            "reflow": through_gateway(inference_pb2_grpc.InferenceStub(to_gateway), tokens),
-            "best/gw": through_gateway(inference_pb2_grpc.InferenceStub(to_gateway), tokens, budgeted=False),
+            "best": through_gateway(gateway, tokens, "float32"),
+            "fastest": through_gateway(gateway, tokens, "int8"),
+            "reflow": through_gateway(gateway, tokens),
+            "best/direct": direct(worker, "float32", tokens),
+            "fastest/direct": direct(worker, "int8", tokens),
         }
         alone = [(await sends["best"](p, 1e9)).seconds for p in PROMPTS for _ in range(2)]
         unloaded_s = statistics.median(alone)
@@ -152,7 +159,7 @@ async def measure(
               f"budget {budget}L {budget_s * 1000:.0f} ms, int8 agreement {token['int8']:.3f} token, "
               f"{greedy['int8']:.3f} greedy, {requests} Poisson arrivals per level and policy")  # fmt: skip
         header = ("load", "req/s", "policy", "goodput", "quality", "greedy", "on int8", "p50 ms")
-        print("{:>6} {:>6} {:<8} {:>8} {:>8} {:>8} {:>8} {:>8}".format(*header))
+        print("{:>6} {:>6} {:<14} {:>8} {:>8} {:>8} {:>8} {:>8}".format(*header))
         rng = random.Random(0)
         rows: dict[tuple[float, str], tuple[float, float]] = {}
         for k in levels:
@@ -166,7 +173,7 @@ async def measure(
                 on_int8 = sum(o.variant == "int8" for o in outcomes) / len(outcomes)
                 p50 = statistics.median(o.seconds for o in outcomes) * 1000
                 rows[(k, policy)] = (goodput, quality)
-                print(f"{k:>5}L {rate:>6.2f} {policy:<8} {goodput:>8.0%} {quality:>8.3f} "
+                print(f"{k:>5}L {rate:>6.2f} {policy:<14} {goodput:>8.0%} {quality:>8.3f} "
                       f"{strict:>8.3f} {on_int8:>8.0%} {p50:>8.0f}")  # fmt: skip
     overloaded = [k for k in levels if rows[(k, "best")][0] < 0.5]
     if overloaded:

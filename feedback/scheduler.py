@@ -97,7 +97,7 @@ def finetune_job_of(settings: Settings) -> FinetuneJob:
         recipe=replace(FinetuneConfig(), **overrides),
         lora_recipe=replace(LORA_RECIPE, lora=adapter, **overrides), method=settings.finetune_method,
         device=settings.device, cache_dir=settings.model_cache_dir, traffic=settings.ab_traffic,
-        workers=WorkerTargets.from_settings(settings),
+        workers=WorkerTargets.from_settings(settings), variants=tuple(settings.variants),
     )  # fmt: skip
 
 

@@ -71,7 +71,14 @@ class ServedVersion:
                 name=v.name,
                 greedy_agreement=min(v.greedy_agreement, seen.greedy_agreement if seen else 1.0),
                 token_agreement=min(v.token_agreement, seen.token_agreement if seen else 1.0),
+                task_score=_lowest(v, seen),
             )
+
+
+def _lowest(variant: worker_pb2.LoadedVariant, seen: inference_pb2.ModelVariant | None) -> float | None:
+    """The lower of two workers' task scores of a variant, either one where only one has it."""
+    scores = [m.task_score for m in (variant, seen) if m is not None and m.HasField("task_score")]
+    return min(scores) if scores else None
 
 
 @dataclass

@@ -28,6 +28,10 @@ BASE_VERSION_TAG = "reflow.base_version"
 # The only kinds of file a version may carry: safetensors weights, JSON, a Jinja chat template.
 # Never a pickle.
 VERSION_FILE_SUFFIXES = (".safetensors", ".json", ".jinja")
+# A version's greedy accuracy on its task (the fine-tune job's and the bootstrap's, on a fixed set
+# of live traffic's prompts), and with ".<variant>" each variant's (REFLOW_VARIANTS) as built from
+# it: what workers report beside a variant's agreements. Absent for a version without a task.
+TASK_SCORE_TAG = "reflow.task_score"
 SOURCE_TAG = "reflow.source"  # where a version came from: "bootstrap", "finetune", IMPORTED
 IMPORTED = "import"  # a checkpoint brought in by `reflow models import`
 SOURCE_SHA256_TAG = "reflow.source_sha256"  # on imported versions: the digest of the files imported

@@ -104,7 +104,8 @@ class Settings(BaseSettings):
         description=(
             "Variants of each version a worker holds beside it for latency budgets, comma-separated: "
             "`int8` (dynamic quantization, CPU), `bfloat16`, `float16` (CUDA), `float32`; each has its "
-            "own copy of the weights and its own REFLOW_KV_CACHE_MB. Empty = the version alone."
+            "own copy of the weights and its own REFLOW_KV_CACHE_MB; the bootstrap and full fine-tunes score "
+            "each on the task when they register a version. Empty = the version alone."
         ),
     )
     max_batch_size: int = Field(

@@ -19,7 +19,7 @@ from feedback.experiments.lifecycle import experiments
 from feedback.tasks import get_task
 from feedback.training.evaluation import base_model_metrics
 from reflow.client import Client
-from reflow.registry import BASE_VERSION_TAG, IMPORTED, SOURCE_TAG, Registry
+from reflow.registry import BASE_VERSION_TAG, IMPORTED, SOURCE_TAG, TASK_SCORE_TAG, Registry
 from reflow.store.database import open_engine
 from reflow.store.tables import FinetuneRun, Inference, aware
 from tests.support.models import MODEL, save_as_llama, save_model
@@ -47,7 +47,8 @@ def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, b
     registry.register(
         MODEL, save_model(base_model, tmp_path / "base"), params={}, metrics={}, alias="champion"
     )
-    champion, turned_s = turn_the_loop(Up(data_dir, "--workers", "1", "--demo", env=FAST_LOOP), registry)
+    env = {**FAST_LOOP, "REFLOW_VARIANTS": "int8"}  # the challenger is scored on the task with it
+    champion, turned_s = turn_the_loop(Up(data_dir, "--workers", "1", "--demo", env=env), registry)
 
     store = open_engine(f"sqlite:///{data_dir / 'reflow.db'}")
     (experiment, look), *_ = experiments(store)
@@ -60,6 +61,8 @@ def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, b
     # the fine-tune run behind it, in the store and in MLflow
     version = registry.client.get_model_version(MODEL, champion)
     assert version.tags["reflow.parent_version"] == "1" and version.tags["reflow.run_id"] == version.run_id
+    scores = [float(version.tags[tag]) for tag in (TASK_SCORE_TAG, f"{TASK_SCORE_TAG}.int8")]
+    assert all(0.0 < score <= 1.0 for score in scores)  # the int8 variant's workers will report
     assert (run.status, run.mlflow_run_id, run.first_feedback_id) == ("registered", version.run_id, 1)
     mlflow_run = registry.client.get_run(version.run_id)
     assert mlflow_run.data.params["dataset_size"] == str(run.samples) and run.samples >= 300

@@ -23,6 +23,7 @@ class Quality:
     prefill_ms_per_token: float  # prompt tokens over time to first token, one prompt alone
     decode_ms_per_token: float  # time per later token, one sequence alone
     weight_bytes: int  # of its weights as held (int8 ones packed)
+    task_score: float | None = None  # its version's task-score tag for it (reflow.registry); None: none
 
 
 @dataclass

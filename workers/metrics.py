@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from reflow.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+from workers.loading import Quality
 from workers.scheduler import Output
 
 
@@ -80,19 +81,26 @@ class WorkerMetrics:
             registry=r,
         )
 
-        self._variants: dict[tuple[str, str], set[str]] = {}  # the variant labels set, per version
+        self.variant_task_score = Gauge(
+            "reflow_worker_variant_task_score",
+            "A variant's greedy accuracy on its version's task, scored when the version was registered.",
+            ["model", "version", "variant"],
+            registry=r,
+        )
+        self._per_variant = (self.variant_agreement, self.variant_token_agreement, self.variant_task_score)
 
-    def observe_variant(self, model: str, version: str, variant: str, greedy: float, token: float) -> None:
-        """When a version's variants are measured: each one's agreements with the version."""
-        self.variant_agreement.labels(model, version, variant).set(greedy)
-        self.variant_token_agreement.labels(model, version, variant).set(token)
-        self._variants.setdefault((model, version), set()).add(variant)
+    def observe_variant(self, model: str, version: str, variant: str, quality: Quality) -> None:
+        """When a version's variants are measured: what each one scored."""
+        labels = (model, version, variant)
+        self.variant_agreement.labels(*labels).set(quality.greedy_agreement)
+        self.variant_token_agreement.labels(*labels).set(quality.token_agreement)
+        if quality.task_score is not None:
+            self.variant_task_score.labels(*labels).set(quality.task_score)
 
     def forget_version(self, model: str, version: str) -> None:
         """When a version is unloaded: its variants' series go, so no dashboard shows it served."""
-        for variant in self._variants.pop((model, version), set()):
-            self.variant_agreement.remove(model, version, variant)
-            self.variant_token_agreement.remove(model, version, variant)
+        for gauge in self._per_variant:
+            gauge.remove_by_labels({"model": model, "version": version})
 
     def watch_isolation(self, stats: Callable[[], dict[str, int]]) -> None:
         """Exports the isolation programs' counters, read at each scrape."""

@@ -126,6 +126,7 @@ def variant_to_pb(variant: LoadedModel, scheduler: Scheduler) -> worker_pb2.Load
         kv_blocks_used=scheduler.blocks_used,
         kv_blocks_total=scheduler.n_blocks,
         weight_bytes=variant.quality.weight_bytes,
+        task_score=variant.quality.task_score,
     )
 
 

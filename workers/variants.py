@@ -2,36 +2,36 @@
 faster and less exact copy served beside it, with its own KV pool, and how close each comes to the
 version as loaded (the reference).
 
-`int8` is torch's dynamic quantization of the linear layers, the output head included: weights
-int8 per output channel, activations quantized per forward at run time (fbgemm on x86 CPUs), the
-MLPs' output projections left float (FLOAT_LINEARS). Measured on SmolLM2-135M on 2 cores, its
-GEMMs take 0.3-0.6x the float32 time at 16 rows and the 49152-wide head 0.13x at one row. Its
-activations are quantized per forward, so unlike the reference its rows depend on the batch they
-share; and it exists on the CPU only. `bfloat16` and `float16` are casts of every weight, for CUDA
-(on a CPU without native kernels they are slower).
+How each is made is workers/models/precision.py.
 """
 
 from __future__ import annotations
 
-import copy
-import warnings
+import contextlib
 from dataclasses import replace
 
 import torch
-from torch import nn
 
+from reflow.registry import TASK_SCORE_TAG
 from workers.loading import LoadedModel
 from workers.models.interface import CausalLM
-
-# The MLPs' output projections (Hugging Face's and the built-in model's names) take SwiGLU's massive
-# activations, hundreds of times the rest, which one activation scale per tensor flattens: on
-# SmolLM2-135M, quantizing them changed the first greedy token of 6 prompts out of 6; left float, of 1.
-FLOAT_LINEARS = ("down_proj", "w2")
+from workers.models.precision import in_precision
 
 
 def variant_name(loaded: LoadedModel) -> str:
     """What a variant is called on the wire: `int8`, or the dtype of a float one."""
     return loaded.variant or str(loaded.model.dtype).removeprefix("torch.")
+
+
+def task_score(tags: dict[str, str], variant: LoadedModel) -> float | None:
+    """A variant's task score from its version's tags (TASK_SCORE_TAG): its own, or for the version
+    as loaded the version's; None where the version has none (or a malformed one)."""
+    names = [f"{TASK_SCORE_TAG}.{variant_name(variant)}", *([] if variant.variant else [TASK_SCORE_TAG])]
+    for name in names:
+        with contextlib.suppress(ValueError):
+            if name in tags:
+                return float(tags[name])
+    return None
 
 
 def check_variants(names: tuple[str, ...], device: torch.device) -> None:
@@ -50,22 +50,8 @@ def wanted_variants(reference: LoadedModel, names: tuple[str, ...]) -> tuple[str
 
 def make_variant(reference: LoadedModel, name: str) -> LoadedModel:
     """A copy of `reference` with its weights in variant `name`, served as the same version."""
-    model = copy.deepcopy(reference.model)
-    model = _quantized(model) if name == "int8" else model.to(getattr(torch, name))  # type: ignore[attr-defined]
+    model = in_precision(reference.model, name)
     return replace(reference, model=model, variant=name, quality=None, aliases=set())
-
-
-def _quantized(model: CausalLM) -> CausalLM:
-    with warnings.catch_warnings():  # torch.ao's eager API is deprecated for torchao, not removed
-        warnings.simplefilter("ignore")
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-        linears = [
-            name for name, module in model.named_modules()  # type: ignore[attr-defined]  # an nn.Module
-            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in FLOAT_LINEARS
-        ]  # fmt: skip
-        spec = dict.fromkeys(linears, per_channel_dynamic_qconfig)
-        return quantize_dynamic(model, spec, dtype=torch.qint8)
 
 
 def weight_bytes(model: CausalLM) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from reflow.registry import BASE_VERSION_TAG, Registry
 from workers.engine import Engine
 from workers.loading import LoadedModel, load_adapter, load_directory
 from workers.quality import measure
-from workers.variants import make_variant, variant_name, wanted_variants
+from workers.variants import make_variant, task_score, variant_name, wanted_variants
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class Versions:
             raise NotFound(str(error)) from error
         aliases = {alias} if alias else set()
         max_len = self.engine.config.max_model_len
-        base_version = (await asyncio.to_thread(registry.tags, ref)).get(BASE_VERSION_TAG, "")
+        tags = await asyncio.to_thread(registry.tags, ref)
+        base_version = tags.get(BASE_VERSION_TAG, "")
         base = await self.load(name, version=base_version) if base_version else None
 
         def build() -> LoadedModel:
@@ -73,11 +75,11 @@ class Versions:
             return loaded
 
         loaded = await asyncio.to_thread(self.engine.run, build)
-        await self._add_variants(loaded)
+        await self._add_variants(loaded, tags)
         logger.info("loaded model=%s version=%s alias=%s device=%s", name, ref.version, alias, self.device)
         return loaded
 
-    async def _add_variants(self, loaded: LoadedModel) -> None:
+    async def _add_variants(self, loaded: LoadedModel, tags: dict[str, str]) -> None:
         """Builds the variants of a version with weights of its own beside it (an adapter is served
         over its base's reference only), then measures them all against it; without variants to
         build, nothing is measured."""
@@ -94,10 +96,9 @@ class Versions:
         await measure(self.engine, loaded, variants)
         for v in [loaded, *variants]:
             assert v.quality is not None
+            v.quality = replace(v.quality, task_score=task_score(tags, v))
             if self.engine.metrics is not None:
-                self.engine.metrics.observe_variant(
-                    v.name, v.version, variant_name(v), v.quality.greedy_agreement, v.quality.token_agreement
-                )
+                self.engine.metrics.observe_variant(v.name, v.version, variant_name(v), v.quality)
             logger.info(
                 "variant model=%s version=%s variant=%s greedy_agreement=%.3f token_agreement=%.3f "
                 "prefill_ms_per_token=%.2f decode_ms_per_token=%.1f", v.name, v.version, variant_name(v),

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from feedback.tasks import get_task
-from feedback.training.evaluation import base_model_metrics
+from feedback.training.evaluation import base_model_metrics, task_score_tags
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from reflow.registry import Registry, VersionRef
 from workers.models.loader import resolve_device, save_checkpoint
@@ -29,6 +29,7 @@ class BaseModelSpec:
     task: str
     recipe: PretrainConfig
     device: str
+    variants: tuple[str, ...] = ()  # REFLOW_VARIANTS: scored on the task too
 
 
 def ensure_base_model(base: BaseModelSpec, registry: Registry, console: Console) -> VersionRef:
@@ -52,6 +53,7 @@ def ensure_base_model(base: BaseModelSpec, registry: Registry, console: Console)
     train_s = time.perf_counter() - started
     with console.status("evaluating the base model"):
         metrics = {**base_model_metrics(model, tokenizer, task), "train_seconds": train_s}
+        scores = task_score_tags(model, tokenizer, task, base.variants) if base.variants else {}
     console.print(
         f"base model: {task.name} accuracy {metrics['accuracy_in_range']:.1%} on its training range, "
         f"{metrics['accuracy_wide_range']:.1%} on live traffic's, trained in {train_s:.0f}s"
@@ -63,5 +65,5 @@ def ensure_base_model(base: BaseModelSpec, registry: Registry, console: Console)
             params={**asdict(config), "task": repr(task), "device": str(device)},
             metrics=metrics,
             alias=alias,
-            tags={"reflow.source": "bootstrap"},
+            tags={"reflow.source": "bootstrap", **scores},
         )

@@ -28,6 +28,7 @@ from feedback.tasks import get_task
 from feedback.tasks.task import Example, Task, as_prompt, replay_example
 from feedback.training import gate
 from feedback.training.dataset import RatedCompletion, build_dataset, count_new, load_new
+from feedback.training.evaluation import task_score_tags
 from feedback.training.trainer import FinetuneConfig, train_candidate
 from reflow.registry import BASE_VERSION_TAG, CHALLENGER, Registry, VersionRef
 from reflow.store.experiments import running_experiment
@@ -80,6 +81,7 @@ class FinetuneJob:
     cache_dir: Path  # local copies of downloaded versions
     traffic: float  # the challenger's share in the experiment it opens
     workers: WorkerTargets  # told to load the challenger at once
+    variants: tuple[str, ...] = ()  # REFLOW_VARIANTS: scored on the task when a full fine-tune registers
 
 
 def run_finetune(
@@ -190,8 +192,10 @@ def _train_and_judge(
             "reflow.run_id": mlflow_run,
             "reflow.finetune_run": str(run_id),
         }
-        if lora:  # served over the parent's weights
+        if lora:  # served over the parent's weights (an adapter's workers build no variants of it)
             version_tags[BASE_VERSION_TAG] = parent
+        elif job.variants:
+            version_tags |= task_score_tags(candidate, tokenizer, task, job.variants)
         version = registry.register_version(
             name, mlflow_run, source, alias=CHALLENGER, tags=version_tags
         ).version

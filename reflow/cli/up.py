@@ -148,7 +148,14 @@ def base_model_of(settings: Settings) -> BaseModelSpec:
     recipe = replace(PretrainConfig(), preset=settings.model_preset)
     if settings.bootstrap_steps:
         recipe = replace(recipe, steps=settings.bootstrap_steps)
-    return BaseModelSpec(settings.model_name, settings.model_alias, settings.task, recipe, settings.device)
+    return BaseModelSpec(
+        settings.model_name,
+        settings.model_alias,
+        settings.task,
+        recipe,
+        settings.device,
+        tuple(settings.variants),
+    )
 
 
 def demo_overrides(settings: Settings) -> dict[str, str]:

@@ -187,14 +187,16 @@ class ModelVersion(_message.Message):
     def __init__(self, version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., ready_workers: _Optional[int] = ..., variants: _Optional[_Iterable[_Union[ModelVariant, _Mapping]]] = ...) -> None: ...
 
 class ModelVariant(_message.Message):
-    __slots__ = ("name", "greedy_agreement", "token_agreement")
+    __slots__ = ("name", "greedy_agreement", "token_agreement", "task_score")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GREEDY_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    TASK_SCORE_FIELD_NUMBER: _ClassVar[int]
     name: str
     greedy_agreement: float
     token_agreement: float
-    def __init__(self, name: _Optional[str] = ..., greedy_agreement: _Optional[float] = ..., token_agreement: _Optional[float] = ...) -> None: ...
+    task_score: float
+    def __init__(self, name: _Optional[str] = ..., greedy_agreement: _Optional[float] = ..., token_agreement: _Optional[float] = ..., task_score: _Optional[float] = ...) -> None: ...
 
 class Model(_message.Message):
     __slots__ = ("name", "versions")

@@ -84,7 +84,7 @@ class LoadedVersion(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., base_version: _Optional[str] = ..., adapter_parameters: _Optional[int] = ..., variants: _Optional[_Iterable[_Union[LoadedVariant, _Mapping]]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., reasons: _Optional[bool] = ...) -> None: ...
 
 class LoadedVariant(_message.Message):
-    __slots__ = ("name", "reference", "greedy_agreement", "prefill_ms_per_token", "decode_ms_per_token", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "weight_bytes", "token_agreement")
+    __slots__ = ("name", "reference", "greedy_agreement", "prefill_ms_per_token", "decode_ms_per_token", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "weight_bytes", "token_agreement", "task_score")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     GREEDY_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class LoadedVariant(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    TASK_SCORE_FIELD_NUMBER: _ClassVar[int]
     name: str
     reference: bool
     greedy_agreement: float
@@ -107,7 +108,8 @@ class LoadedVariant(_message.Message):
     kv_blocks_total: int
     weight_bytes: int
     token_agreement: float
-    def __init__(self, name: _Optional[str] = ..., reference: _Optional[bool] = ..., greedy_agreement: _Optional[float] = ..., prefill_ms_per_token: _Optional[float] = ..., decode_ms_per_token: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., token_agreement: _Optional[float] = ...) -> None: ...
+    task_score: float
+    def __init__(self, name: _Optional[str] = ..., reference: _Optional[bool] = ..., greedy_agreement: _Optional[float] = ..., prefill_ms_per_token: _Optional[float] = ..., decode_ms_per_token: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., token_agreement: _Optional[float] = ..., task_score: _Optional[float] = ...) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
     __slots__ = ("loaded", "running", "waiting", "memory_bytes", "device_memory_bytes", "kv_slots", "max_waiting", "isolation", "connections_dropped", "connects_denied", "kv_blocks_total", "kv_blocks_used")

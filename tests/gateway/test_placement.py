@@ -12,7 +12,7 @@ import pytest
 
 from gateway.latency import LatencyModel, Load, Observation, RecursiveLeastSquares
 from gateway.placement import PlacedStream, Placement, Placer
-from gateway.routing import ModelSpec, WorkerHandle, WorkerPool
+from gateway.routing import ModelSpec, ServedVersion, WorkerHandle, WorkerPool
 from gateway.validation import RequestLimits
 from reflow.errors import NotFound
 from reflow.v1 import inference_pb2, worker_pb2
@@ -242,3 +242,17 @@ async def test_no_switch_of_variant_pushes_a_running_stream_past_its_deadline(pl
     assert (
         placing.place(budget_ms=(int8.alone.total_ms + float32.prediction.total_ms) / 2).option.name == "int8"
     )
+
+
+def test_a_served_version_reports_each_variants_lowest_scores_over_its_workers() -> None:
+    served = ServedVersion("1")
+    for int8_score in (0.8, 0.7, None):  # three workers; the last has no task score for int8
+        int8 = {**INT8} if int8_score is None else {**INT8, "task_score": int8_score}
+        served.add(version(({**FLOAT32, "task_score": 0.9}, int8)))
+    assert served.ready_workers == 3
+    assert served.variants["int8"].task_score == pytest.approx(0.7)
+    assert served.variants["float32"].task_score == pytest.approx(0.9)
+    assert served.variants["int8"].token_agreement == pytest.approx(0.6)
+    unscored = ServedVersion("1")
+    unscored.add(version((FLOAT32, INT8)))
+    assert not unscored.variants["int8"].HasField("task_score")

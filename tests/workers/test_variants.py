@@ -46,6 +46,7 @@ async def test_the_int8_variant_is_measured_below_the_reference_and_reported_in_
     assert (int8.name, int8.reference) == ("int8", False)
     assert 0.0 < int8.greedy_agreement < 1.0  # close to the reference, not the same model
     assert reference.token_agreement == 1.0 and 0.0 < int8.token_agreement < 1.0
+    assert not int8.HasField("task_score")  # an imported checkpoint has no task to score
     assert int8.weight_bytes < 0.7 * reference.weight_bytes  # int8 linears; embeddings, MLP outputs float
     assert 0 < int8.decode_ms_per_token < reference.decode_ms_per_token  # what it is for
     for variant in loaded.variants:
