@@ -299,9 +299,10 @@ def _card(
     id: str, parent: str | None, aliases: list[str], ready: int, served: ServedVersion | None = None
 ) -> dict[str, Any]:
     variants = [
-        {"name": m.name, "token_agreement": m.token_agreement, "greedy_agreement": m.greedy_agreement}
+        {"name": m.name, "token_agreement": m.token_agreement, "greedy_agreement": m.greedy_agreement,
+         "task_score": m.task_score if m.HasField("task_score") else None}
         for m in (served.variants.values() if served else ())
-    ]
+    ]  # fmt: skip
     return {"id": id, "object": "model", "created": 0, "owned_by": OWNER, "parent": parent,
             "version": served.version if served else None, "aliases": aliases, "ready_workers": ready,
             "variants": variants}  # fmt: skip

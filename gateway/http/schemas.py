@@ -210,6 +210,7 @@ class VariantCard(BaseModel):
     name: str = Field(description="What a request's `variant` names.")
     token_agreement: float = Field(description="Share of the version's greedy tokens it predicts; 1 for it.")
     greedy_agreement: float = Field(description="Share of the version's greedy output it reproduces.")
+    task_score: float | None = Field(description="Its greedy accuracy on the version's task; null: no task.")
 
 
 class ModelCard(BaseModel):

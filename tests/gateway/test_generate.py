@@ -16,7 +16,7 @@ from gateway.validation import worker_request
 from reflow.settings import Settings
 from reflow.store.database import open_engine
 from reflow.v1 import inference_pb2, worker_pb2
-from tests.support.stack import Stack, generate, request, start_stack, start_worker, stop_stack
+from tests.support.stack import Stack, generate, held_stream, request, start_stack, start_worker, stop_stack
 from workers.server import loaded_to_pb, params_from_pb
 
 P = inference_pb2
@@ -129,13 +129,11 @@ async def test_unknown_model_is_not_found(stack: Stack) -> None:
 async def test_concurrent_stream_quota(settings: Settings) -> None:
     stack = await start_stack(settings, max_concurrent_streams=1)
     try:
-        held = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
-        await held.read()  # one stream open
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await generate(stack, request())
+        async with held_stream(stack):  # one stream open
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await generate(stack, request())
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "retry" in info.value.details()
-        held.cancel()
         await asyncio.sleep(0.1)
         await generate(stack, request())  # the slot is free again
     finally:

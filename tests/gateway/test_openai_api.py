@@ -26,7 +26,7 @@ from reflow.v1 import inference_pb2
 from tests.support.kafka import Broker, consuming
 from tests.support.registry import local_registry
 from tests.support.smollm2 import converted_smollm2, tiny_chat_checkpoint
-from tests.support.stack import Stack, generate, request, start_stack, stop_stack
+from tests.support.stack import Stack, generate, held_stream, request, start_stack, stop_stack
 from tests.support.waiting import eventually, wait_for
 
 P = inference_pb2
@@ -214,11 +214,9 @@ async def test_each_error_has_its_status_and_the_sdks_exception(stack: Stack) ->
 async def test_the_stream_quota_is_shared_by_both_faces(settings: Settings) -> None:
     stack = await start_stack(settings, max_concurrent_streams=1)
     try:
-        call = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
-        await call.read()  # a gRPC stream holds the tenant's one slot
-        with pytest.raises(openai.RateLimitError, match="its 1 concurrent streams"):
-            await async_client(stack).completions.create(model="arith", prompt="1+1=")
-        call.cancel()
+        async with held_stream(stack):  # a gRPC stream holds the tenant's one slot
+            with pytest.raises(openai.RateLimitError, match="its 1 concurrent streams"):
+                await async_client(stack).completions.create(model="arith", prompt="1+1=")
     finally:
         await stop_stack(stack)
 

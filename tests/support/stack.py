@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -155,3 +158,19 @@ async def generate(
 ) -> list[inference_pb2.GenerateResponse]:
     """Every message of one Generate call through the stack's gateway."""
     return [m async for m in stack.stub.Generate(req, metadata=stack.metadata, **kw)]
+
+
+@contextlib.asynccontextmanager
+async def held_stream(stack: Stack) -> AsyncIterator[None]:
+    """A Generate stream that holds one of the tenant's stream slots for the block: past its first
+    message the engine is stalled, so a fast model cannot finish it (and free the slot) early."""
+    call = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
+    await call.read()
+    release = threading.Event()
+    stalled = asyncio.create_task(asyncio.to_thread(stack.workers[0].engine.run, release.wait))
+    try:
+        yield
+    finally:
+        release.set()
+        await stalled
+        call.cancel()
