@@ -28,9 +28,8 @@ def task_score(tags: dict[str, str], variant: LoadedModel) -> float | None:
     as loaded the version's; None where the version has none (or a malformed one)."""
     names = [f"{TASK_SCORE_TAG}.{variant_name(variant)}", *([] if variant.variant else [TASK_SCORE_TAG])]
     for name in names:
-        with contextlib.suppress(ValueError):
-            if name in tags:
-                return float(tags[name])
+        with contextlib.suppress(KeyError, ValueError):
+            return float(tags[name])
     return None
 
 
