@@ -19,6 +19,7 @@ from reflow.v1 import inference_pb2
 from tests.support.cli import reflow
 from tests.support.smollm2 import smollm2_gguf
 from tests.support.up import Up, feedback_stats
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ def test_reflow_up_serves_a_gguf_file_with_the_answer_transformers_gives(tmp_pat
     up = Up(data_dir, "--workers", "1", "--model", str(gguf), env={"REFLOW_DTYPE": "float32"})
     try:
         endpoints = up.endpoints()
-        assert "--chat" in up.output()  # the hint for a chat model
+        wait_for(lambda: "--chat" in up.output(), 30, what="the hint for a chat model")  # printed after
         with Client(endpoints["gateway"], KEY) as client:
             sampling = inference_pb2.SamplingParams(max_tokens=MAX_TOKENS)
             stream = list(client.generate(messages=CHAT, sampling=sampling))
