@@ -56,6 +56,7 @@ class EngineConfig:
     compile: bool = False
     kv_cache_mb: int = 0  # per loaded version; 0 = auto (see AUTO_KV_CACHE_MB)
     max_model_len: int = 0  # 0 = the model's own context
+    prefix_cache: bool = True  # reuse the KV blocks of prompt prefixes (workers/block_pool.py)
 
 
 class ModelRunner:
@@ -75,7 +76,7 @@ class ModelRunner:
         loaded.max_len = min(context, (n_blocks - 1) * BLOCK_SIZE)  # one sequence always fits the pool
         self.scheduler = Scheduler(
             config.max_batch_size, config.max_waiting, config.prefill_chunk, config.max_prefill_tokens,
-            n_blocks, BLOCK_SIZE,
+            n_blocks, BLOCK_SIZE, config.prefix_cache,
         )  # fmt: skip
         self.banned = loaded.banned_tokens  # [V] bool
         # padded to the model's min_batch_rows, a forward gives every row the same bits in any
@@ -154,7 +155,7 @@ class ModelRunner:
                     self._fail(request, error, outputs)
             else:
                 for (request, _, end), row in zip(plan.prefill, last, strict=True):
-                    request.prefilled = end
+                    self.scheduler.prefilled(request, end)
                     if end == request.prompt_len:
                         ready.append((request, row))
         if plan.decode:
@@ -386,6 +387,13 @@ class Engine:
         runners = self._all_runners()
         return sum(r.scheduler.blocks_used for r in runners), sum(r.scheduler.n_blocks for r in runners)
 
+    def prefix_cache(self) -> tuple[int, float]:
+        """(cached KV blocks, prefix cache hit rate) over every version's pool, draining ones included."""
+        pools = [r.scheduler for r in self._all_runners()]
+        prompt_tokens = sum(p.prompt_tokens for p in pools)
+        hit_rate = sum(p.cached_tokens for p in pools) / prompt_tokens if prompt_tokens else 0.0
+        return sum(p.blocks_cached for p in pools), hit_rate
+
     def _all_runners(self) -> list[ModelRunner]:
         with self._lock:
             return [*self._runners.values(), *self._variants.values(), *self._draining]
@@ -460,7 +468,7 @@ class Engine:
             outputs = [(r, error) for r in runner.scheduler.take_all()]
         if self.metrics is not None:
             self.metrics.observe_outputs(outputs, time.perf_counter() - started)
-            self.metrics.observe_occupancy(*self.occupancy(), *self.kv_blocks())
+            self.metrics.observe_occupancy(*self.occupancy(), *self.kv_blocks(), self.prefix_cache()[0])
         _publish(outputs)
 
     def close(self) -> None:

@@ -65,6 +65,21 @@ class WorkerMetrics:
         )
         self.kv_blocks_used = Gauge("reflow_worker_kv_blocks_used", "KV cache blocks held.", registry=r)
         self.kv_blocks = Gauge("reflow_worker_kv_blocks", "KV cache blocks allocated.", registry=r)
+        self.kv_blocks_cached = Gauge(
+            "reflow_worker_kv_blocks_cached",
+            "KV cache blocks holding a prompt prefix for reuse, held or not (REFLOW_PREFIX_CACHE).",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "reflow_worker_prompt_tokens",
+            "Prompt tokens of sequences that reached their first token.",
+            registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            "reflow_worker_prefix_cache_hit_tokens",
+            "Of reflow_worker_prompt_tokens, those reused from the prefix cache (the ratio: hit rate).",
+            registry=r,
+        )
         self.kv_cache_usage = Gauge(
             "reflow_worker_kv_cache_usage", "KV cache blocks held / allocated (0 to 1).", registry=r
         )
@@ -111,9 +126,13 @@ class WorkerMetrics:
         self.kv_slots.set(slots)
         self.kv_blocks.set(blocks)
 
-    def observe_occupancy(self, running: int, waiting: int, blocks_used: int, blocks_total: int) -> None:
-        """After each step: sequences admitted and queued, KV blocks held of those allocated."""
+    def observe_occupancy(
+        self, running: int, waiting: int, blocks_used: int, blocks_total: int, blocks_cached: int
+    ) -> None:
+        """After each step: sequences admitted and queued, KV blocks held of those allocated, and
+        those the prefix cache keeps."""
         self.running.set(running)
+        self.kv_blocks_cached.set(blocks_cached)
         self.kv_slots_in_use.set(running)
         self.waiting.set(waiting)
         self.kv_blocks_used.set(blocks_used)
@@ -133,6 +152,8 @@ class WorkerMetrics:
             else:
                 self.ttft.observe(now - request.enqueued_at)
                 self.queue_time.observe(request.admitted_at - request.enqueued_at)
+                self.prompt_tokens.inc(request.prompt_len)
+                self.cached_prompt_tokens.inc(request.cached)
             request.last_token_at = now
             if output.finish_reason is not None:
                 self.finished.labels(output.finish_reason.name).inc()

@@ -7,6 +7,11 @@ a time as it grows and gives them all back when it ends. Reserving the worst cas
 sequence never has to be preempted and recomputed (vLLM's way when its blocks run out): outputs
 stay bit-exact, and the price is that a request asking for far more tokens than it will produce
 may wait while blocks sit unused.
+
+A request whose prompt starts with blocks another prompt prefilled maps them (workers/block_pool.py)
+and prefills only the rest. Prefill chunks end at multiples of the chunk size, counted from the
+prompt's start, so a prompt that reuses a multiple of the chunk runs the very forwards it would have
+run without the cache.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 import torch
 
 from reflow.errors import NotFound, ResourceExhausted
-from workers.models.kv_cache import SCRATCH_BLOCK
+from workers.block_pool import BlockPool, block_hashes
 from workers.sequence import Delta, Sequence
 
 
@@ -34,6 +39,8 @@ class Request:
     adapter: str = ""  # the adapter version its rows go through; "" = the base weights alone
     blocks: list[int] = field(default_factory=list)  # its block table: KV blocks in token order
     prefilled: int = 0  # prompt tokens already in the KV cache
+    prefix: list[bytes] = field(default_factory=list)  # hashes of its prompt's full blocks
+    cached: int = 0  # of its prompt, tokens whose keys and values the prefix cache held
     next_input: int | None = None  # the sampled token the next decode step feeds in
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -79,6 +86,7 @@ class Scheduler:
         max_prefill_tokens: int,
         n_blocks: int,
         block_size: int,
+        prefix_cache: bool = True,
     ):
         self.max_running = max_running
         self.max_waiting = max_waiting
@@ -86,7 +94,9 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.block_size = block_size
         self.n_blocks = n_blocks - 1  # usable: the scratch block is never handed out
-        self._free_blocks = [b for b in range(n_blocks - 1, -1, -1) if b != SCRATCH_BLOCK]
+        self._pool = BlockPool(n_blocks, caching=prefix_cache)
+        self.prompt_tokens = 0  # over admitted requests
+        self.cached_tokens = 0  # of those, reused from the prefix cache
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._closed = False  # the version was unloaded: running ones finish, nothing new joins
@@ -104,8 +114,18 @@ class Scheduler:
 
     @property
     def blocks_used(self) -> int:
-        """KV blocks sequences hold now."""
-        return self.n_blocks - len(self._free_blocks)
+        """KV blocks sequences hold now (cached ones nobody holds are free to take)."""
+        return self.n_blocks - self._pool.available
+
+    @property
+    def blocks_cached(self) -> int:
+        """KV blocks holding a prompt prefix for reuse, held or not."""
+        return self._pool.cached
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens reused from the prefix cache / prompt tokens, over admitted requests."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def has_work(self) -> bool:
         """True when a step would do something."""
@@ -122,6 +142,8 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         """Queues a request; ResourceExhausted with a retry hint when the queue is full."""
+        if self._pool.caching:
+            request.prefix = block_hashes(request.sequence.prompt_ids, self.block_size, request.adapter)
         with self._lock:
             if self._closed:
                 raise NotFound("the version was unloaded from this worker just now")
@@ -143,20 +165,22 @@ class Scheduler:
             for request in [r for r in self._running if r.cancelled]:
                 self._release(request)
             while self._waiting and len(self._running) < self.max_running:
+                head = self._waiting[0]
                 promised = sum(self.blocks_for(r.most_tokens) - len(r.blocks) for r in self._running)
-                if self.blocks_for(self._waiting[0].most_tokens) > len(self._free_blocks) - promised:
+                # the last prompt token is always computed: its logits give the first output token
+                hits = self._pool.match(head.prefix[: (head.prompt_len - 1) // self.block_size])
+                needed = self.blocks_for(head.most_tokens) - len(hits) + self._pool.idle_among(hits)
+                if needed > self._pool.available - promised:
                     break  # first come, first served: the head waits for blocks to come back
-                request = self._waiting.popleft()
-                request.admitted_at = time.perf_counter()
-                request.blocks = []
-                self._running.append(request)
+                self._admit(self._waiting.popleft(), hits)
             plan = StepPlan()
             budget = self.max_prefill_tokens
             for request in self._running:
                 if request.prefilled < request.prompt_len:
                     # Chunk boundaries depend on the request alone (never on the budget left),
                     # so a prompt prefills the same way in any batch mix and stays bit-exact.
-                    end = min(request.prompt_len, request.prefilled + self.prefill_chunk)
+                    chunk_end = (request.prefilled // self.prefill_chunk + 1) * self.prefill_chunk
+                    end = min(request.prompt_len, chunk_end)
                     if end - request.prefilled > budget and plan.prefill:
                         continue  # next step; the first chunk of a step always runs
                     self._grow(request, end)
@@ -167,10 +191,31 @@ class Scheduler:
                     plan.decode.append(request)
             return plan
 
+    def _admit(self, request: Request, hits: list[int]) -> None:
+        """Runs a request, its prompt's cached prefix (`hits`) mapped."""
+        self._pool.hold(hits)
+        request.admitted_at = time.perf_counter()
+        request.blocks = hits
+        request.prefilled = request.cached = len(hits) * self.block_size
+        request.sequence.cached_tokens = request.cached
+        self.prompt_tokens += request.prompt_len
+        self.cached_tokens += request.cached
+        self._running.append(request)
+
     def _grow(self, request: Request, tokens: int) -> None:
         """Takes blocks until `request` holds room for `tokens` tokens (reserved at admission)."""
         while len(request.blocks) * self.block_size < tokens:
-            request.blocks.append(self._free_blocks.pop())
+            request.blocks.append(self._pool.take())
+
+    def prefilled(self, request: Request, end: int) -> None:
+        """After a forward wrote the keys and values of `request`'s prompt up to `end`: its full
+        blocks among them are cached for the prompts that start the same way."""
+        with self._lock:
+            for index in range(
+                request.prefilled // self.block_size, len(request.prefix[: end // self.block_size])
+            ):
+                self._pool.register(request.blocks[index], request.prefix[index])
+            request.prefilled = end
 
     def close(self) -> None:
         """Refuses new requests; the ones already here run to their end."""
@@ -194,5 +239,5 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._running.remove(request)
-        self._free_blocks.extend(reversed(request.blocks))
+        self._pool.release(request.blocks)
         request.blocks = []

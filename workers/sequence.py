@@ -35,6 +35,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int  # reasoning included
     reasoning_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, those whose keys and values the prefix cache held
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Sequence:
         self.max_len = max_len
         self.output_ids: list[int] = []
         self.reasoning_tokens = 0
+        self.cached_tokens = 0  # of the prompt, tokens the prefix cache held (set when admitted)
         self.phase = Phase.START
         self.finish_reason: FinishReason | None = None
         self._decoder = tokenizer.decoder()
@@ -134,7 +136,9 @@ class Sequence:
         else:
             delta.text += rest
         self.finish_reason = delta.finish_reason = reason
-        delta.usage = Usage(len(self.prompt_ids), len(self.output_ids), self.reasoning_tokens)
+        delta.usage = Usage(
+            len(self.prompt_ids), len(self.output_ids), self.reasoning_tokens, self.cached_tokens
+        )
         return delta
 
     def _push_answer(self, text: str) -> tuple[str, bool]:

@@ -1,5 +1,6 @@
 """The scheduler's plans: admission by batch rows and KV blocks, prefill chunks that depend on nothing
-but the request, blocks taken as sequences grow and given back when they end."""
+but the request, blocks taken as sequences grow and given back when they end, and prompt prefixes
+mapped from the blocks an earlier prompt prefilled (the prefix cache)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,23 @@ from workers.sequence import GenerationParams, Sequence
 TOK = TOKENIZER
 
 
-def request(prompt: str, max_tokens: int = 4) -> Request:
+def request(prompt: str, max_tokens: int = 4, adapter: str = "") -> Request:
     sequence = Sequence(TOK.encode(prompt), GenerationParams(max_tokens=max_tokens), TOK, 128)
-    return Request(sequence, torch.Generator(), deliver=None)
+    return Request(sequence, torch.Generator(), deliver=None, adapter=adapter)
 
 
 def new_scheduler(
-    rows: int = 8, waiting: int = 8, chunk: int = 64, budget: int = 64, blocks: int = 65
+    rows: int = 8, waiting: int = 8, chunk: int = 64, budget: int = 64, blocks: int = 65, cache: bool = True
 ) -> Scheduler:
-    return Scheduler(rows, waiting, chunk, budget, n_blocks=blocks, block_size=4)
+    return Scheduler(rows, waiting, chunk, budget, n_blocks=blocks, block_size=4, prefix_cache=cache)
+
+
+def prefill(scheduler: Scheduler) -> list[tuple[Request, int, int]]:
+    """One step's prefill chunks, run: as the engine reports them once its forward wrote them."""
+    chunks = scheduler.schedule().prefill
+    for r, _, end in chunks:
+        scheduler.prefilled(r, end)
+    return chunks
 
 
 def test_chunk_boundaries_never_depend_on_the_budget_left() -> None:
@@ -32,10 +41,7 @@ def test_chunk_boundaries_never_depend_on_the_budget_left() -> None:
         scheduler.submit(r)
     chunks = []
     for _ in range(3):
-        plan = scheduler.schedule()
-        for r, start, end in plan.prefill:
-            r.prefilled = end
-            chunks.append((requests.index(r), start, end))
+        chunks += [(requests.index(r), start, end) for r, start, end in prefill(scheduler)]
     assert chunks == [(0, 0, 7), (1, 0, 7), (2, 0, 7)]  # one whole prompt per step, never (0, 3)
 
 
@@ -45,8 +51,7 @@ def test_long_prompts_prefill_in_fixed_chunks() -> None:
     scheduler.submit(long)
     boundaries = []
     while long.prefilled < long.prompt_len:
-        ((r, start, end),) = scheduler.schedule().prefill
-        r.prefilled = end
+        ((_, start, end),) = prefill(scheduler)
         boundaries.append((start, end))
     assert boundaries == [(0, 8), (8, 16), (16, 20)]
 
@@ -74,9 +79,9 @@ def test_blocks_are_taken_as_a_sequence_grows_and_given_back_at_its_end() -> Non
     scheduler = new_scheduler(blocks=9)  # 8 usable blocks of 4 tokens
     r = request("1+1=", max_tokens=10)  # 5 prompt tokens, at most 15 in all: 4 blocks reserved
     scheduler.submit(r)
-    ((_, start, end),) = scheduler.schedule().prefill
+    ((_, start, end),) = prefill(scheduler)
     assert (start, end, len(r.blocks), scheduler.blocks_used) == (0, 5, 2, 2)
-    r.prefilled, r.next_input = end, 7
+    r.next_input = 7
     for _ in range(9):
         r.sequence.output_ids.append(7)
         assert scheduler.schedule().decode == [r]
@@ -101,3 +106,98 @@ def test_a_request_waits_until_the_pool_covers_its_longest_completion() -> None:
     big[0].cancelled = True
     plan = scheduler.schedule()
     assert [r for r, _, _ in plan.prefill] == [big[1]] and scheduler.waiting == 1
+
+
+PREFIX = "You are a helpful assistant. "  # 30 tokens with BOS: 7 full blocks of 4
+
+
+def test_a_prompt_starting_like_an_earlier_one_prefills_only_its_suffix() -> None:
+    scheduler = new_scheduler(chunk=8)
+    first = request(PREFIX + "1+1=")  # 34 tokens: 8 full blocks
+    scheduler.submit(first)
+    while first.prefilled < first.prompt_len:
+        prefill(scheduler)
+    first_blocks = list(first.blocks)
+    scheduler.finish(first)
+    assert (scheduler.blocks_used, scheduler.blocks_cached) == (0, 8)  # kept, yet free to take
+    second = request(PREFIX + "2+2=")  # the same first 7 blocks, then its own
+    scheduler.submit(second)
+    ((_, start, end),) = prefill(scheduler)
+    assert (start, end, second.cached) == (28, 32, 28)  # to the next chunk boundary, as without it
+    assert second.blocks[:7] == first_blocks[:7]
+    assert scheduler.hit_rate == 28 / 68
+    scheduler.finish(second)
+    again = request(PREFIX + "1+1=")  # all of it cached, but its last token is always computed
+    scheduler.submit(again)
+    ((_, start, end),) = prefill(scheduler)
+    assert (start, end, again.cached) == (32, 34, 32)
+
+
+def test_a_shared_block_outlives_a_holder_that_is_cancelled() -> None:
+    scheduler = new_scheduler()
+    a, b = request(PREFIX + "1+1="), request(PREFIX + "2+2=")
+    scheduler.submit(a)
+    prefill(scheduler)
+    scheduler.submit(b)
+    prefill(scheduler)
+    assert b.blocks[:7] == a.blocks[:7] and b.cached == 28
+    a.cancelled = True
+    scheduler.schedule()
+    assert scheduler.blocks_used == len(b.blocks)  # the shared ones still held, by b alone
+    c = request(PREFIX + "3+3=")
+    scheduler.submit(c)
+    prefill(scheduler)
+    assert c.blocks[:7] == b.blocks[:7]  # and still cached
+
+
+def test_cancelled_mid_prefill_only_the_blocks_a_forward_filled_are_cached() -> None:
+    scheduler = new_scheduler(chunk=6)  # chunks end inside blocks: 0-6 fills block 0, half of block 1
+    a = request(PREFIX + "1+1=")
+    scheduler.submit(a)
+    ((_, _, end),) = prefill(scheduler)
+    assert end == 6 and scheduler.blocks_cached == 1
+    scheduler.schedule()  # the next chunk is planned, its blocks taken, but never written
+    a.cancelled = True
+    scheduler.schedule()
+    b = request(PREFIX + "1+1=")
+    scheduler.submit(b)
+    ((_, start, _),) = prefill(scheduler)
+    assert (start, b.cached) == (4, 4)  # block 0 only: the half-written and planned ones never match
+
+
+def test_cached_blocks_nobody_holds_are_evicted_least_recent_first_and_never_make_a_request_wait() -> None:
+    scheduler = new_scheduler(blocks=17, chunk=64)  # 16 usable blocks of 4 tokens
+    old, recent = request("a" * 31, max_tokens=1), request("b" * 31, max_tokens=1)  # 8 blocks each
+    for r in (old, recent):
+        scheduler.submit(r)
+        prefill(scheduler)
+        scheduler.finish(r)
+    assert (scheduler.blocks_used, scheduler.blocks_cached) == (0, 16)  # every block cached, none held
+    new = request("c" * 27, max_tokens=1)  # 7 blocks
+    scheduler.submit(new)
+    assert len(prefill(scheduler)) == 1  # admitted at once, evicting
+    scheduler.finish(new)
+    assert scheduler.blocks_cached == 16  # new's 7, and 9 of the 16 before
+    old_again = request("a" * 31, max_tokens=1)
+    scheduler.submit(old_again)
+    prefill(scheduler)
+    assert old_again.cached == 4  # old's went first, tail before head: recent's 8 and old's head stayed
+
+
+def test_no_reuse_across_adapters_or_with_the_cache_off() -> None:
+    scheduler = new_scheduler()
+    base = request(PREFIX + "1+1=")
+    scheduler.submit(base)
+    prefill(scheduler)
+    adapted = request(PREFIX + "1+1=", adapter="2")
+    scheduler.submit(adapted)
+    prefill(scheduler)
+    assert adapted.cached == 0 and not set(adapted.blocks) & set(base.blocks)
+    off = new_scheduler(cache=False)
+    for _ in range(2):
+        r = request(PREFIX + "1+1=")
+        off.submit(r)
+        prefill(off)
+        off.finish(r)
+        assert r.cached == 0
+    assert (off.blocks_cached, off.hit_rate) == (0, 0.0)
