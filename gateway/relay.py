@@ -180,6 +180,7 @@ class Relay:
                             prompt_tokens=delta.prompt_tokens,
                             completion_tokens=delta.completion_tokens,
                             reasoning_tokens=delta.reasoning_tokens,
+                            cached_tokens=delta.cached_tokens,
                             time_to_first_token_ms=(first_token_at - received) * 1000,
                             total_ms=(now - received) * 1000,
                         )
@@ -221,6 +222,7 @@ def merge_worker_deltas(
         earlier.prompt_tokens = later.prompt_tokens
         earlier.completion_tokens = later.completion_tokens
         earlier.reasoning_tokens = later.reasoning_tokens
+        earlier.cached_tokens = later.cached_tokens
 
 
 async def _pump(call: grpc.aio.UnaryStreamCall, mailbox: Mailbox[worker_pb2.WorkerGenerateResponse]) -> None:

@@ -134,6 +134,14 @@ class Settings(BaseSettings):
             "needed, so that one sequence fits the KV cache."
         ),
     )
+    prefix_cache: bool = Field(
+        True,
+        description=(
+            "Reuse the KV blocks of prompt prefixes: a prompt that starts with 16-token blocks an "
+            "earlier prompt prefilled (a system prompt, a conversation's history) prefills only the "
+            "rest. Outputs are the same either way; false prefills every prompt whole."
+        ),
+    )
     prefill_chunk: int = Field(
         64,
         ge=1,

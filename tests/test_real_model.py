@@ -65,7 +65,12 @@ def test_reflow_up_serves_a_gguf_file_with_the_answer_transformers_gives(tmp_pat
             temperature=0, max_tokens=MAX_TOKENS,
         ))  # fmt: skip
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
-        assert chunks[-1].usage.prompt_tokens == stream[-1].usage.prompt_tokens
+        prompt_tokens = stream[-1].usage.prompt_tokens
+        assert chunks[-1].usage.prompt_tokens == prompt_tokens
+        # the same prompt again: all its full 16-token blocks reused but the last token's, same answer
+        reused = (prompt_tokens - 1) // 16 * 16
+        assert stream[-1].usage.cached_tokens == 0
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == reused
         rated = sdk.post("/feedback", body={"request_id": chunks[0].id, "rating": 1}, cast_to=httpx.Response)
         assert rated.json()["accepted"] == 1
         stats = feedback_stats(data_dir, lambda s: s["inferences"] == 2 and s["joined_feedback"] == 1)
@@ -73,11 +78,15 @@ def test_reflow_up_serves_a_gguf_file_with_the_answer_transformers_gives(tmp_pat
         with urllib.request.urlopen(endpoints["metrics"]["worker-0"], timeout=10) as reply:
             metrics = reply.read().decode()
         assert "reflow_worker_kv_blocks " in metrics and "reflow_worker_kv_cache_usage " in metrics
+        hit = f"reflow_worker_prefix_cache_hit_tokens_total {float(reused)}"
+        assert hit in metrics and f"reflow_worker_prompt_tokens_total {2.0 * prompt_tokens}" in metrics
         listed = reflow("models", "list", NAME, env={"REFLOW_DATA_DIR": str(data_dir)})
         assert listed.stdout.split("\t")[:3] == ["1", "champion", "import"], listed.stderr
         status = reflow("workers", "status", "--json", env={"REFLOW_DATA_DIR": str(data_dir)})
         [worker] = json.loads(status.stdout)
         assert worker["kv_blocks_used"] == 0 and worker["kv_blocks_total"] > 0
+        assert worker["kv_blocks_cached"] == prompt_tokens // 16
+        assert worker["prefix_cache_hit_rate"] == pytest.approx(reused / (2 * prompt_tokens))
         assert [(v["model"], v["dtype"]) for v in worker["loaded"]] == [(NAME, "float32")]
     finally:
         assert up.stop() == 0, up.output()

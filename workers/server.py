@@ -85,6 +85,7 @@ def delta_to_pb(delta: Delta) -> worker_pb2.WorkerGenerateResponse:
         message.prompt_tokens = delta.usage.prompt_tokens
         message.completion_tokens = delta.usage.completion_tokens
         message.reasoning_tokens = delta.usage.reasoning_tokens
+        message.cached_tokens = delta.usage.cached_tokens
     return message
 
 
@@ -107,6 +108,8 @@ def loaded_to_pb(loaded: LoadedModel, engine: Engine) -> worker_pb2.LoadedVersio
         kv_blocks_used=pool.blocks_used,
         kv_blocks_total=pool.n_blocks,
         kv_block_size=pool.block_size,
+        kv_blocks_cached=pool.blocks_cached,
+        prefix_cache_hit_rate=pool.hit_rate,
         reasons=loaded.tokenizer.reasoning_markers is not None,
     )
 
@@ -187,6 +190,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         stats = self.isolation.stats()
         blocks_used, blocks_total = self.engine.kv_blocks()
+        blocks_cached, hit_rate = self.engine.prefix_cache()
         return worker_pb2.WorkerStatusResponse(
             loaded=[loaded_to_pb(m, self.engine) for m in self.engine.loaded()],
             running=self.engine.running,
@@ -196,6 +200,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_slots=self.engine.kv_slots,
             kv_blocks_used=blocks_used,
             kv_blocks_total=blocks_total,
+            kv_blocks_cached=blocks_cached,
+            prefix_cache_hit_rate=hit_rate,
             max_waiting=self.engine.config.max_waiting,
             isolation=self.isolation.name,
             connections_dropped=stats.get("ingress_dropped", 0),
@@ -249,6 +255,7 @@ def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
         compile=compile_on,
         kv_cache_mb=settings.kv_cache_mb,
         max_model_len=settings.max_model_len,
+        prefix_cache=settings.prefix_cache,
     )
 
 

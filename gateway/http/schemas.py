@@ -125,10 +125,15 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens reused from the worker's prefix cache.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = Field(description="Reasoning included.")
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     completion_tokens_details: CompletionTokensDetails
 
 

@@ -36,6 +36,8 @@ def workers_status(
             "connections_dropped": status.connections_dropped, "connects_denied": status.connects_denied,
             "running": status.running, "waiting": status.waiting, "memory_bytes": status.memory_bytes,
             "kv_blocks_used": status.kv_blocks_used, "kv_blocks_total": status.kv_blocks_total,
+            "kv_blocks_cached": status.kv_blocks_cached,
+            "prefix_cache_hit_rate": status.prefix_cache_hit_rate,
             "loaded": [{"model": v.model, "version": v.version, "aliases": list(v.aliases), "dtype": v.dtype,
                         "base_version": v.base_version, "adapter_parameters": v.adapter_parameters}
                        for v in status.loaded],
@@ -51,7 +53,8 @@ def workers_status(
                                + (f" (adapter over v{v['base_version']})" if v["base_version"] else "")
                                for v in row["loaded"])  # fmt: skip
             print(f"{row['address']}\t{served or '-'}\trunning {row['running']}, waiting {row['waiting']}, "
-                  f"KV blocks {row['kv_blocks_used']}/{row['kv_blocks_total']}\t"
+                  f"KV blocks {row['kv_blocks_used']}/{row['kv_blocks_total']} "
+                  f"({row['kv_blocks_cached']} cached, hit rate {row['prefix_cache_hit_rate']:.0%})\t"
                   f"isolation {row['isolation']}: {row['connections_dropped']} connections dropped, "
                   f"{row['connects_denied']} connects denied")  # fmt: skip
     if any("error" in row for row in rows):

@@ -30,7 +30,7 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., reasoning_budget: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_inference_pb2.ChatMessage, _Mapping]]] = ..., variant: _Optional[str] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "reasoning_text", "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens")
+    __slots__ = ("token_ids", "text", "reasoning_text", "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class WorkerGenerateResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     reasoning_text: str
@@ -45,14 +46,15 @@ class WorkerGenerateResponse(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reasoning_text: _Optional[str] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reasoning_text: _Optional[str] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LoadedVersion(_message.Message):
-    __slots__ = ("model", "version", "aliases", "parameters", "device", "max_sequence_length", "dtype", "base_version", "adapter_parameters", "variants", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "reasons")
+    __slots__ = ("model", "version", "aliases", "parameters", "device", "max_sequence_length", "dtype", "base_version", "adapter_parameters", "variants", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "reasons", "kv_blocks_cached", "prefix_cache_hit_rate")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,8 @@ class LoadedVersion(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     REASONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
@@ -81,7 +85,9 @@ class LoadedVersion(_message.Message):
     kv_blocks_total: int
     kv_block_size: int
     reasons: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., base_version: _Optional[str] = ..., adapter_parameters: _Optional[int] = ..., variants: _Optional[_Iterable[_Union[LoadedVariant, _Mapping]]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., reasons: _Optional[bool] = ...) -> None: ...
+    kv_blocks_cached: int
+    prefix_cache_hit_rate: float
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., base_version: _Optional[str] = ..., adapter_parameters: _Optional[int] = ..., variants: _Optional[_Iterable[_Union[LoadedVariant, _Mapping]]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., reasons: _Optional[bool] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
 
 class LoadedVariant(_message.Message):
     __slots__ = ("name", "reference", "greedy_agreement", "prefill_ms_per_token", "decode_ms_per_token", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "weight_bytes", "token_agreement", "task_score")
@@ -112,7 +118,7 @@ class LoadedVariant(_message.Message):
     def __init__(self, name: _Optional[str] = ..., reference: _Optional[bool] = ..., greedy_agreement: _Optional[float] = ..., prefill_ms_per_token: _Optional[float] = ..., decode_ms_per_token: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., token_agreement: _Optional[float] = ..., task_score: _Optional[float] = ...) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
-    __slots__ = ("loaded", "running", "waiting", "memory_bytes", "device_memory_bytes", "kv_slots", "max_waiting", "isolation", "connections_dropped", "connects_denied", "kv_blocks_total", "kv_blocks_used")
+    __slots__ = ("loaded", "running", "waiting", "memory_bytes", "device_memory_bytes", "kv_slots", "max_waiting", "isolation", "connections_dropped", "connects_denied", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_hit_rate")
     LOADED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +131,8 @@ class WorkerStatusResponse(_message.Message):
     CONNECTS_DENIED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     loaded: _containers.RepeatedCompositeFieldContainer[LoadedVersion]
     running: int
     waiting: int
@@ -137,7 +145,9 @@ class WorkerStatusResponse(_message.Message):
     connects_denied: int
     kv_blocks_total: int
     kv_blocks_used: int
-    def __init__(self, loaded: _Optional[_Iterable[_Union[LoadedVersion, _Mapping]]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_waiting: _Optional[int] = ..., isolation: _Optional[str] = ..., connections_dropped: _Optional[int] = ..., connects_denied: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ...) -> None: ...
+    kv_blocks_cached: int
+    prefix_cache_hit_rate: float
+    def __init__(self, loaded: _Optional[_Iterable[_Union[LoadedVersion, _Mapping]]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_waiting: _Optional[int] = ..., isolation: _Optional[str] = ..., connections_dropped: _Optional[int] = ..., connects_denied: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("model", "version", "alias")

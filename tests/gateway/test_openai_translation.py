@@ -112,7 +112,7 @@ def test_reasoning_comes_apart_from_the_answer_in_messages_chunks_and_usage() ->
     first.MergeFrom(HEADER)
     last = P.GenerateResponse(
         text="15", finish_reason=P.FINISH_REASON_STOP,
-        usage=P.Usage(prompt_tokens=5, completion_tokens=9, reasoning_tokens=6),
+        usage=P.Usage(prompt_tokens=5, completion_tokens=9, reasoning_tokens=6, cached_tokens=4),
     )  # fmt: skip
     whole = completion(ChatShape, served, [first, last])
     assert whole["choices"][0]["message"] == {
@@ -124,6 +124,7 @@ def test_reasoning_comes_apart_from_the_answer_in_messages_chunks_and_usage() ->
         whole["choices"][0]["finish_reason"] == "stop" and whole["system_fingerprint"] == "chat/3@challenger"
     )
     assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+                              "prompt_tokens_details": {"cached_tokens": 4},
                               "completion_tokens_details": {"reasoning_tokens": 6}}  # fmt: skip
     events = [chunk(ChatShape, served, first, True, True), chunk(ChatShape, served, last, False, True)]
     deltas = [json.loads(e.removeprefix("data: ")) for e in events]

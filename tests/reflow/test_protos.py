@@ -42,7 +42,7 @@ def test_public_contract_names() -> None:
         "Routing": ["variant", "token_agreement", "predicted_time_to_first_token_ms", "predicted_total_ms",
                     "reasoning_budget", "predicted_to_meet_deadline"],
         "Usage": ["prompt_tokens", "completion_tokens", "reasoning_tokens", "time_to_first_token_ms",
-                  "total_ms"],
+                  "total_ms", "cached_tokens"],
         "Feedback": ["feedback_id", "request_id", "rating", "correction", "user_id", "labels"],
         "FeedbackAck": ["accepted", "rejected", "errors"],
     }  # fmt: skip
