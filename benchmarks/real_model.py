@@ -184,7 +184,10 @@ def main() -> None:
     # a second thread running kernels would throttle both (workers/engine.py says why).
     engine = Engine(
         EngineConfig(
-            max_batch_size=64, prefill_chunk=args.prefill_chunk, max_prefill_tokens=args.max_prefill_tokens
+            max_batch_size=64,
+            prefill_chunk=args.prefill_chunk,
+            max_prefill_tokens=args.max_prefill_tokens,
+            prefix_cache=False,  # like for like: transformers prefills every prompt whole (prefix_cache.py)
         )
     )
     try:

@@ -162,7 +162,7 @@ class Observation:
 
     key: Key
     load: Load  # when it was placed
-    prompt_tokens: int  # the worker's count when it finished, else the estimate it was placed with
+    prompt_tokens: int  # those the worker prefilled when it finished, else the estimate it was placed with
     tokens: int  # generated so far
     ttft_ms: float  # from placement to the first token
     last_ms: float  # from placement to the last token so far

@@ -319,8 +319,10 @@ class PlacedStream:
         self.last_at = now
 
     def finished(self, usage: inference_pb2.Usage) -> None:
-        """Its worker's count of prompt tokens, and what its usage says of its model's requests."""
-        self.prompt_tokens = usage.prompt_tokens or self.prompt_tokens
+        """The prompt tokens its worker prefilled (those its prefix cache held cost no prefill),
+        and what its usage says of its model's requests."""
+        if usage.prompt_tokens:
+            self.prompt_tokens = usage.prompt_tokens - usage.cached_tokens
         shape = self.latency.shape(self.placement.option.loaded.model)
         shape.learn(self.placement.prompt_chars, usage)
 

@@ -96,6 +96,7 @@ class Relay:
             call_request = worker_request(
                 generation.request, self.limits, request_id=generation.request_id, loaded=loaded,
                 variant=placement.option.name, reasoning_budget=placement.reasoning_budget,
+                cache_salt=f"tenant {generation.tenant.id}",  # tenants never share cached blocks
             )  # fmt: skip
             header = inference_pb2.GenerateResponse(
                 request_id=generation.request_id,

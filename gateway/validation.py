@@ -108,9 +108,11 @@ def worker_request(
     loaded: worker_pb2.LoadedVersion,
     variant: str = "",
     reasoning_budget: int | None = None,
+    cache_salt: str = "",
 ) -> worker_pb2.WorkerGenerateRequest:
     """The request for the worker serving `loaded` (on its `variant`), with max_tokens defaulted
-    and bounded, and the reasoning budget the gateway applied (None: the request's)."""
+    and bounded, the reasoning budget the gateway applied (None: the request's), and the salt of
+    the prefix cache blocks it may reuse."""
     sampling = inference_pb2.SamplingParams()
     sampling.CopyFrom(request.sampling)
     sampling.max_tokens = max_tokens_for(request, limits, loaded)
@@ -123,4 +125,5 @@ def worker_request(
         sampling=sampling,
         reasoning_budget=request.reasoning_budget if reasoning_budget is None else reasoning_budget,
         variant=variant,
+        cache_salt=cache_salt,
     )

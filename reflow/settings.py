@@ -139,7 +139,8 @@ class Settings(BaseSettings):
         description=(
             "Reuse the KV blocks of prompt prefixes: a prompt that starts with 16-token blocks an "
             "earlier prompt prefilled (a system prompt, a conversation's history) prefills only the "
-            "rest. Outputs are the same either way; false prefills every prompt whole."
+            "rest, reusing only its own tenant's blocks. Outputs are what batching gives without it "
+            "(docs/batching.md#exactness); false prefills every prompt whole."
         ),
     )
     prefill_chunk: int = Field(

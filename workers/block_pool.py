@@ -2,9 +2,10 @@
 prompt prefix's keys and values for the next request that starts with it (prefix caching).
 
 A full block of a prompt is known by a hash of its tokens chained to the hashes of the blocks
-before it, salted with the adapter it was computed through, so a block is found again only by a
-prompt that starts with exactly the same tokens through exactly the same weights (a new version
-has a pool of its own: a hot-swap never serves an old version's keys). A block stays cached after
+before it, salted with the adapter it was computed through and the request's cache salt (the
+gateway's tenant), so a block is found again only by a prompt that starts with exactly the same
+tokens through exactly the same weights, for the same tenant (a new version has a pool of its own:
+a hot-swap never serves an old version's keys). A block stays cached after
 the last sequence holding it ends, and is evicted, least recently used first, only when a block is
 needed: cached blocks nobody holds count as free, so caching never makes a request wait.
 
@@ -41,8 +42,7 @@ class BlockPool:
     Not thread-safe: the scheduler calls it under its lock.
     """
 
-    def __init__(self, n_blocks: int, caching: bool = True):
-        self.caching = caching
+    def __init__(self, n_blocks: int):
         self._free = [b for b in range(n_blocks - 1, -1, -1) if b != SCRATCH_BLOCK]
         self._holders: dict[int, int] = {}  # block -> sequences holding it (held blocks only)
         self._cached: dict[bytes, int] = {}  # hash -> the block with those keys and values
@@ -62,7 +62,7 @@ class BlockPool:
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of `hashes` (to `hold`)."""
         blocks: list[int] = []
-        for digest in hashes if self.caching else ():
+        for digest in hashes:
             block = self._cached.get(digest)
             if block is None:
                 break
@@ -105,6 +105,13 @@ class BlockPool:
     def register(self, block: int, digest: bytes) -> None:
         """Caches a held block whose keys and values prefill has just written, unless the same
         prefix is cached already (two requests with it prefilled side by side)."""
-        if self.caching and digest not in self._cached and block not in self._hash_of:
+        if digest not in self._cached:
             self._cached[digest] = block
             self._hash_of[block] = digest
+
+    def forget(self) -> None:
+        """Empties the cache: the blocks nobody holds are free, and the held ones will be."""
+        self._free.extend(self._idle)
+        self._idle.clear()
+        self._cached.clear()
+        self._hash_of.clear()

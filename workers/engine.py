@@ -399,10 +399,17 @@ class Engine:
             return [*self._runners.values(), *self._variants.values(), *self._draining]
 
     async def generate(
-        self, name: str, version: str, prompt_ids: list[int], params: GenerationParams, variant: str = ""
+        self,
+        name: str,
+        version: str,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        variant: str = "",
+        cache_salt: str = "",
     ) -> AsyncGenerator[Delta]:
         """Streams the deltas of one completion (on a variant of the version when `variant` names
-        one); leaving early frees its slot at the next step."""
+        one), reusing the prompt blocks of earlier requests with the same `cache_salt`; leaving
+        early frees its slot at the next step."""
         if not self._thread.is_alive():
             raise Unavailable("this worker's engine has stopped; restart the worker")
         runner, loaded = self._serving(name, version, variant)
@@ -417,7 +424,9 @@ class Engine:
         loop = asyncio.get_running_loop()
         sequence = Sequence(prompt_ids, params, runner.loaded.tokenizer, max_len)
         adapter = version if loaded.adapter is not None else ""
-        request = Request(sequence, make_generator(params.sampling), (loop, mailbox), adapter=adapter)
+        request = Request(
+            sequence, make_generator(params.sampling), (loop, mailbox), adapter=adapter, cache_salt=cache_salt
+        )
         runner.submit(request)
         self._wake.set()
         finished = False

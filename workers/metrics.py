@@ -153,7 +153,7 @@ class WorkerMetrics:
                 self.ttft.observe(now - request.enqueued_at)
                 self.queue_time.observe(request.admitted_at - request.enqueued_at)
                 self.prompt_tokens.inc(request.prompt_len)
-                self.cached_prompt_tokens.inc(request.cached)
+                self.cached_prompt_tokens.inc(request.sequence.cached_tokens)
             request.last_token_at = now
             if output.finish_reason is not None:
                 self.finished.labels(output.finish_reason.name).inc()

@@ -37,10 +37,10 @@ class Request:
     generator: torch.Generator
     deliver: Any  # where its deltas go; opaque to the scheduler
     adapter: str = ""  # the adapter version its rows go through; "" = the base weights alone
+    cache_salt: str = ""  # it reuses only the cached blocks of requests with the same salt
     blocks: list[int] = field(default_factory=list)  # its block table: KV blocks in token order
     prefilled: int = 0  # prompt tokens already in the KV cache
     prefix: list[bytes] = field(default_factory=list)  # hashes of its prompt's full blocks
-    cached: int = 0  # of its prompt, tokens whose keys and values the prefix cache held
     next_input: int | None = None  # the sampled token the next decode step feeds in
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -94,7 +94,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.block_size = block_size
         self.n_blocks = n_blocks - 1  # usable: the scratch block is never handed out
-        self._pool = BlockPool(n_blocks, caching=prefix_cache)
+        self.prefix_cache = prefix_cache
+        self._pool = BlockPool(n_blocks)
         self.prompt_tokens = 0  # over admitted requests
         self.cached_tokens = 0  # of those, reused from the prefix cache
         self._waiting: deque[Request] = deque()
@@ -142,8 +143,9 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         """Queues a request; ResourceExhausted with a retry hint when the queue is full."""
-        if self._pool.caching:
-            request.prefix = block_hashes(request.sequence.prompt_ids, self.block_size, request.adapter)
+        if self.prefix_cache:  # the keys differ through an adapter: never shared with the base
+            salt = f"{request.adapter}\0{request.cache_salt}"
+            request.prefix = block_hashes(request.sequence.prompt_ids, self.block_size, salt)
         with self._lock:
             if self._closed:
                 raise NotFound("the version was unloaded from this worker just now")
@@ -196,10 +198,9 @@ class Scheduler:
         self._pool.hold(hits)
         request.admitted_at = time.perf_counter()
         request.blocks = hits
-        request.prefilled = request.cached = len(hits) * self.block_size
-        request.sequence.cached_tokens = request.cached
+        request.prefilled = request.sequence.cached_tokens = len(hits) * self.block_size
         self.prompt_tokens += request.prompt_len
-        self.cached_tokens += request.cached
+        self.cached_tokens += request.prefilled
         self._running.append(request)
 
     def _grow(self, request: Request, tokens: int) -> None:
@@ -212,7 +213,7 @@ class Scheduler:
         blocks among them are cached for the prompts that start the same way."""
         with self._lock:
             for index in range(
-                request.prefilled // self.block_size, len(request.prefix[: end // self.block_size])
+                request.prefilled // self.block_size, min(end // self.block_size, len(request.prefix))
             ):
                 self._pool.register(request.blocks[index], request.prefix[index])
             request.prefilled = end
@@ -223,12 +224,14 @@ class Scheduler:
             self._closed = True
 
     def take_all(self) -> list[Request]:
-        """Removes every request (running and waiting), for failing them after an engine error."""
+        """Removes every request (running and waiting), for failing them after an engine error,
+        and empties the prefix cache (on CUDA a forward's error can surface steps later)."""
         with self._lock:
             requests = [*self._running, *self._waiting]
             for request in list(self._running):
                 self._release(request)
             self._waiting.clear()
+            self._pool.forget()
             return requests
 
     def finish(self, request: Request) -> None:

@@ -165,7 +165,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         variant = "" if request.variant == variant_name(loaded) else request.variant
         params = params_from_pb(request)
         prompt_ids = prompt_ids_of(request, loaded.tokenizer)
-        stream = self.engine.generate(request.model, request.version, prompt_ids, params, variant)
+        stream = self.engine.generate(
+            request.model, request.version, prompt_ids, params, variant, cache_salt=request.cache_salt
+        )
         async with contextlib.aclosing(stream):  # a cancelled call frees its slot at once
             async for delta in stream:
                 yield delta_to_pb(delta)

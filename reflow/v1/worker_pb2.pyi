@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "version", "prompt", "prompt_token_ids", "sampling", "reasoning_budget", "messages", "variant")
+    __slots__ = ("request_id", "model", "version", "prompt", "prompt_token_ids", "sampling", "reasoning_budget", "messages", "variant", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class WorkerGenerateRequest(_message.Message):
     REASONING_BUDGET_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     VARIANT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     version: str
@@ -27,7 +28,8 @@ class WorkerGenerateRequest(_message.Message):
     reasoning_budget: int
     messages: _containers.RepeatedCompositeFieldContainer[_inference_pb2.ChatMessage]
     variant: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., reasoning_budget: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_inference_pb2.ChatMessage, _Mapping]]] = ..., variant: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., reasoning_budget: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_inference_pb2.ChatMessage, _Mapping]]] = ..., variant: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "reasoning_text", "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens")

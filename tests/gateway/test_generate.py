@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.server import request_limits
-from gateway.tenants import revoke_tenant
+from gateway.tenants import create_tenant, revoke_tenant
 from gateway.validation import worker_request
 from reflow.settings import Settings
 from reflow.store.database import open_engine
@@ -42,6 +42,21 @@ async def test_stream_carries_header_first_and_usage_last(stack: Stack) -> None:
     assert 1 < len(messages) <= last.usage.completion_tokens <= 12
     assert last.usage.completion_tokens == 12 or last.finish_reason == P.FINISH_REASON_STOP
     assert 0 < last.usage.time_to_first_token_ms <= last.usage.total_ms
+
+
+async def test_a_tenant_reuses_its_own_cached_prompt_blocks_never_another_tenants(stack: Stack) -> None:
+    _, other_key = create_tenant(open_engine(stack.settings.resolved_database_url), "globex")
+    other = (("authorization", f"Bearer {other_key}"),)
+    long = request("1234567890123456789+1=", max_tokens=4)  # 23 tokens: one full 16-token block
+
+    async def reused(metadata: object) -> tuple[int, str]:
+        messages = [m async for m in stack.stub.Generate(long, metadata=metadata)]
+        return messages[-1].usage.cached_tokens, "".join(m.text for m in messages)
+
+    ours = [await reused(stack.metadata) for _ in range(2)]
+    theirs = [await reused(other) for _ in range(2)]
+    assert [hit for hit, _ in ours + theirs] == [0, 16, 0, 16]  # each tenant prefills it once
+    assert len({text for _, text in ours + theirs}) == 1
 
 
 async def test_gateway_output_equals_the_workers_own(stack: Stack) -> None:

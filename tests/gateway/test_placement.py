@@ -220,6 +220,20 @@ async def test_a_stream_cut_at_its_deadline_still_teaches_the_latency_model(plac
     assert placing.place().option.prediction.tpot_ms > before.tpot_ms * 1.5
 
 
+async def test_a_stream_is_learned_from_with_the_prompt_tokens_its_worker_prefilled(
+    placing: Placing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    placing.worker(0, version())
+    stream = PlacedStream(placing.place(prompt="x" * 200), placing.placer)  # 4 characters a token: 50
+    stream.tokens_arrived(1, stream.placed + 0.01)
+    seen: list[Observation] = []
+    monkeypatch.setattr(placing.latency, "observe", seen.append)
+    stream.finished(inference_pb2.Usage(prompt_tokens=100, cached_tokens=96, completion_tokens=1))
+    stream.close()
+    assert [s.prompt_tokens for s in seen] == [4]  # the 96 its prefix cache held cost no prefill
+    assert placing.latency.shape("m").prompt_tokens(200) > 50  # the model's tokens: all 100 of them
+
+
 def request() -> inference_pb2.GenerateRequest:
     return inference_pb2.GenerateRequest(prompt="1+1=", sampling=inference_pb2.SamplingParams(max_tokens=32))
 

@@ -1,6 +1,7 @@
 """The prefix cache in the engine: prompts that start alike reuse the blocks an earlier prompt
 prefilled and give exactly the tokens they give without it, alone and in mixed batches; eviction,
-a hot-swapped version and an adapter beside its base never get another's keys."""
+a hot-swapped version, an adapter beside its base and another cache salt (tenant) never get
+another's keys."""
 
 from __future__ import annotations
 
@@ -131,3 +132,19 @@ async def test_an_adapter_and_its_base_never_share_blocks(tmp_path: Path) -> Non
     finally:
         for engine in engines.values():
             engine.close()
+
+
+async def test_only_requests_with_the_same_cache_salt_share_blocks() -> None:
+    engine = new_engine(True)
+    try:
+        ids = TOKENIZER.encode(SYSTEM + QUESTIONS[0])
+        hits = []
+        for salt in ("tenant 1", "tenant 2", "tenant 1", "tenant 2"):
+            out = Delta()
+            async for delta in engine.generate("arith", "1", ids, GREEDY, cache_salt=salt):
+                out.merge(delta)
+            assert out.usage is not None
+            hits.append(out.usage.cached_tokens)
+        assert hits == [0, 0, 32, 32]
+    finally:
+        engine.close()

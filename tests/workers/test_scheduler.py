@@ -123,14 +123,18 @@ def test_a_prompt_starting_like_an_earlier_one_prefills_only_its_suffix() -> Non
     second = request(PREFIX + "2+2=")  # the same first 7 blocks, then its own
     scheduler.submit(second)
     ((_, start, end),) = prefill(scheduler)
-    assert (start, end, second.cached) == (28, 32, 28)  # to the next chunk boundary, as without it
+    assert (start, end, second.sequence.cached_tokens) == (
+        28,
+        32,
+        28,
+    )  # to the next chunk boundary, as without it
     assert second.blocks[:7] == first_blocks[:7]
     assert scheduler.hit_rate == 28 / 68
     scheduler.finish(second)
     again = request(PREFIX + "1+1=")  # all of it cached, but its last token is always computed
     scheduler.submit(again)
     ((_, start, end),) = prefill(scheduler)
-    assert (start, end, again.cached) == (32, 34, 32)
+    assert (start, end, again.sequence.cached_tokens) == (32, 34, 32)
 
 
 def test_a_shared_block_outlives_a_holder_that_is_cancelled() -> None:
@@ -140,7 +144,7 @@ def test_a_shared_block_outlives_a_holder_that_is_cancelled() -> None:
     prefill(scheduler)
     scheduler.submit(b)
     prefill(scheduler)
-    assert b.blocks[:7] == a.blocks[:7] and b.cached == 28
+    assert b.blocks[:7] == a.blocks[:7] and b.sequence.cached_tokens == 28
     a.cancelled = True
     scheduler.schedule()
     assert scheduler.blocks_used == len(b.blocks)  # the shared ones still held, by b alone
@@ -162,7 +166,10 @@ def test_cancelled_mid_prefill_only_the_blocks_a_forward_filled_are_cached() -> 
     b = request(PREFIX + "1+1=")
     scheduler.submit(b)
     ((_, start, _),) = prefill(scheduler)
-    assert (start, b.cached) == (4, 4)  # block 0 only: the half-written and planned ones never match
+    assert (start, b.sequence.cached_tokens) == (
+        4,
+        4,
+    )  # block 0 only: the half-written and planned ones never match
 
 
 def test_cached_blocks_nobody_holds_are_evicted_least_recent_first_and_never_make_a_request_wait() -> None:
@@ -181,7 +188,22 @@ def test_cached_blocks_nobody_holds_are_evicted_least_recent_first_and_never_mak
     old_again = request("a" * 31, max_tokens=1)
     scheduler.submit(old_again)
     prefill(scheduler)
-    assert old_again.cached == 4  # old's went first, tail before head: recent's 8 and old's head stayed
+    assert (
+        old_again.sequence.cached_tokens == 4
+    )  # old's went first, tail before head: recent's 8 and old's head stayed
+
+
+def test_an_engine_error_empties_the_cache() -> None:
+    scheduler = new_scheduler()
+    scheduler.submit(request(PREFIX + "1+1="))
+    prefill(scheduler)
+    assert scheduler.blocks_cached == 8
+    scheduler.take_all()  # after a forward failed: on CUDA, an earlier one may have too
+    assert (scheduler.blocks_cached, scheduler.blocks_used) == (0, 0)
+    again = request(PREFIX + "1+1=")
+    scheduler.submit(again)
+    prefill(scheduler)
+    assert again.sequence.cached_tokens == 0
 
 
 def test_no_reuse_across_adapters_or_with_the_cache_off() -> None:
@@ -192,12 +214,12 @@ def test_no_reuse_across_adapters_or_with_the_cache_off() -> None:
     adapted = request(PREFIX + "1+1=", adapter="2")
     scheduler.submit(adapted)
     prefill(scheduler)
-    assert adapted.cached == 0 and not set(adapted.blocks) & set(base.blocks)
+    assert adapted.sequence.cached_tokens == 0 and not set(adapted.blocks) & set(base.blocks)
     off = new_scheduler(cache=False)
     for _ in range(2):
         r = request(PREFIX + "1+1=")
         off.submit(r)
         prefill(off)
         off.finish(r)
-        assert r.cached == 0
+        assert r.sequence.cached_tokens == 0
     assert (off.blocks_cached, off.hit_rate) == (0, 0.0)
