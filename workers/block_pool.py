@@ -5,9 +5,9 @@ A full block of a prompt is known by a hash of its tokens chained to the hashes 
 before it, salted with the adapter it was computed through and the request's cache salt (the
 gateway's tenant), so a block is found again only by a prompt that starts with exactly the same
 tokens through exactly the same weights, for the same tenant (a new version has a pool of its own:
-a hot-swap never serves an old version's keys). A block stays cached after
-the last sequence holding it ends, and is evicted, least recently used first, only when a block is
-needed: cached blocks nobody holds count as free, so caching never makes a request wait.
+a hot-swap never serves an old version's keys). A block stays cached after the last sequence
+holding it ends, and is evicted, least recently used first, only when a block is needed: cached
+blocks nobody holds count as free, so caching never makes a request wait.
 
 Only prompt blocks are cached, as prefill computed them. A conversation's next turn resends the
 answer it got, whose keys decode steps computed one token at a time: those would come back in

@@ -35,7 +35,7 @@ from workers.metrics import WorkerMetrics
 from workers.models.kv_cache import BLOCK_SIZE, CacheView
 from workers.models.lora import AdapterRows, AdapterSet
 from workers.sampling import make_generator, sample
-from workers.scheduler import Output, Request, Scheduler
+from workers.scheduler import Output, Request, Scheduler, hit_rate
 from workers.sequence import Delta, GenerationParams, Sequence
 
 logger = logging.getLogger(__name__)
@@ -390,9 +390,8 @@ class Engine:
     def prefix_cache(self) -> tuple[int, float]:
         """(cached KV blocks, prefix cache hit rate) over every version's pool, draining ones included."""
         pools = [r.scheduler for r in self._all_runners()]
-        prompt_tokens = sum(p.prompt_tokens for p in pools)
-        hit_rate = sum(p.cached_tokens for p in pools) / prompt_tokens if prompt_tokens else 0.0
-        return sum(p.blocks_cached for p in pools), hit_rate
+        rate = hit_rate(sum(p.cached_tokens for p in pools), sum(p.prompt_tokens for p in pools))
+        return sum(p.blocks_cached for p in pools), rate
 
     def _all_runners(self) -> list[ModelRunner]:
         with self._lock:

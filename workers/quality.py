@@ -67,7 +67,7 @@ async def _timed(
 ) -> Quality:
     """The variant's quality with its speeds: the medians of TIMED_RUNS runs of one prompt alone
     (of what this worker runs)."""
-    runs = [await _speeds(engine, loaded, prompt, f"speed run {run}") for run in range(TIMED_RUNS)]
+    runs = [await _speeds(engine, loaded, prompt, salt=f"speed run {run}") for run in range(TIMED_RUNS)]
     return Quality(
         greedy_agreement=agreement,
         token_agreement=token_agreement,
@@ -77,13 +77,13 @@ async def _timed(
     )
 
 
-async def _speeds(engine: Engine, loaded: LoadedModel, prompt: list[int], run: str) -> tuple[float, float]:
+async def _speeds(engine: Engine, loaded: LoadedModel, prompt: list[int], salt: str) -> tuple[float, float]:
     """Milliseconds per prompt token to the first token, and per later token, of one run (its own
     cache salt: no run reuses another's prompt blocks)."""
     started = time.perf_counter()
     first = last = started
     tokens = 0
-    stream = engine.generate(loaded.name, loaded.version, prompt, GREEDY, loaded.variant, cache_salt=run)
+    stream = engine.generate(loaded.name, loaded.version, prompt, GREEDY, loaded.variant, cache_salt=salt)
     async for delta in stream:
         last = time.perf_counter()
         first = last if tokens == 0 else first

@@ -61,6 +61,11 @@ class Request:
 Output = tuple[Request, Delta | BaseException]  # what a step gives one request: a delta or its failure
 
 
+def hit_rate(cached_tokens: int, prompt_tokens: int) -> float:
+    """The share of prompt tokens the prefix cache held; 0 before any prompt."""
+    return cached_tokens / prompt_tokens if prompt_tokens else 0.0
+
+
 @dataclass
 class StepPlan:
     """What one step runs: prompt chunks to prefill and sequences to decode by one token."""
@@ -126,7 +131,7 @@ class Scheduler:
     @property
     def hit_rate(self) -> float:
         """Prompt tokens reused from the prefix cache / prompt tokens, over admitted requests."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return hit_rate(self.cached_tokens, self.prompt_tokens)
 
     def has_work(self) -> bool:
         """True when a step would do something."""
