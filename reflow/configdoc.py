@@ -32,8 +32,10 @@ lists in the file. A dash means empty (or unset).
 (`workers/threads.py`, before torch loads): torch's OpenMP threads spinning for their default
 time turned a 1 ms decode step into 120 ms when the gateway and a worker shared two cores, and
 not spinning at all (`OMP_WAIT_POLICY=PASSIVE`) doubled a real model's decode step, whose ~1,000
-kernels each woke the threads. Training (the scheduler, `reflow finetune run`, the base model's
-bootstrap) keeps OpenMP's default, which is faster for it.
+kernels each woke the threads. The training processes that run beside workers (`reflow scheduler`,
+`reflow finetune run`) set `OMP_WAIT_POLICY=PASSIVE` unless you chose: a spinning trainer and a
+worker sharing two cores slowed a demo fine-tune step from 0.33 s to 6 s. The base model's bootstrap,
+which runs before any worker starts, keeps OpenMP's default.
 """
 
 

@@ -16,6 +16,9 @@ def finetune_run(
     model: Annotated[str | None, typer.Option(help="Registered model [default: REFLOW_MODEL_NAME].")] = None,
 ) -> None:
     """Fine-tune now, in the foreground, on the labelled feedback that arrived since the last run."""
+    from workers.threads import wait_passively
+
+    wait_passively()  # before torch loads: it trains beside the workers
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from feedback.scheduler import finetune_job_of

@@ -42,6 +42,9 @@ def worker(
 def scheduler() -> None:
     """Run the scheduled jobs (fine-tune, evaluate experiments) until Ctrl-C or SIGTERM; their
     schedule is kept in the store."""
+    from workers.threads import wait_passively
+
+    wait_passively()  # before torch loads: it trains beside the workers
     from feedback.scheduler import run_scheduler
 
     settings = load_settings()
