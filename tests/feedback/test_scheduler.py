@@ -16,6 +16,7 @@ from feedback.scheduler import FINETUNE_JOB, ensure_finetune_job, finetune_job, 
 from feedback.training.job import STALE_AFTER, claim_run
 from reflow.store.database import migrate, open_engine
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
+from tests.support.waiting import wait_for
 
 
 def store(tmp_path: Path):
@@ -67,9 +68,8 @@ def test_a_job_never_overlaps_itself(tmp_path: Path) -> None:
     scheduler = new_scheduler(store(tmp_path))
     scheduler.start()
     scheduler.add_job(slow_job, IntervalTrigger(seconds=0.1), id="slow")
-    time.sleep(2.0)
+    wait_for(lambda: RUNS["finished"] >= 3, what="three runs of a job due every 0.1 s that takes 0.5 s")
     scheduler.shutdown(wait=True)
-    assert RUNS["finished"] >= 2
     assert RUNS["most_active"] == 1
 
 

@@ -86,10 +86,11 @@ async def test_a_swap_under_continuous_load_fails_no_request_and_changes_no_outp
     try:
         async with following(stack.workers[0], swap_settings):
             clients = [asyncio.create_task(client(i)) for i in range(8)]
-            await asyncio.sleep(0.5)
+            await eventually(lambda: len(results) >= 8, what="answers from version 1")
             move_champion(swap_settings, "2")
             await eventually(lambda: _unloaded(stack.workers[0], "1"))
-            await asyncio.sleep(0.5)
+            swapped = len(results)
+            await eventually(lambda: len(results) >= swapped + 8, what="answers after the swap")
             stop.set()
             await asyncio.gather(*clients)
     finally:

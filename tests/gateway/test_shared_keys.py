@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import redis
 from sqlalchemy import Engine
 
-from gateway.auth import Authenticator, announce_key_change
+from gateway.auth import REVOCATIONS, Authenticator, announce_key_change
+from gateway.shared_level import shared_key
 from gateway.tenants import TenantInfo, create_tenant, revoke_tenant
 from reflow.api_keys import hash_key
 from reflow.errors import Unauthenticated
@@ -37,7 +39,7 @@ async def replicas(
     auths = [Authenticator(engine, ttl_s, shared=shared.level()) for _ in range(n)]
     for auth in auths:
         auth.start()
-    await asyncio.sleep(0.2)  # subscribed
+    await eventually(lambda: _listening(shared) == n, what=f"{n} replicas listening for revocations")
     try:
         yield auths
     finally:
@@ -61,7 +63,14 @@ async def test_a_key_one_replica_looked_up_is_found_in_l2_by_the_next(
         assert len(lookups) == 1
 
 
-async def test_a_revocation_through_one_replica_is_refused_by_the_other_within_a_second(
+def _listening(shared: SharedRedis) -> int:
+    """How many replicas are subscribed to the revocations channel."""
+    with redis.Redis.from_url(shared.url) as client:
+        ((_, count),) = client.pubsub_numsub(shared_key(shared.prefix, REVOCATIONS))
+    return int(count)
+
+
+async def test_a_revocation_through_one_replica_is_refused_by_the_other_long_before_its_cache_expires(
     engine: Engine, shared_redis: SharedRedis
 ) -> None:
     info, key = create_tenant(engine, "acme")
@@ -70,7 +79,6 @@ async def test_a_revocation_through_one_replica_is_refused_by_the_other_within_a
             assert await auth.authenticate(f"Bearer {key}") == info  # in both L1s, and in L2
         digest = revoke_tenant(engine, "acme")
         assert digest is not None
-        revoked_at = asyncio.get_running_loop().time()
         assert await asyncio.to_thread(announce_key_change, shared_redis.config, digest, revoked=True)
 
         async def refused(auth: Authenticator) -> bool:
@@ -80,9 +88,8 @@ async def test_a_revocation_through_one_replica_is_refused_by_the_other_within_a
                 return True
             return False
 
-        for auth in (b, a):
-            await eventually(lambda auth=auth: refused(auth), timeout_s=1, what="the revocation")
-        assert asyncio.get_running_loop().time() - revoked_at < 1.0
+        for auth in (b, a):  # L1 would hold it for 60 s: the announcement did it
+            await eventually(lambda auth=auth: refused(auth), timeout_s=30, what="the revocation")
         # and no replica puts it back in L2 from a store read made before the revocation
         late = Authenticator(engine, 60, shared=shared_redis.level())
         with pytest.raises(Unauthenticated):
@@ -102,8 +109,8 @@ async def test_changed_limits_reach_the_replicas_when_announced(
         assert announce_key_change(shared_redis.config, hash_key(key), revoked=False)
         expected = TenantInfo(info.id, "acme", info.max_concurrent_streams, info.requests_per_minute, 1000)
         for auth in (a, b):
-            await eventually(
-                lambda auth=auth: _authenticated(auth, key, expected), timeout_s=1, what="the new limits"
+            await eventually(  # L1 would hold the old ones for 60 s: the announcement did it
+                lambda auth=auth: _authenticated(auth, key, expected), timeout_s=30, what="the new limits"
             )
 
 

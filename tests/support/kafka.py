@@ -24,17 +24,26 @@ class Broker:
         self.port = free_port()
         self.partitions = partitions
         self.process: subprocess.Popen[bytes] | None = None
+        self.started = False  # once started, it keeps its port: clients reconnect there
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.process = subprocess.Popen(
-            tansu_command(self.port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        wait_listening("127.0.0.1", self.port)
-        ensure_topics(self.bootstrap, self.partitions)
+        """Starts it, on its port again after a stop. The port was free when drawn, but another
+        process may bind it before the broker does, which then exits: a first start draws another."""
+        for _ in range(3):
+            self.process = subprocess.Popen(
+                tansu_command(self.port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            wait_listening("127.0.0.1", self.port)
+            ensure_topics(self.bootstrap, self.partitions)  # by now a broker without the port exited
+            if self.process.poll() is None or self.started:
+                break
+            self.port = free_port()
+        assert self.process.poll() is None, f"the broker exited with status {self.process.returncode}"
+        self.started = True
 
     def read(self, topic: str, count: int, timeout_s: float = 30.0) -> list[ConsumerRecord]:
         """The first `count` records of `topic` (all partitions); fewer if they do not come in time."""

@@ -6,7 +6,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,8 +77,7 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
     finally:
         code = up.stop()
     assert code == 0, up.output()
-    time.sleep(0.5)
-    assert not [pid for pid in children if alive(pid)], "children outlived `reflow up`"
+    wait_for(lambda: not [pid for pid in children if alive(pid)], 10, what="`reflow up`'s children to exit")
     assert not (data_dir / "endpoints.json").exists()
     assert "training base model" in up.output()
 
