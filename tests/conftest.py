@@ -1,6 +1,8 @@
 """The fixtures every test may ask for: a real MLflow store with tiny models, a Kafka broker, settings
-pointing at them, a gateway in front of in-process workers, SQLite and PostgreSQL stores, the
-trained demo base model. What they are built from lives in tests/support/."""
+pointing at them, a gateway in front of in-process workers, SQLite and PostgreSQL stores, and what
+is built once per run and shared (tests/support/shared.py): the trained demo base model, SmolLM2
+converted from its GGUF file by reflow and as transformers reads it, a tiny chat model. What they
+are built from lives in tests/support/."""
 
 from __future__ import annotations
 
@@ -11,24 +13,65 @@ from pathlib import Path
 
 import pytest
 import redis
+import safetensors.torch
 from sqlalchemy import Engine
 
 from feedback.tasks import get_task
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
+from tests.support.hf import transformers
 from tests.support.kafka import Broker
 from tests.support.models import MODEL, save_model, tiny_model
 from tests.support.redis import MACHINE_REDIS, RedisServer, SharedRedis, forget, unique_prefix
 from tests.support.registry import RegistryFixture, local_registry
+from tests.support.shared import built_once
+from tests.support.smollm2 import converted_smollm2, smollm2_gguf, tiny_chat_checkpoint
 from tests.support.stack import Stack, start_stack, stop_stack
 from workers.models.interface import CausalLM
+from workers.models.loader import load_checkpoint
 
 
 @pytest.fixture(scope="session")
-def base_model() -> CausalLM:
-    """The demo base model, trained once per session with the default recipe (about a minute)."""
-    return train_base_model(PretrainConfig(), get_task("arith"))[0]
+def base_model(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
+    """The demo base model, trained once per run with the default recipe (about a minute)."""
+
+    def train(directory: Path) -> None:
+        save_model(train_base_model(PretrainConfig(), get_task("arith"))[0], directory)
+
+    return load_checkpoint(built_once(tmp_path_factory, "base-model", train))[0]
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct as the Hugging Face checkpoint reflow converts its GGUF file into."""
+    return built_once(tmp_path_factory, "smollm2", converted_smollm2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_by_transformers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's GGUF file as transformers reads it (float32 weights and tokenizer), saved by
+    transformers: the reference reflow's conversion is held to. Reading the file dequantizes it in
+    Python, ~40 s each time; loading what it saved takes a second."""
+
+    def read(directory: Path) -> None:
+        gguf = smollm2_gguf()
+        model = transformers().AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        del model.config.quantization_config  # dequantized as it was read: float32 weights, saved so
+        model.config.save_pretrained(directory)
+        safetensors.torch.save_model(model, str(directory / "model.safetensors"))  # save_pretrained refuses
+        tokenizer = transformers().AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.save_pretrained(directory)
+
+    return built_once(tmp_path_factory, "smollm2-by-transformers", read)
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (tiny_chat_checkpoint)."""
+    return built_once(
+        tmp_path_factory, "tiny-chat", lambda directory: tiny_chat_checkpoint(smollm2, directory)
+    )
 
 
 @pytest.fixture(scope="session")

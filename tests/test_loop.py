@@ -19,17 +19,18 @@ from feedback.experiments.lifecycle import experiments
 from feedback.tasks import get_task
 from feedback.training.evaluation import base_model_metrics
 from reflow.client import Client
-from reflow.registry import BASE_VERSION_TAG, IMPORTED, SOURCE_TAG, TASK_SCORE_TAG, Registry
+from reflow.registry import BASE_VERSION_TAG, IMPORTED, SOURCE_TAG, Registry
 from reflow.store.database import open_engine
 from reflow.store.tables import FinetuneRun, Inference, aware
 from tests.support.models import MODEL, save_as_llama, save_model
+from tests.support.registry import new_store
 from tests.support.up import Up
 from tests.support.waiting import wait_for
 from workers.models.interface import CausalLM
 from workers.models.loader import load_checkpoint
 
 pytestmark = pytest.mark.slow
-LOOP_TIMEOUT_S = 600  # a turn takes 3-6 minutes on two busy CPU cores (the LoRA one ~330 s here)
+LOOP_TIMEOUT_S = 600  # a generous ceiling: a turn takes about 2 minutes alone here, 3 in the suite
 FAST_LOOP = {  # on top of --demo's schedule: fine-tune as soon as enough feedback is in
     "REFLOW_FINETUNE_INTERVAL_S": "5",
     "REFLOW_FINETUNE_MIN_SAMPLES": "300",
@@ -43,12 +44,11 @@ SKIPPED = "maximum number of running instances"  # APScheduler's line every inte
 def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, base_model: CausalLM) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    registry = Registry(f"sqlite:///{data_dir / 'mlflow.db'}", (data_dir / "mlartifacts").as_uri())
+    registry = Registry(f"sqlite:///{new_store(data_dir / 'mlflow.db')}", (data_dir / "mlartifacts").as_uri())
     registry.register(
         MODEL, save_model(base_model, tmp_path / "base"), params={}, metrics={}, alias="champion"
     )
-    env = {**FAST_LOOP, "REFLOW_VARIANTS": "int8"}  # the challenger is scored on the task with it
-    champion, turned_s = turn_the_loop(Up(data_dir, "--workers", "1", "--demo", env=env), registry)
+    champion, turned_s = turn_the_loop(Up(data_dir, "--workers", "1", "--demo", env=FAST_LOOP), registry)
 
     store = open_engine(f"sqlite:///{data_dir / 'reflow.db'}")
     (experiment, look), *_ = experiments(store)
@@ -57,21 +57,9 @@ def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, b
     store.dispose()
     assert (experiment.status, experiment.challenger_version) == ("promoted", champion)
     assert look is not None and look.outcome == "promote" and look.challenger.rate > look.champion.rate
-
-    # the fine-tune run behind it, in the store and in MLflow
-    version = registry.client.get_model_version(MODEL, champion)
-    assert version.tags["reflow.parent_version"] == "1" and version.tags["reflow.run_id"] == version.run_id
-    scores = [float(version.tags[tag]) for tag in (TASK_SCORE_TAG, f"{TASK_SCORE_TAG}.int8")]
-    assert all(0.0 < score <= 1.0 for score in scores)  # the int8 variant's workers will report
-    assert (run.status, run.mlflow_run_id, run.first_feedback_id) == ("registered", version.run_id, 1)
-    mlflow_run = registry.client.get_run(version.run_id)
-    assert mlflow_run.data.params["dataset_size"] == str(run.samples) and run.samples >= 300
-    assert len(mlflow_run.data.params["dataset_sha256"]) == 64 == len(run.dataset_hash)
-    metrics = mlflow_run.data.metrics
-    assert metrics["candidate_held_out_accuracy"] > metrics["champion_held_out_accuracy"]
-    assert len(registry.client.get_metric_history(version.run_id, "train_loss")) == 200
-    artifacts = {a.path for a in registry.client.list_artifacts(version.run_id, "model")}
-    assert artifacts == {"model/model.safetensors", "model/config.json", "model/tokenizer.json"}
+    # what the run logged and registered: tests/feedback/training/test_finetune.py
+    assert registry.client.get_model_version(MODEL, champion).tags["reflow.parent_version"] == "1"
+    assert run.status == "registered" and run.samples >= 300
     promoted, tokenizer = load_checkpoint(
         registry.download(registry.resolve(MODEL, version=champion), tmp_path / "cache")
     )
@@ -95,7 +83,7 @@ def test_the_loop_turns_on_a_llama_checkpoint_with_a_lora_adapter_served_beside_
     promotion merges it into a new full version, and every worker serves that."""
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    registry = Registry(f"sqlite:///{data_dir / 'mlflow.db'}", (data_dir / "mlartifacts").as_uri())
+    registry = Registry(f"sqlite:///{new_store(data_dir / 'mlflow.db')}", (data_dir / "mlartifacts").as_uri())
     checkpoint = save_as_llama(base_model, tmp_path / "llama")  # type: ignore[arg-type]
     registry.register(MODEL, checkpoint, params={}, metrics={}, alias="champion", tags={SOURCE_TAG: IMPORTED})
     # arith asks more of an adapter than terse does: the full fine-tune's steps and rows, rank 16

@@ -17,6 +17,8 @@ import torch
 from reflow.client import Client
 from reflow.v1 import inference_pb2
 from tests.support.cli import reflow
+from tests.support.hf import transformers
+from tests.support.registry import new_store
 from tests.support.smollm2 import smollm2_gguf
 from tests.support.up import Up, feedback_stats
 from tests.support.waiting import wait_for
@@ -29,11 +31,10 @@ MAX_TOKENS = 32
 NAME = "smollm2-135m-instruct-q4_1"  # what `--model` names the file's model
 
 
-def transformers_answer(gguf: Path) -> str:
-    """What transformers generates greedily for CHAT from the GGUF file, in float32."""
-    transformers = pytest.importorskip("transformers", reason="the reference: pip install -e '.[test]'")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
+def transformers_answer(read: Path) -> str:
+    """What transformers generates greedily for CHAT from the GGUF file as it `read` it, in float32."""
+    tokenizer = transformers().AutoTokenizer.from_pretrained(read)
+    model = transformers().AutoModelForCausalLM.from_pretrained(read).eval()
     ids = tokenizer.apply_chat_template(
         CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
@@ -43,10 +44,13 @@ def transformers_answer(gguf: Path) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_reflow_up_serves_a_gguf_file_with_the_answer_transformers_gives(tmp_path: Path) -> None:
+def test_reflow_up_serves_a_gguf_file_with_the_answer_transformers_gives(
+    tmp_path: Path, smollm2_by_transformers: Path
+) -> None:
     gguf = smollm2_gguf()
-    expected = transformers_answer(gguf)
+    expected = transformers_answer(smollm2_by_transformers)
     data_dir = tmp_path / "data"
+    new_store(data_dir / "mlflow.db")  # empty (tests/reflow/cli/test_up.py has `reflow up` make one)
     up = Up(data_dir, "--workers", "1", "--model", str(gguf), env={"REFLOW_DTYPE": "float32"})
     try:
         endpoints = up.endpoints()

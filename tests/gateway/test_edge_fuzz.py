@@ -32,7 +32,6 @@ from gateway.http.schemas import ChatMessage as HttpChatMessage
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2
 from tests.support import hostile
-from tests.support.smollm2 import converted_smollm2, tiny_chat_checkpoint
 from tests.support.stack import Stack
 from tests.support.threaded import StackThread, tiny_chat_settings
 
@@ -62,12 +61,6 @@ CLIENT_ERRORS = {
     grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.OUT_OF_RANGE,
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("chat")
-    return tiny_chat_checkpoint(converted_smollm2(root / "smollm2"), root / "tiny")
 
 
 @dataclass

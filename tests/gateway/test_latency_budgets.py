@@ -5,8 +5,8 @@ headers and the inference event."""
 
 from __future__ import annotations
 
-import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -20,8 +20,8 @@ from reflow.registry import Registry
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2
 from tests.support.kafka import Broker
-from tests.support.smollm2 import converted_smollm2
 from tests.support.stack import Stack, generate, start_stack, stop_stack
+from tests.support.waiting import eventually
 
 P = inference_pb2
 pytestmark = pytest.mark.slow
@@ -54,12 +54,39 @@ async def served(stack: Stack, request: P.GenerateRequest) -> list[P.GenerateRes
     return messages
 
 
-async def test_the_budget_picks_the_variant(settings: Settings, tmp_path: Path, kafka: Broker) -> None:
-    Registry.from_settings(settings).register(
-        "smollm2", converted_smollm2(tmp_path / "smollm2"), params={}, metrics={}, alias="champion"
-    )
+async def measured_int8_four_times_faster(stack: Stack, spec: ModelSpec) -> None:
+    """States the speeds the worker measured when int8 loaded: four times float32's. Which of the two
+    measures faster is what a budget turns on, and on a loaded machine that is luck (benchmarks/sla.py
+    and benchmarks/variants.py measure them); the gateway's latency model is seeded from them."""
+    (reference, _), (int8, _) = stack.workers[0].engine.variants(spec.name, "1")
+    assert (reference.quality, int8.variant) != (None, "") and int8.quality is not None
+    speeds = {"prefill_ms_per_token": reference.quality.prefill_ms_per_token / 4,
+              "decode_ms_per_token": reference.quality.decode_ms_per_token / 4}  # fmt: skip
+    int8.quality = replace(int8.quality, **speeds)
+
+    def seen() -> bool:
+        return any(
+            v.name == "int8" and v.decode_ms_per_token == pytest.approx(speeds["decode_ms_per_token"])
+            for _, loaded in stack.pool.candidates(spec, frozenset())
+            for v in loaded.variants
+        )
+
+    await eventually(seen, what="the gateway to see the worker's stated speeds")
+
+
+def idle(stack: Stack, spec: ModelSpec) -> bool:
+    """Whether the gateway's last status of every worker serving `spec` shows nothing running."""
+    return all(worker.reported_running == 0 for worker, _ in stack.pool.candidates(spec, frozenset()))
+
+
+async def test_the_budget_picks_the_variant(
+    settings: Settings, tmp_path: Path, kafka: Broker, smollm2: Path
+) -> None:
+    Registry.from_settings(settings).register("smollm2", smollm2, params={}, metrics={}, alias="champion")
     stack = await start_stack(settings.model_copy(update={"variants": ["int8"]}), model="smollm2")
     try:
+        spec = ModelSpec("smollm2", alias="champion")
+        await measured_int8_four_times_faster(stack, spec)
         request = P.GenerateRequest(model="smollm2", prompt=PROMPT, sampling=P.SamplingParams(max_tokens=16))
         unbudgeted = await served(stack, request)
         routing = unbudgeted[0].routing
@@ -67,12 +94,10 @@ async def test_the_budget_picks_the_variant(settings: Settings, tmp_path: Path, 
         assert routing.predicted_total_ms > routing.predicted_time_to_first_token_ms > 0
         assert routing.predicted_to_meet_deadline
 
-        spec = ModelSpec("smollm2", alias="champion")
-        await asyncio.sleep(3 * stack.settings.worker_poll_s)  # the workers' status says they are idle
+        await eventually(lambda: idle(stack, spec), what="the workers' status to say they are idle")
         options = {
             o.name: o.alone.total_ms for o in stack.gateway.service.relay.placer.options(spec, request)
         }
-        assert options["int8"] < options["float32"]  # what int8 is for, as the worker measured it
         tight = budgeted(request, options["float32"] * 0.97)  # only int8 is predicted to meet it
         fast = await served(stack, tight)
         assert fast[0].routing.variant == "int8" and fast[0].routing.token_agreement < 1.0

@@ -25,7 +25,6 @@ from reflow.store.database import open_engine
 from reflow.v1 import inference_pb2
 from tests.support.kafka import Broker, consuming
 from tests.support.registry import local_registry
-from tests.support.smollm2 import converted_smollm2, tiny_chat_checkpoint
 from tests.support.stack import Stack, generate, held_stream, request, start_stack, stop_stack
 from tests.support.waiting import eventually, wait_for
 
@@ -52,13 +51,6 @@ def grpc_chat(**sampling: object) -> P.GenerateRequest:
         messages=[P.ChatMessage(**m) for m in CONVERSATION],
         sampling=P.SamplingParams(**sampling),  # type: ignore[arg-type]
     )
-
-
-@pytest.fixture(scope="module")
-def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer and chat template."""
-    root = tmp_path_factory.mktemp("chat")
-    return tiny_chat_checkpoint(converted_smollm2(root / "smollm2"), root / "tiny")
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import ignored_auth, positive_data_acceptance
 
 from reflow.settings import Settings
-from tests.support.smollm2 import converted_smollm2, tiny_chat_checkpoint
 from tests.support.stack import Stack
 from tests.support.threaded import StackThread, tiny_chat_settings
 
@@ -31,11 +30,10 @@ NOT_CHECKED = [ignored_auth, positive_data_acceptance]
 
 
 @pytest.fixture
-def gateway(settings: Settings, tmp_path: Path) -> Iterator[Stack]:
+def gateway(settings: Settings, chat_checkpoint: Path, tmp_path: Path) -> Iterator[Stack]:
     """A tiny chat model (SmolLM2's tokenizer and template) with a 128-token context, so that any
     max_tokens the fuzzer picks is generated or refused in milliseconds."""
-    checkpoint = tiny_chat_checkpoint(converted_smollm2(tmp_path / "smollm2"), tmp_path / "tiny")
-    running = StackThread(tiny_chat_settings(settings, checkpoint, tmp_path))
+    running = StackThread(tiny_chat_settings(settings, chat_checkpoint, tmp_path))
     yield running.stack
     running.stop()
 

@@ -4,6 +4,7 @@ served by name, and reported in the worker's Status."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -11,7 +12,6 @@ import torch
 
 from reflow.v1 import worker_pb2
 from tests.support.registry import local_registry
-from tests.support.smollm2 import converted_smollm2
 from workers.engine import Engine, EngineConfig
 from workers.metrics import WorkerMetrics
 from workers.sampling import SamplingParams
@@ -24,11 +24,11 @@ GREEDY = GenerationParams(max_tokens=8, sampling=SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def versions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Versions]:
+def versions(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Iterator[Versions]:
     """SmolLM2-135M v1 @champion, loaded in float32 with an int8 variant beside it."""
     root = tmp_path_factory.mktemp("variants")
     registry = local_registry(root)
-    registry.register("smollm2", converted_smollm2(root / "smollm2"), params={}, metrics={}, alias="champion")
+    registry.register("smollm2", smollm2, params={}, metrics={}, alias="champion")
     engine = Engine(EngineConfig(max_batch_size=8, kv_cache_mb=16), WorkerMetrics())
     cpu = torch.device("cpu")
     yield Versions(engine, registry, root / "cache", cpu, torch.float32, variants=("float32", "int8"))

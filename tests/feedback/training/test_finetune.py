@@ -1,6 +1,6 @@
-"""The fine-tune job's refusals, from the real base model: a harmful dataset is logged and not
-registered, too little feedback leaves no trace. (The whole path from users to a registered and
-promoted challenger is tests/test_loop.py.)"""
+"""The fine-tune job from the real base model: a helpful dataset registers a challenger with its run
+and its lineage; a harmful one is logged and not registered; too little feedback leaves no trace.
+(The whole path from users to a promoted challenger, served, is tests/test_loop.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from feedback.tasks.arith import Arith
 from feedback.tasks.simulate import rated_offline
 from feedback.training.dataset import count_new
 from feedback.training.job import Cancelled, run_finetune
-from reflow.registry import BASE_VERSION_TAG, CHALLENGER, Registry
+from feedback.training.trainer import FinetuneConfig
+from reflow.registry import BASE_VERSION_TAG, CHALLENGER, TASK_SCORE_TAG, Registry
 from reflow.settings import Settings
 from reflow.store.tables import FinetuneRun
 from tests.support.models import MODEL, save_model
@@ -57,6 +58,38 @@ def rate_served_answers(
     events = rated_offline(model, TOKENIZER, Arith(), prompts, tenant="acme", answer_key=believed)
     with store.begin() as connection:
         store_events(connection, events)
+
+
+def test_a_helpful_dataset_registers_a_challenger_with_its_run_and_lineage(
+    loop_settings: Settings, store: Engine, base_model: CausalLM
+) -> None:
+    registry = Registry.from_settings(loop_settings)
+    operands = arith.sample_operands(300, 0, 99, random.Random(4))  # traffic's range: often wrong
+    rate_served_answers(store, base_model, operands, operator.add)
+    settings = loop_settings.model_copy(update={"variants": ["int8"]})  # the default recipe
+
+    outcome = run_finetune(finetune_job_of(settings), store, registry)
+
+    assert outcome.status == "registered", outcome.message
+    challenger = registry.resolve(MODEL, alias=CHALLENGER)
+    version = registry.client.get_model_version(MODEL, challenger.version)
+    assert version.tags["reflow.parent_version"] == "1" and version.tags["reflow.run_id"] == version.run_id
+    scores = [float(version.tags[tag]) for tag in (TASK_SCORE_TAG, f"{TASK_SCORE_TAG}.int8")]
+    assert all(0.0 < score <= 1.0 for score in scores)  # what the int8 variant's workers will report
+    with Session(store) as session:
+        (run,) = session.scalars(select(FinetuneRun)).all()
+    assert (run.status, run.version, run.mlflow_run_id) == ("registered", challenger.version, version.run_id)
+    assert (run.first_feedback_id, run.samples) == (1, 300)
+    mlflow_run = registry.client.get_run(version.run_id)
+    assert mlflow_run.data.params["dataset_size"] == "300"
+    assert mlflow_run.data.params["dataset_sha256"] == run.dataset_hash and len(run.dataset_hash) == 64
+    metrics = mlflow_run.data.metrics
+    assert metrics["candidate_held_out_accuracy"] > metrics["champion_held_out_accuracy"]
+    steps = FinetuneConfig().steps
+    assert len(registry.client.get_metric_history(version.run_id, "train_loss")) == steps  # each step
+    artifacts = {a.path for a in registry.client.list_artifacts(version.run_id, "model")}
+    assert artifacts == {"model/model.safetensors", "model/config.json", "model/tokenizer.json"}
+    assert count_new(store, MODEL) == 0  # its items are used
 
 
 def test_a_harmful_dataset_registers_nothing(

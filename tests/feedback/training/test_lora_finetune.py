@@ -26,7 +26,7 @@ from reflow.registry import BASE_VERSION_TAG, CHALLENGER, IMPORTED, SOURCE_TAG, 
 from reflow.settings import Settings
 from tests.support.hf import transformers
 from tests.support.registry import settings_with_champion
-from tests.support.smollm2 import converted_smollm2, tiny_chat_checkpoint, truncated_smollm2
+from tests.support.smollm2 import truncated_smollm2
 from tests.support.store import migrated_store
 from workers.models.loader import load_checkpoint
 from workers.models.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdaptedModel, Adapter
@@ -44,20 +44,17 @@ def small_evaluation_sets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(job, "REPLAY_POOL", 8)
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return converted_smollm2(tmp_path_factory.mktemp("smollm2"))
-
-
 @pytest.fixture(scope="module", params=["tiny"])
 def checkpoint(
-    request: pytest.FixtureRequest, smollm2: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    smollm2: Path,
+    chat_checkpoint: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Path:
     """The champion's checkpoint: a tiny random chat model, or (param "real") SmolLM2's first 2 layers."""
-    directory = tmp_path_factory.mktemp(request.param)
     if request.param == "real":
-        return truncated_smollm2(smollm2, directory, layers=2)
-    return tiny_chat_checkpoint(smollm2, directory)
+        return truncated_smollm2(smollm2, tmp_path_factory.mktemp("real"), layers=2)
+    return chat_checkpoint
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from tests.support.smollm2 import smollm2_gguf
 from workers.models.gguf_checkpoint import gguf_tensor_bytes, gguf_to_checkpoint
 from workers.models.greedy import greedy_answers
 from workers.models.loader import load_checkpoint
@@ -31,30 +30,20 @@ CHAT = [{"role": "user", "content": "What is the capital of France? Answer in on
 
 
 @pytest.fixture(scope="module")
-def gguf_file() -> Path:
-    return smollm2_gguf()
+def converted(smollm2: Path) -> Path:
+    """SmolLM2's GGUF file as reflow converts it."""
+    return smollm2
 
 
 @pytest.fixture(scope="module")
-def converted(gguf_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("smollm2")
-    converted_bytes: list[int] = []
-    gguf_to_checkpoint(gguf_file, directory, converted_bytes.append)
-    assert len(converted_bytes) == 272 and sum(converted_bytes) == gguf_tensor_bytes(gguf_file)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def reference_model(gguf_file: Path) -> torch.nn.Module:
+def reference_model(smollm2_by_transformers: Path) -> torch.nn.Module:
     """transformers' own reading of the GGUF file, float32."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_file.parent, gguf_file=gguf_file.name
-    ).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_by_transformers).eval()
 
 
 @pytest.fixture(scope="module")
-def reference_tokenizer(gguf_file: Path) -> transformers.PreTrainedTokenizerBase:
-    return transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+def reference_tokenizer(smollm2_by_transformers: Path) -> transformers.PreTrainedTokenizerBase:
+    return transformers.AutoTokenizer.from_pretrained(smollm2_by_transformers)
 
 
 def test_the_files_describe_smollm2(converted: Path) -> None:
@@ -219,7 +208,10 @@ def test_each_supported_architecture_converts_to_the_model_transformers_loads(
     architecture: str, tmp_path: Path
 ) -> None:
     path = _tiny_gguf(tmp_path / f"{architecture}.gguf", architecture)
-    gguf_to_checkpoint(path, tmp_path / "converted")
+    converted_bytes: list[int] = []  # what a progress bar is told: each tensor's bytes as it is written
+    gguf_to_checkpoint(path, tmp_path / "converted", converted_bytes.append)
+    tensors = 2 + 2 * (9 + {"llama": 0, "qwen2": 3, "qwen3": 2}[architecture])
+    assert len(converted_bytes) == tensors and sum(converted_bytes) == gguf_tensor_bytes(path)
     reference, reference_loading = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, output_loading_info=True
     )

@@ -13,7 +13,6 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from tests.support.smollm2 import smollm2_gguf
 from workers.models.hf_tokenizer import HFTokenizer
 
 TEXTS = {
@@ -48,11 +47,9 @@ SENTENCES = [  # what the SentencePiece-style tokenizer learns from: no CJK, no 
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[HFTokenizer, PreTrainedTokenizerBase, Path]:
+def smollm2(smollm2_by_transformers: Path) -> tuple[HFTokenizer, PreTrainedTokenizerBase, Path]:
     """Ours and transformers' tokenizer of the files transformers writes for SmolLM2's GGUF file."""
-    gguf = smollm2_gguf()
-    directory = tmp_path_factory.mktemp("smollm2")
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(directory)
+    directory = smollm2_by_transformers
     return HFTokenizer.from_directory(directory), AutoTokenizer.from_pretrained(directory), directory
 
 
@@ -195,7 +192,7 @@ def test_generation_config_names_the_end_ids_in_order(
     smollm2: tuple[HFTokenizer, PreTrainedTokenizerBase, Path], tmp_path: Path
 ) -> None:
     _, _, directory = smollm2
-    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    shutil.copytree(directory, tmp_path, ignore=shutil.ignore_patterns("*.safetensors"), dirs_exist_ok=True)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2], "bos_token_id": 1}))
     tokenizer = HFTokenizer.from_directory(tmp_path)
     assert (tokenizer.eos_ids, tokenizer.pad_id) == ((0, 2), 2)  # pad_token <|im_end|>, as the config says
