@@ -21,9 +21,10 @@ from tests.support.waiting import eventually
 
 def refills(refusal: QuotaExceeded, full_ms: int, started: float) -> bool:
     """Whether the refusal's retry-after is `full_ms` less the refill since `started` (at most what
-    the test took since then, however slow the machine)."""
+    the test took since then, however slow the machine). Redis's clock reads whole milliseconds, so
+    the refill it saw may be up to one more than the time that passed."""
     waited_ms = (time.monotonic() - started) * 1000
-    return full_ms - waited_ms <= refusal.retry_after_ms <= full_ms
+    return full_ms - waited_ms - 1 <= refusal.retry_after_ms <= full_ms
 
 
 @contextlib.asynccontextmanager
