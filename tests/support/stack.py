@@ -25,6 +25,7 @@ from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2_grpc
 from tests.support.models import MODEL
+from tests.support.waiting import eventually
 from workers.engine import Engine, EngineConfig
 from workers.metrics import WorkerMetrics
 from workers.server import WorkerServicer
@@ -162,15 +163,26 @@ async def generate(
 
 @contextlib.asynccontextmanager
 async def held_stream(stack: Stack) -> AsyncIterator[None]:
-    """A Generate stream that holds one of the tenant's stream slots for the block: past its first
-    message the engine is stalled, so a fast model cannot finish it (and free the slot) early."""
-    call = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
-    await call.read()
-    release = threading.Event()
-    stalled = asyncio.create_task(asyncio.to_thread(stack.workers[0].engine.run, release.wait))
+    """A Generate stream that holds one of the tenant's stream slots for the block: the engine is
+    stalled before the stream reaches it, so even a fast model cannot finish it (and free the slot)
+    early. (Stalled after its first message instead, a loaded machine once let the engine finish
+    the stream first: the slot came free, and the request that should have been refused hung.)"""
+    engine = stack.workers[0].engine
+    release, stalled = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        stalled.set()
+        release.wait()
+
+    stalling = asyncio.create_task(asyncio.to_thread(engine.run, stall))
+    call = None
     try:
+        await eventually(stalled.is_set, what="the engine to stall")
+        call = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
+        await eventually(lambda: engine.waiting == 1, what="the held stream to reach the stalled engine")
         yield
     finally:
         release.set()
-        await stalled
-        call.cancel()
+        await stalling
+        if call is not None:
+            call.cancel()
