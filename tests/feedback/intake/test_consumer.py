@@ -106,6 +106,7 @@ def test_malformed_records_go_to_the_dlq_and_the_partition_moves_on(
     assert kafka_stats(kafka.bootstrap)["dlq_messages"] == 3
 
 
+@pytest.mark.slow  # consumer processes killed and restarted over a large batch
 def test_kill_9_in_the_middle_of_a_large_batch_loses_and_duplicates_nothing(
     kafka: Broker, database_url: str, store: Engine
 ) -> None:

@@ -18,6 +18,8 @@ from tests.support.models import MODEL, save_model, tiny_model
 from tests.support.registry import local_registry
 from workers.models.loader import load_checkpoint
 
+pytestmark = pytest.mark.slow  # a `reflow` process per command, each loading MLflow
+
 
 @pytest.fixture
 def registry(tmp_path: Path) -> Registry:
