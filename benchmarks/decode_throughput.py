@@ -22,9 +22,11 @@ spin_briefly()  # the engine runs in this process as in a worker's: before torch
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,22 +154,14 @@ def register_random_model(settings: Settings, preset: str, seed: int = 0, alias:
     return directory
 
 
-def main() -> None:
-    import torch
-
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--preset", default="arith-small")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
-    requests = workload(args.requests)
-    engine_runs: dict[int, list[Run]] = {c: [] for c in LEVELS}
-    e2e_runs: dict[int, list[Run]] = {c: [] for c in LEVELS}
+@contextlib.contextmanager
+def served(preset: str) -> Iterator[tuple[Path, str, str]]:
+    """A worker and a gateway process (what `reflow up` runs) serving a random `preset` model as
+    arith v1 @champion in a temp data dir: (the model's directory, the gateway's address, an API
+    key without limits); stopped on exit."""
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(data_dir=Path(tmp), device="cpu", gateway_port=0, http_port=0)
-        directory = register_random_model(settings, args.preset)
+        directory = register_random_model(settings, preset)
         store = open_engine(settings.resolved_database_url)
         migrate(store)
         _, api_key = create_tenant(store, "bench", limits=UNLIMITED)
@@ -181,21 +175,38 @@ def main() -> None:
             )
             gateway = supervisor.wait_ready(gateway_child)["address"]
             wait_serving(gateway)
-
-            async def measure() -> None:
-                engine = Engine()  # the version built on its thread, as a worker builds it
-                engine.add(engine.run(lambda: load_directory(directory, "arith", "1", resolve_device("cpu"))))
-                await engine_run(engine, requests[:8], 8)  # warm up both paths
-                await grpc_run(gateway, api_key, requests[:8], 8)
-                for _ in range(args.runs):
-                    for c in LEVELS:
-                        engine_runs[c].append(await engine_run(engine, requests, c))
-                        e2e_runs[c].append(await grpc_run(gateway, api_key, requests, c))
-                engine.close()
-
-            asyncio.run(measure())
+            yield directory, gateway, api_key
         finally:
             supervisor.stop()
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="arith-small")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    requests = workload(args.requests)
+    engine_runs: dict[int, list[Run]] = {c: [] for c in LEVELS}
+    e2e_runs: dict[int, list[Run]] = {c: [] for c in LEVELS}
+    with served(args.preset) as (directory, gateway, api_key):
+
+        async def measure() -> None:
+            engine = Engine()  # the version built on its thread, as a worker builds it
+            engine.add(engine.run(lambda: load_directory(directory, "arith", "1", resolve_device("cpu"))))
+            await engine_run(engine, requests[:8], 8)  # warm up both paths
+            await grpc_run(gateway, api_key, requests[:8], 8)
+            for _ in range(args.runs):
+                for c in LEVELS:
+                    engine_runs[c].append(await engine_run(engine, requests, c))
+                    e2e_runs[c].append(await grpc_run(gateway, api_key, requests, c))
+            engine.close()
+
+        asyncio.run(measure())
     print(f"preset {args.preset}: {args.requests} requests, prompts 5-53 tokens, max_tokens 16-64, "
           f"median of {args.runs} runs, torch threads {torch.get_num_threads()}")  # fmt: skip
     header = (

@@ -27,18 +27,14 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import grpc
-from decode_throughput import register_random_model  # this script's directory is on sys.path
+from decode_throughput import served  # this script's directory is on sys.path
+from hot_swap import percentile
 
-from gateway.tenants import UNLIMITED, create_tenant
-from reflow.cli.supervisor import Supervisor, wait_serving
-from reflow.settings import Settings
-from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2, inference_pb2_grpc
 
 POLICIES = {
@@ -127,11 +123,6 @@ class Traffic:
             await asyncio.gather(*tasks)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -147,37 +138,20 @@ def main() -> None:
     for _ in range(args.runs):
         for name, policy in POLICIES.items():
             alone[name].append(step_seconds(policy, args.steps))
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings(data_dir=Path(tmp), device="cpu", gateway_port=0, http_port=0)
-        register_random_model(settings, "arith-small")
-        store = open_engine(settings.resolved_database_url)
-        migrate(store)
-        _, api_key = create_tenant(store, "bench", limits=UNLIMITED)
-        supervisor = Supervisor(settings)
-        env = {"REFLOW_DATA_DIR": tmp, "REFLOW_DEVICE": "cpu"}
-        try:
-            env["REFLOW_KAFKA_BOOTSTRAP"] = supervisor.spawn_broker()
-            worker = supervisor.wait_ready(supervisor.spawn("worker", ["worker"], env))["address"]
-            gateway_child = supervisor.spawn(
-                "gateway", ["gateway", "--port", "0"], {**env, "REFLOW_WORKERS": worker}
-            )
-            gateway = supervisor.wait_ready(gateway_child)["address"]
-            wait_serving(gateway)
-            traffic = Traffic(gateway, api_key, args.rate)
-            time.sleep(3.0)  # the worker's first batches: compiled kernels, allocator
-            baseline_start = time.perf_counter()
-            time.sleep(10.0)
-            serving_alone = traffic.between(baseline_start, time.perf_counter())
-            for _ in range(args.runs):
-                for name, policy in POLICIES.items():
-                    start = time.perf_counter()
-                    beside[name].append(step_seconds(policy, args.steps))
-                    served = traffic.between(start, time.perf_counter())
-                    p50[name].append(percentile(served, 0.5) * 1000)
-                    p99[name].append(percentile(served, 0.99) * 1000)
-            traffic.stop()
-        finally:
-            supervisor.stop()
+    with served("arith-small") as (_, gateway, api_key):
+        traffic = Traffic(gateway, api_key, args.rate)
+        time.sleep(3.0)  # the worker's first batches: compiled kernels, allocator
+        baseline_start = time.perf_counter()
+        time.sleep(10.0)
+        serving_alone = traffic.between(baseline_start, time.perf_counter())
+        for _ in range(args.runs):
+            for name, policy in POLICIES.items():
+                start = time.perf_counter()
+                beside[name].append(step_seconds(policy, args.steps))
+                answered = traffic.between(start, time.perf_counter())
+                p50[name].append(percentile(answered, 0.5) * 1000)
+                p99[name].append(percentile(answered, 0.99) * 1000)
+        traffic.stop()
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "?")  # fmt: skip
     print(f"{cpu}, {len(os.sched_getaffinity(0))} cores; demo fine-tune, {args.steps} steps per run "
