@@ -21,7 +21,9 @@ from pydantic import (
     Field,
     StringConstraints,
     ValidationError,
+    ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from feedback.bus.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC, Record
@@ -134,8 +136,14 @@ class InferenceEvent(_Event):
         return self.record(INFERENCES_TOPIC, self.request_id)
 
 
+def stars_rating(stars: int) -> int:
+    """The rating a 1-5 star score counts as: 1-2 -> -1, 3 -> 0, 4-5 -> +1."""
+    return -1 if stars <= 2 else 0 if stars == 3 else 1
+
+
 class FeedbackEvent(_Event):
-    """A rating of one completion, on `reflow.feedback`, keyed by the request_id it rates."""
+    """What a user said of one completion, on `reflow.feedback`, keyed by the request_id it rates:
+    a rating (or stars, which set it), a correction, a preference over another completion."""
 
     feedback_id: Id
     request_id: RequestId
@@ -144,15 +152,46 @@ class FeedbackEvent(_Event):
     correction: Correction = ""
     user_id: UserId = ""
     labels: Annotated[dict[LabelText, LabelText], Field(max_length=MAX_LABELS)] = {}
+    # the request_id of a completion of the same conversation the user liked less; None = none
+    preferred_over: RequestId | None = None
+    stars: Annotated[int, Field(ge=1, le=5)] | None = None  # None = none; `rating` follows them
     time: AwareDatetime
 
-    @field_validator("rating", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _integer_rating(cls, value: object) -> object:
+    def _rating_from_stars(cls, data: object) -> object:
+        """Stars set the rating (a rating given beside them must agree); a preference needs no
+        rating. The wire's empty values (0 stars, "" preferred_over) mean none."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if not (k in ("stars", "preferred_over") and v in (0, ""))}
+        stars = data.get("stars")
+        if isinstance(stars, int) and not isinstance(stars, bool) and 1 <= stars <= 5:
+            rating, implied = data.get("rating", 0), stars_rating(stars)
+            if rating not in (0, implied):
+                raise ValueError(
+                    f"rating {rating} disagrees with {stars} stars, which count as {implied:+d} "
+                    "(1-2 stars: -1, 3: 0, 4-5: +1); send one of them"
+                )
+            data["rating"] = implied
+        elif data.get("preferred_over") and "rating" not in data:
+            data["rating"] = 0
+        return data
+
+    @field_validator("rating", "stars", mode="before")
+    @classmethod
+    def _integer(cls, value: object, info: ValidationInfo) -> object:
         """true/false or 1.0 are not ratings (pydantic would take them as 1 and 0)."""
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"rating must be the integer -1, 0 or 1, not {value!r}")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            allowed = "-1, 0 or 1" if info.field_name == "rating" else "1 to 5"
+            raise ValueError(f"{info.field_name} must be the integer {allowed}, not {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _preferred_over_another(self) -> FeedbackEvent:
+        if self.preferred_over == self.request_id:
+            raise ValueError("preferred_over names the rated completion itself; name the other one")
+        return self
 
     def to_record(self) -> Record:
         return self.record(FEEDBACK_TOPIC, self.request_id)
@@ -176,13 +215,24 @@ class NotYourRequest(InvalidFeedback):
     code = "PERMISSION_DENIED"
 
 
-FEEDBACK_FIELDS = ("feedback_id", "request_id", "rating", "correction", "user_id", "labels")
+FEEDBACK_FIELDS = (
+    "feedback_id", "request_id", "rating", "correction", "user_id", "labels", "preferred_over", "stars",
+)  # fmt: skip
 
 
 def derive_feedback_id(event: FeedbackEvent) -> str:
     """A stable id for feedback sent without one: the same item sent twice gets the same id, so a
     retried stream or a re-ingested file is stored once."""
-    content = [event.tenant, event.request_id, event.rating, event.correction, event.user_id, event.labels]
+    content: list[object] = [
+        event.tenant,
+        event.request_id,
+        event.rating,
+        event.correction,
+        event.user_id,
+        event.labels,
+    ]
+    if event.preferred_over is not None or event.stars is not None:  # ids of items without them stay
+        content += [event.preferred_over, event.stars]
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     return "fb_" + digest[:32]
 
@@ -205,11 +255,12 @@ def feedback_event(tenant: str, fields: dict[str, object], time: datetime) -> Fe
 def require_served(event: FeedbackEvent, served_to: Callable[[str, str], bool]) -> FeedbackEvent:
     """`event` when `served_to(request_id, tenant)` says it rates a completion served to its
     tenant (RequestIds.served_to); NotYourRequest otherwise."""
-    if not served_to(event.request_id, event.tenant):
-        raise NotYourRequest(
-            f"request {event.request_id!r} was not served to this tenant; "
-            "rate only completions your API key received"
-        )
+    for field, request_id in (("request_id", event.request_id), ("preferred_over", event.preferred_over)):
+        if request_id is not None and not served_to(request_id, event.tenant):
+            raise NotYourRequest(
+                f"{field}: request {request_id!r} was not served to this tenant; "
+                "rate only completions your API key received"
+            )
     return event
 
 

@@ -71,7 +71,8 @@ def feedback_row(event: FeedbackEvent, stored_at: datetime) -> dict[str, Any]:
     return {
         "feedback_id": event.feedback_id, "request_id": event.request_id, "tenant": event.tenant,
         "rating": event.rating, "correction": event.correction, "user_id": event.user_id,
-        "labels": dict(event.labels), "created_at": event.time, "stored_at": stored_at,
+        "labels": dict(event.labels), "preferred_over": event.preferred_over or "", "stars": event.stars or 0,
+        "created_at": event.time, "stored_at": stored_at,
     }  # fmt: skip
 
 

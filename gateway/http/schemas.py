@@ -240,16 +240,29 @@ class ModelList(BaseModel):
 
 
 class FeedbackItem(BaseModel):
-    """A rating of, or a correction to, one completion (the fields of gRPC's `Feedback`)."""
+    """What a user said of one completion (the fields of gRPC's `Feedback`): a rating or stars, a
+    correction, a preference over another completion of the same conversation."""
 
     model_config = ConfigDict(extra="forbid")
 
     feedback_id: str = Field("", description="Idempotency key: the same id is stored once.")
     request_id: str = Field(description="The `id` of the completion being rated.")
-    rating: Literal[-1, 0, 1]
+    rating: Literal[-1, 0, 1] = Field(
+        description="-1 (bad), 0 (neutral) or +1 (good); may be left out with `stars` or `preferred_over`."
+    )
     correction: str = Field("", description="The answer the user wanted, if they gave one.")
     user_id: str = ""
     labels: dict[str, str] = {}
+    preferred_over: str = Field(
+        "",
+        description=(
+            "The `id` of another completion of the same conversation the user liked less (the other "
+            "of two answers shown, or the one a kept regenerate replaced)."
+        ),
+    )
+    stars: int = Field(
+        0, ge=0, le=5, description="1-5 stars instead of `rating` (1-2: -1, 3: 0, 4-5: +1); 0 = none."
+    )
 
 
 class FeedbackError(BaseModel):

@@ -87,7 +87,7 @@ class Inference(Base):
 
 
 class FeedbackItem(Base):
-    """One rating of a completion; joined with `inferences` on (request_id, tenant) when read.
+    """What a user said of a completion; joined with `inferences` on (request_id, tenant) when read.
 
     No foreign key: feedback may be stored before the inference event it rates arrives.
     `id` grows with arrival; `finetune_run_id` marks the fine-tune run that used the item.
@@ -101,10 +101,13 @@ class FeedbackItem(Base):
     feedback_id: Mapped[str] = mapped_column(String(128))
     request_id: Mapped[str] = mapped_column(String(64), index=True)
     tenant: Mapped[str] = mapped_column(String(128))
-    rating: Mapped[int] = mapped_column(SmallInteger)  # -1, 0 or +1
+    rating: Mapped[int] = mapped_column(SmallInteger)  # -1, 0 or +1 (what `stars` count as, if given)
     correction: Mapped[str] = mapped_column(Text)
     user_id: Mapped[str] = mapped_column(String(256))
     labels: Mapped[dict[str, str]] = mapped_column(JSON)
+    # the request_id of a completion of the same conversation the user liked less; "" = none
+    preferred_over: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    stars: Mapped[int] = mapped_column(SmallInteger, default=0, server_default="0")  # 1-5; 0 = none
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # when it was submitted
     stored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finetune_run_id: Mapped[int | None] = mapped_column(Integer, index=True, default=None)

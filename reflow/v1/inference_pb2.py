@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19reflow/v1/inference.proto\x12\treflow.v1\"s\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0c\n\x04stop\x18\x06 \x03(\t\"\xc5\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.reflow.v1.SamplingParams\x12\x0f\n\x07user_id\x18\x04 \x01(\t\x12\x18\n\x10reasoning_budget\x18\x05 \x01(\r\x12\x19\n\x11latency_budget_ms\x18\x06 \x01(\r\x12\x36\n\x06labels\x18\x07 \x03(\x0b\x32&.reflow.v1.GenerateRequest.LabelsEntry\x12(\n\x08messages\x18\x08 \x03(\x0b\x32\x16.reflow.v1.ChatMessage\x12\x0f\n\x07variant\x18\t \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9c\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x03 \x01(\r\x12\x1e\n\x16time_to_first_token_ms\x18\x04 \x01(\x02\x12\x10\n\x08total_ms\x18\x05 \x01(\x02\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"\xf5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x0b\n\x03\x61rm\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x06 \x01(\t\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.reflow.v1.FinishReason\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.reflow.v1.Usage\x12#\n\x07routing\x18\t \x01(\x0b\x32\x12.reflow.v1.Routing\"\xb7\x01\n\x07Routing\x12\x0f\n\x07variant\x18\x01 \x01(\t\x12\x17\n\x0ftoken_agreement\x18\x02 \x01(\x02\x12(\n predicted_time_to_first_token_ms\x18\x03 \x01(\x02\x12\x1a\n\x12predicted_total_ms\x18\x04 \x01(\x02\x12\x18\n\x10reasoning_budget\x18\x05 \x01(\r\x12\"\n\x1apredicted_to_meet_deadline\x18\x06 \x01(\x08\"\xc8\x01\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x13\n\x0b\x66\x65\x65\x64\x62\x61\x63k_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06rating\x18\x03 \x01(\x11\x12\x12\n\ncorrection\x18\x04 \x01(\t\x12\x0f\n\x07user_id\x18\x05 \x01(\t\x12/\n\x06labels\x18\x06 \x03(\x0b\x32\x1f.reflow.v1.Feedback.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Q\n\rFeedbackError\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x13\n\x0b\x66\x65\x65\x64\x62\x61\x63k_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\"[\n\x0b\x46\x65\x65\x64\x62\x61\x63kAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x10\n\x08rejected\x18\x02 \x01(\x04\x12(\n\x06\x65rrors\x18\x03 \x03(\x0b\x32\x18.reflow.v1.FeedbackError\"\x13\n\x11ListModelsRequest\"r\n\x0cModelVersion\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x15\n\rready_workers\x18\x03 \x01(\r\x12)\n\x08variants\x18\x04 \x03(\x0b\x32\x17.reflow.v1.ModelVariant\"w\n\x0cModelVariant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10greedy_agreement\x18\x02 \x01(\x02\x12\x17\n\x0ftoken_agreement\x18\x03 \x01(\x02\x12\x17\n\ntask_score\x18\x04 \x01(\x02H\x00\x88\x01\x01\x42\r\n\x0b_task_score\"@\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x08versions\x18\x02 \x03(\x0b\x32\x17.reflow.v1.ModelVersion\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.reflow.v1.Model*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xde\x01\n\tInference\x12\x45\n\x08Generate\x12\x1a.reflow.v1.GenerateRequest\x1a\x1b.reflow.v1.GenerateResponse0\x01\x12?\n\x0eSubmitFeedback\x12\x13.reflow.v1.Feedback\x1a\x16.reflow.v1.FeedbackAck(\x01\x12I\n\nListModels\x12\x1c.reflow.v1.ListModelsRequest\x1a\x1d.reflow.v1.ListModelsResponseBE\n\rdev.reflow.v1P\x01Z2github.com/reflow/reflow/gen/go/reflow/v1;reflowv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19reflow/v1/inference.proto\x12\treflow.v1\"s\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0c\n\x04stop\x18\x06 \x03(\t\"\xc5\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.reflow.v1.SamplingParams\x12\x0f\n\x07user_id\x18\x04 \x01(\t\x12\x18\n\x10reasoning_budget\x18\x05 \x01(\r\x12\x19\n\x11latency_budget_ms\x18\x06 \x01(\r\x12\x36\n\x06labels\x18\x07 \x03(\x0b\x32&.reflow.v1.GenerateRequest.LabelsEntry\x12(\n\x08messages\x18\x08 \x03(\x0b\x32\x16.reflow.v1.ChatMessage\x12\x0f\n\x07variant\x18\t \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9c\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x03 \x01(\r\x12\x1e\n\x16time_to_first_token_ms\x18\x04 \x01(\x02\x12\x10\n\x08total_ms\x18\x05 \x01(\x02\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"\xf5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x0b\n\x03\x61rm\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x06 \x01(\t\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.reflow.v1.FinishReason\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.reflow.v1.Usage\x12#\n\x07routing\x18\t \x01(\x0b\x32\x12.reflow.v1.Routing\"\xb7\x01\n\x07Routing\x12\x0f\n\x07variant\x18\x01 \x01(\t\x12\x17\n\x0ftoken_agreement\x18\x02 \x01(\x02\x12(\n predicted_time_to_first_token_ms\x18\x03 \x01(\x02\x12\x1a\n\x12predicted_total_ms\x18\x04 \x01(\x02\x12\x18\n\x10reasoning_budget\x18\x05 \x01(\r\x12\"\n\x1apredicted_to_meet_deadline\x18\x06 \x01(\x08\"\xef\x01\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x13\n\x0b\x66\x65\x65\x64\x62\x61\x63k_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06rating\x18\x03 \x01(\x11\x12\x12\n\ncorrection\x18\x04 \x01(\t\x12\x0f\n\x07user_id\x18\x05 \x01(\t\x12/\n\x06labels\x18\x06 \x03(\x0b\x32\x1f.reflow.v1.Feedback.LabelsEntry\x12\x16\n\x0epreferred_over\x18\x07 \x01(\t\x12\r\n\x05stars\x18\x08 \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Q\n\rFeedbackError\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x13\n\x0b\x66\x65\x65\x64\x62\x61\x63k_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\"[\n\x0b\x46\x65\x65\x64\x62\x61\x63kAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x10\n\x08rejected\x18\x02 \x01(\x04\x12(\n\x06\x65rrors\x18\x03 \x03(\x0b\x32\x18.reflow.v1.FeedbackError\"\x13\n\x11ListModelsRequest\"r\n\x0cModelVersion\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x15\n\rready_workers\x18\x03 \x01(\r\x12)\n\x08variants\x18\x04 \x03(\x0b\x32\x17.reflow.v1.ModelVariant\"w\n\x0cModelVariant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10greedy_agreement\x18\x02 \x01(\x02\x12\x17\n\x0ftoken_agreement\x18\x03 \x01(\x02\x12\x17\n\ntask_score\x18\x04 \x01(\x02H\x00\x88\x01\x01\x42\r\n\x0b_task_score\"@\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x08versions\x18\x02 \x03(\x0b\x32\x17.reflow.v1.ModelVersion\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.reflow.v1.Model*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xde\x01\n\tInference\x12\x45\n\x08Generate\x12\x1a.reflow.v1.GenerateRequest\x1a\x1b.reflow.v1.GenerateResponse0\x01\x12?\n\x0eSubmitFeedback\x12\x13.reflow.v1.Feedback\x1a\x16.reflow.v1.FeedbackAck(\x01\x12I\n\nListModels\x12\x1c.reflow.v1.ListModelsRequest\x1a\x1d.reflow.v1.ListModelsResponseBE\n\rdev.reflow.v1P\x01Z2github.com/reflow/reflow/gen/go/reflow/v1;reflowv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_FEEDBACK_LABELSENTRY']._loaded_options = None
   _globals['_FEEDBACK_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1884
-  _globals['_FINISHREASON']._serialized_end=2033
+  _globals['_FINISHREASON']._serialized_start=1923
+  _globals['_FINISHREASON']._serialized_end=2072
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=155
   _globals['_GENERATEREQUEST']._serialized_start=158
@@ -53,23 +53,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTING']._serialized_start=939
   _globals['_ROUTING']._serialized_end=1122
   _globals['_FEEDBACK']._serialized_start=1125
-  _globals['_FEEDBACK']._serialized_end=1325
+  _globals['_FEEDBACK']._serialized_end=1364
   _globals['_FEEDBACK_LABELSENTRY']._serialized_start=438
   _globals['_FEEDBACK_LABELSENTRY']._serialized_end=483
-  _globals['_FEEDBACKERROR']._serialized_start=1327
-  _globals['_FEEDBACKERROR']._serialized_end=1408
-  _globals['_FEEDBACKACK']._serialized_start=1410
-  _globals['_FEEDBACKACK']._serialized_end=1501
-  _globals['_LISTMODELSREQUEST']._serialized_start=1503
-  _globals['_LISTMODELSREQUEST']._serialized_end=1522
-  _globals['_MODELVERSION']._serialized_start=1524
-  _globals['_MODELVERSION']._serialized_end=1638
-  _globals['_MODELVARIANT']._serialized_start=1640
-  _globals['_MODELVARIANT']._serialized_end=1759
-  _globals['_MODEL']._serialized_start=1761
-  _globals['_MODEL']._serialized_end=1825
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1827
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1881
-  _globals['_INFERENCE']._serialized_start=2036
-  _globals['_INFERENCE']._serialized_end=2258
+  _globals['_FEEDBACKERROR']._serialized_start=1366
+  _globals['_FEEDBACKERROR']._serialized_end=1447
+  _globals['_FEEDBACKACK']._serialized_start=1449
+  _globals['_FEEDBACKACK']._serialized_end=1540
+  _globals['_LISTMODELSREQUEST']._serialized_start=1542
+  _globals['_LISTMODELSREQUEST']._serialized_end=1561
+  _globals['_MODELVERSION']._serialized_start=1563
+  _globals['_MODELVERSION']._serialized_end=1677
+  _globals['_MODELVARIANT']._serialized_start=1679
+  _globals['_MODELVARIANT']._serialized_end=1798
+  _globals['_MODEL']._serialized_start=1800
+  _globals['_MODEL']._serialized_end=1864
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1866
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1920
+  _globals['_INFERENCE']._serialized_start=2075
+  _globals['_INFERENCE']._serialized_end=2297
 # @@protoc_insertion_point(module_scope)

@@ -128,7 +128,7 @@ class Routing(_message.Message):
     def __init__(self, variant: _Optional[str] = ..., token_agreement: _Optional[float] = ..., predicted_time_to_first_token_ms: _Optional[float] = ..., predicted_total_ms: _Optional[float] = ..., reasoning_budget: _Optional[int] = ..., predicted_to_meet_deadline: _Optional[bool] = ...) -> None: ...
 
 class Feedback(_message.Message):
-    __slots__ = ("feedback_id", "request_id", "rating", "correction", "user_id", "labels")
+    __slots__ = ("feedback_id", "request_id", "rating", "correction", "user_id", "labels", "preferred_over", "stars")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -142,13 +142,17 @@ class Feedback(_message.Message):
     CORRECTION_FIELD_NUMBER: _ClassVar[int]
     USER_ID_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_OVER_FIELD_NUMBER: _ClassVar[int]
+    STARS_FIELD_NUMBER: _ClassVar[int]
     feedback_id: str
     request_id: str
     rating: int
     correction: str
     user_id: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, feedback_id: _Optional[str] = ..., request_id: _Optional[str] = ..., rating: _Optional[int] = ..., correction: _Optional[str] = ..., user_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    preferred_over: str
+    stars: int
+    def __init__(self, feedback_id: _Optional[str] = ..., request_id: _Optional[str] = ..., rating: _Optional[int] = ..., correction: _Optional[str] = ..., user_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., preferred_over: _Optional[str] = ..., stars: _Optional[int] = ...) -> None: ...
 
 class FeedbackError(_message.Message):
     __slots__ = ("index", "feedback_id", "reason", "code")

@@ -43,7 +43,8 @@ def test_public_contract_names() -> None:
                     "reasoning_budget", "predicted_to_meet_deadline"],
         "Usage": ["prompt_tokens", "completion_tokens", "reasoning_tokens", "time_to_first_token_ms",
                   "total_ms", "cached_tokens"],
-        "Feedback": ["feedback_id", "request_id", "rating", "correction", "user_id", "labels"],
+        "Feedback": ["feedback_id", "request_id", "rating", "correction", "user_id", "labels",
+                     "preferred_over", "stars"],
         "FeedbackAck": ["accepted", "rejected", "errors"],
     }  # fmt: skip
     for message, names in fields.items():

@@ -55,7 +55,7 @@ def test_ingest_reports_bad_lines_skips_them_and_stores_a_rerun_once(
         json.dumps({"request_id": ours, "rating": 3}),
         json.dumps({"request_id": theirs, "rating": 1}),
         json.dumps([1, 2]),
-        json.dumps({"request_id": ours, "rating": 1, "stars": 5}),
+        json.dumps({"request_id": ours, "rating": 1, "score": 5}),
     ]
     path = tmp_path / "feedback.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -66,7 +66,7 @@ def test_ingest_reports_bad_lines_skips_them_and_stores_a_rerun_once(
     assert [line.split(":")[0] for line in reported] == ["line 4", "line 5", "line 6", "line 7", "line 8"]
     assert "not valid JSON" in reported[0] and "rating" in reported[1]
     assert "not served to this tenant" in reported[2] and "expected a JSON object" in reported[3]
-    assert "unknown field(s) stars" in reported[4]
+    assert "unknown field(s) score" in reported[4]
     assert "accepted 2, rejected 5" in result.stderr
     settled(store, kafka, feedback=2)
 
