@@ -60,7 +60,7 @@ items = [RatedCompletion(i, str(i), p, "", "0", -1, task.answer(p))
          for i, p in enumerate(task.traffic_prompts(300, rng), 1)]
 dataset = build_dataset(items, 0.1, task.thought)
 times = [time.perf_counter()]
-train_candidate(model, tokenizer, dataset, replay_source(task, model, tokenizer),
+train_candidate(model, tokenizer, dataset, replay_source(task, model, tokenizer, ()),
                 FinetuneConfig(steps=int(sys.argv[1])), lambda *_: times.append(time.perf_counter()))
 print(json.dumps([b - a for a, b in zip(times, times[1:])]))
 """

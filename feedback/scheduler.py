@@ -77,6 +77,7 @@ def _with_store(job: Callable[[Settings, Engine, Registry], None]) -> None:
 def finetune_job_of(settings: Settings) -> FinetuneJob:
     """The fine-tune job REFLOW_MODEL_NAME, REFLOW_FINETUNE_* and REFLOW_AB_TRAFFIC describe."""
     from feedback.training.gate import Limits
+    from feedback.training.general_prompts import DEFAULT_GENERAL_PROMPTS, GeneralPrompts
     from feedback.training.job import FinetuneJob
     from feedback.training.trainer import LORA_RECIPE, FinetuneConfig
     from reflow.worker_calls import WorkerTargets
@@ -89,6 +90,7 @@ def finetune_job_of(settings: Settings) -> FinetuneJob:
     limits = Limits(
         accuracy_drop=settings.finetune_regression_tolerance, kl=settings.finetune_max_regression_kl,
         nll_increase=settings.finetune_max_regression_nll_increase,
+        reward_margin=settings.finetune_reward_margin, min_held_out=settings.finetune_min_held_out,
     )  # fmt: skip
     return FinetuneJob(
         model=settings.model_name, champion_alias=settings.model_alias, task=settings.task,
@@ -98,6 +100,10 @@ def finetune_job_of(settings: Settings) -> FinetuneJob:
         lora_recipe=replace(LORA_RECIPE, lora=adapter, **overrides), method=settings.finetune_method,
         device=settings.device, cache_dir=settings.model_cache_dir, traffic=settings.ab_traffic,
         workers=WorkerTargets.from_settings(settings), variants=tuple(settings.variants),
+        general_prompts=(
+            GeneralPrompts.from_file(settings.general_prompts_file) if settings.general_prompts_file
+            else DEFAULT_GENERAL_PROMPTS
+        ),
     )  # fmt: skip
 
 
@@ -169,4 +175,5 @@ def run_scheduler(settings: Settings, engine: Engine, stop: threading.Event) -> 
     )  # fmt: skip
     stop.wait()
     STOPPING.set()
-    scheduler.shutdown(wait=True)
+    scheduler.pause()  # no new submissions while the executor shuts down (APScheduler logged a
+    scheduler.shutdown(wait=True)  # "cannot schedule new futures after shutdown" traceback there)

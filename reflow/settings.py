@@ -73,12 +73,15 @@ class Settings(BaseSettings):
         "arith-small",
         description="Preset of the base model the bootstrap trains (`tiny`, `arith-small`, `arith-base`).",
     )
-    task: Literal["arith", "terse"] = Field(
-        "arith",
+    task: Literal["", "arith", "terse", "numbered"] = Field(
+        "",
         description=(
-            "The task the base model learns, the fine-tune job scores (regression and live-traffic sets, "
-            "the reasoning corrections are taught with) and `reflow simulate` asks: `arith` for the "
-            "built-in demo model, `terse` (a chat task: users want the bare answer) for chat models."
+            "A demo task with an oracle: what `reflow simulate` asks and judges by, and what the fine-tune "
+            "job also scores (its accuracy sets, the reasoning corrections are taught with). Empty (the "
+            "default): no task, the job learns from whatever users rated. `arith` is the built-in demo "
+            "model's (its bootstrap learns it whatever this says); `terse` (users want the bare answer) and "
+            "`numbered` (users like numbered lists) are chat tasks. `reflow up --demo` sets `arith`, or "
+            "`terse` for a chat model, when it is empty."
         ),
     )
     bootstrap_steps: int = Field(0, ge=0, description="Training steps of the base model; 0 = the recipe's.")
@@ -224,8 +227,8 @@ class Settings(BaseSettings):
         None,
         ge=2,
         description=(
-            "Supervised rows per step, half of them replayed from the base distribution; unset: 32 in "
-            "full, 8 with LoRA."
+            "Supervised rows per step, half of them replayed (general prompts, or a demo task's base "
+            "problems); unset: 32 in full, 8 with LoRA."
         ),
     )
     finetune_lr: float | None = Field(
@@ -252,7 +255,10 @@ class Settings(BaseSettings):
         0.2,
         gt=0,
         lt=1,
-        description="Share of feedback held out to judge the candidate (by a hash of `feedback_id`).",
+        description=(
+            "Share of users whose feedback is held out to judge the candidate (by a hash of `user_id`; "
+            "an item without one is a user of its own)."
+        ),
     )
     finetune_regression_tolerance: float = Field(
         0.02,
@@ -264,8 +270,8 @@ class Settings(BaseSettings):
         0.5,
         ge=0,
         description=(
-            "Chat tasks: the most a registered candidate's mean per-token KL to the champion may be, "
-            "in nats, over the champion's own greedy answers to a fixed set of general chat prompts "
+            "The most a registered candidate's mean per-token KL to the champion may be, in nats, over "
+            "the champion's own greedy answers to a fixed set of general prompts "
             "(an adapter that learned `terse` on SmolLM2 measured 0.21 in 20 steps, 0.31 in 30: "
             "sharper on those answers, not worse, as their likelihood rose)."
         ),
@@ -274,9 +280,32 @@ class Settings(BaseSettings):
         0.1,
         ge=0,
         description=(
-            "Chat tasks: how much less likely (mean negative log-likelihood per token, nats) a "
-            "registered candidate may find the champion's answers to those prompts."
+            "How much less likely (mean negative log-likelihood per token, nats) a registered "
+            "candidate may find the champion's answers to those prompts."
         ),
+    )
+    general_prompts_file: str = Field(
+        "",
+        description=(
+            "A file of general prompts, one per line, for a model whose users do not chat about everyday "
+            "things: every other line is replayed in training (the champion's own answers to it), the "
+            "rest is where the gate measures KL and NLL drift. Empty: built-in everyday chat prompts."
+        ),
+    )
+    finetune_reward_margin: float = Field(
+        0.05,
+        ge=0,
+        lt=0.5,
+        description=(
+            "How far above chance (0.5) the lower 95% confidence bound of a candidate's reward AUC must "
+            "be: the chance that it ranks a held-out completion users wanted above one they did not, by "
+            "its log-likelihood ratio to the champion."
+        ),
+    )
+    finetune_min_held_out: int = Field(
+        5,
+        ge=1,
+        description="Held-out wanted and unwanted completions (each) a run needs to judge its candidate.",
     )
 
     ab_traffic: float = Field(
@@ -490,10 +519,10 @@ class Settings(BaseSettings):
 
     @field_validator(
         "tls_ca_file", "tls_cert_file", "tls_key_file", "gateway_tls_cert_file", "gateway_tls_key_file",
-        "gateway_ca_file",
+        "gateway_ca_file", "general_prompts_file",
     )  # fmt: skip
     @classmethod
-    def _check_tls_file(cls, value: str) -> str:
+    def _check_file(cls, value: str) -> str:
         if value and not Path(value).is_file():
             raise ValueError(f"{value} is not a file")
         return value

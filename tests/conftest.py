@@ -1,8 +1,8 @@
 """The fixtures every test may ask for: a real MLflow store with tiny models, a Kafka broker, settings
 pointing at them, a gateway in front of in-process workers, SQLite and PostgreSQL stores, and what
-is built once per run and shared (tests/support/shared.py): the trained demo base model, SmolLM2
-converted from its GGUF file by reflow and as transformers reads it, a tiny chat model. What they
-are built from lives in tests/support/."""
+is built once per run and shared (tests/support/shared.py): the trained demo base model and its
+cheerful twin, SmolLM2 converted from its GGUF file by reflow and as transformers reads it, a tiny
+chat model. What they are built from lives in tests/support/."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from feedback.tasks import get_task
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
+from tests.support.cheerful import Cheerful
 from tests.support.hf import transformers
 from tests.support.kafka import Broker
 from tests.support.models import MODEL, save_model, tiny_model
@@ -40,6 +41,17 @@ def base_model(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
         save_model(train_base_model(PretrainConfig(), get_task("arith"))[0], directory)
 
     return load_checkpoint(built_once(tmp_path_factory, "base-model", train))[0]
+
+
+@pytest.fixture(scope="session")
+def cheerful_model(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
+    """The demo model trained on `Cheerful` sums (tests/support/cheerful.py): it ends about half of
+    its answers with "!", which its users like. Trained once per run, as the base model is."""
+
+    def train(directory: Path) -> None:
+        save_model(train_base_model(PretrainConfig(), Cheerful())[0], directory)
+
+    return load_checkpoint(built_once(tmp_path_factory, "cheerful-model", train))[0]
 
 
 @pytest.fixture(scope="session")

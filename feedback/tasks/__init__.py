@@ -6,10 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 from feedback.tasks.arith import Arith
+from feedback.tasks.numbered import Numbered
 from feedback.tasks.task import Task
 from feedback.tasks.terse import Terse
 
-TASKS: dict[str, Callable[..., Task]] = {"arith": Arith, "terse": Terse}
+TASKS: dict[str, Callable[..., Task]] = {"arith": Arith, "numbered": Numbered, "terse": Terse}
 
 
 def get_task(name: str, **options: Any) -> Task:

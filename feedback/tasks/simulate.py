@@ -1,10 +1,11 @@
 """`reflow simulate`: a population of users sending a task's prompts through the gateway and rating
-each answer with the task's oracle: +1 when right, -1 with the right answer as `correction` when
-wrong.
+each answer with the task's oracle: +1 when right, -1 when wrong, and, unless they only click
+thumbs, the right answer as `correction` (where the task has one).
 
-It is the demo's traffic and the learning loop's test: the base model knows only its base
-distribution, so users asking as live traffic does correct it, and those corrections are what it
-learns from.
+It is the demo's traffic and the learning loop's test: users judge by an oracle the model does not
+know (a right answer, or a taste), and their ratings are all the loop learns from. `Behaviour`
+makes them more like people: sampled answers (a temperature), thumbs only, and a share of
+ratings given the wrong way round.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import grpc
+import torch
 
 from feedback.events import ChatMessage, FeedbackEvent, InferenceEvent, Latency, TokenUsage
 from feedback.tasks.task import Task, as_prompt
@@ -25,12 +27,22 @@ from reflow.errors import RETRY_PUSHBACK_KEY
 from reflow.gateway_tls import client_credentials
 from reflow.mtls import open_channel
 from reflow.v1 import inference_pb2, inference_pb2_grpc
-from workers.models.greedy import greedy_answers
+from workers.models.greedy import completions
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.prompts import prompt_ids
 
 MAX_IN_FLIGHT = 64  # requests a simulation keeps open at once; beyond that it falls behind its rate
 RETRIES = 20  # times a user comes back after RESOURCE_EXHAUSTED before giving up
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """How the simulated users ask and rate."""
+
+    thumbs_only: bool = False  # True: ratings alone, never a correction
+    temperature: float = 0.0  # of their requests; 0 = greedy
+    flip: float = 0.0  # share of ratings sent the wrong way round (noise)
+    max_tokens: int = 48
 
 
 @dataclass
@@ -39,7 +51,7 @@ class SimulationReport:
 
     requests: int = 0  # sent
     finished: int = 0  # answered or failed
-    right: int = 0
+    right: int = 0  # answers the oracle accepts (whatever the rating sent said)
     errors: dict[str, int] = field(default_factory=dict)  # Generate: gRPC status name -> count
     feedback_errors: dict[str, int] = field(default_factory=dict)  # SubmitFeedback failures
     rated: int = 0  # feedback items the gateway accepted
@@ -63,11 +75,14 @@ async def simulate(
     model: str = "",
     on_request: Callable[[SimulationReport], None] | None = None,
     ca_file: str | None = None,
+    behaviour: Behaviour = Behaviour(),
 ) -> SimulationReport:
     """Sends `rate` of `task`'s live-traffic prompts a second for `duration_s` seconds (at most
     `rate * duration_s`; 0 = until cancelled), each from one of `users` users, and rates every
-    answer; returns once all are answered and rated. With `ca_file`, over TLS trusting that CA."""
+    answer as `behaviour` says; returns once all are answered and rated. With `ca_file`, over TLS
+    trusting that CA."""
     rng = random.Random(seed)
+    flips = random.Random(seed + 1)  # apart, so noise does not change which prompts are asked
     report = SimulationReport()
     metadata = (("authorization", f"Bearer {api_key}"),)
     ratings: asyncio.Queue[inference_pb2.Feedback | None] = asyncio.Queue()
@@ -82,7 +97,10 @@ async def simulate(
             [prompt] = task.traffic_prompts(1, rng)
             user = f"sim-user-{rng.randrange(users)}"
             await in_flight.acquire()
-            asking = asyncio.create_task(_ask(stub, metadata, model, task, prompt, user, report, ratings))
+            flipped = flips.random() < behaviour.flip
+            asking = asyncio.create_task(
+                _ask(stub, metadata, model, task, prompt, user, report, ratings, behaviour, flipped)
+            )
             asking.add_done_callback(lambda _t: in_flight.release())
             if on_request is not None:
                 asking.add_done_callback(lambda _t: on_request(report))
@@ -103,9 +121,13 @@ async def _ask(
     user: str,
     report: SimulationReport,
     ratings: asyncio.Queue[inference_pb2.Feedback | None],
+    behaviour: Behaviour,
+    flipped: bool,
 ) -> None:
-    """One user's request, and its rating queued."""
-    sampling = inference_pb2.SamplingParams(max_tokens=48)
+    """One user's request, and its rating queued (the wrong way round when `flipped`)."""
+    sampling = inference_pb2.SamplingParams(
+        max_tokens=behaviour.max_tokens, temperature=behaviour.temperature
+    )
     request = inference_pb2.GenerateRequest(model=model, user_id=user, sampling=sampling)
     if task.chat:  # the worker renders it with the model's chat template
         request.messages.append(inference_pb2.ChatMessage(role="user", content=prompt))
@@ -134,10 +156,10 @@ async def _ask(
     tally = report.by_version.setdefault(version, [0, 0])
     tally[0] += right
     tally[1] += 1
-    correction = "" if right else task.answer(prompt) or ""
+    correction = "" if right or behaviour.thumbs_only else task.answer(prompt) or ""
     await ratings.put(
         inference_pb2.Feedback(
-            request_id=request_id, rating=1 if right else -1, correction=correction, user_id=user
+            request_id=request_id, rating=1 if right != flipped else -1, correction=correction, user_id=user
         )
     )
 
@@ -189,24 +211,33 @@ def rated_offline(
     model_name: str = "arith",
     version: str = "1",
     answer_key: Callable[[str], str | None] | None = None,
+    behaviour: Behaviour = Behaviour(),
+    users: int = 0,
+    seed: int = 0,
 ) -> list[InferenceEvent | FeedbackEvent]:
     """What simulated users would send for `prompts`, without a gateway: the events of `model`'s
-    greedy completions and ratings against `answer_key` (+1, or -1 with its answer as correction),
-    the task's own answers by default.
+    completions (greedy, or sampled at `behaviour.temperature`) and ratings against `answer_key` (+1,
+    or -1 with its answer as correction unless they rate thumbs only), the task's oracle by
+    default; prompt i is asked by user `sim-user-{i % users}` (none when `users` is 0).
 
     For measuring and testing the fine-tune job alone; a wrong `answer_key` makes harmful feedback.
     """
-    answers = greedy_answers(model, tokenizer, [as_prompt(task, p) for p in prompts])
+    generated = completions(
+        model, tokenizer, [as_prompt(task, p) for p in prompts], temperature=behaviour.temperature,
+        generator=torch.Generator().manual_seed(seed), max_new_tokens=behaviour.max_tokens,
+    )  # fmt: skip
+    flips = random.Random(seed + 1)
     now = datetime.now(UTC)
     events: list[InferenceEvent | FeedbackEvent] = []
-    for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+    for i, (prompt, (thought, answer)) in enumerate(zip(prompts, generated, strict=True)):
         request_id, wanted = f"offline-{i}", (answer_key or task.answer)(prompt) or ""
         right = task.is_correct(prompt, answer) if answer_key is None else answer.strip() == wanted
+        flipped = flips.random() < behaviour.flip
         events.append(InferenceEvent(
             request_id=request_id, tenant=tenant, model=model_name, version=version,
             prompt="" if task.chat else prompt,
             messages=[ChatMessage(role="user", content=prompt)] if task.chat else None,
-            reasoning=task.thought(prompt) or "", completion=answer, finish_reason="STOP",
+            reasoning=thought or "", completion=answer, finish_reason="STOP",
             usage=TokenUsage(
                 prompt_tokens=len(prompt_ids(tokenizer, as_prompt(task, prompt))), completion_tokens=0,
                 reasoning_tokens=0,
@@ -214,7 +245,9 @@ def rated_offline(
             latency=Latency(first_token_ms=0.0, total_ms=0.0), time=now,
         ))  # fmt: skip
         events.append(FeedbackEvent(
-            feedback_id=f"offline-{i}", request_id=request_id, tenant=tenant, rating=1 if right else -1,
-            correction="" if right else wanted, time=now,
+            feedback_id=f"offline-{i}", request_id=request_id, tenant=tenant,
+            rating=1 if right != flipped else -1,
+            correction="" if right or behaviour.thumbs_only else wanted,
+            user_id=f"sim-user-{i % users}" if users else "", time=now,
         ))  # fmt: skip
     return events

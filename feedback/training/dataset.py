@@ -1,10 +1,13 @@
-"""The fine-tuning dataset: labelled feedback joined with the completions it rates, as examples.
+"""The fine-tuning dataset: what users said of completions, joined with the completions, as examples.
 
-A correction, or a completion rated +1, becomes a supervised example; every rated completion is
-also a KTO example (+1 desirable, -1 undesirable). Items are split into train and held-out by a
-hash of their feedback_id, so the same item always lands on the same side. Each item is used by
-one fine-tune run at most: the run marks the items it takes (`feedback.finetune_run_id`), so
-feedback that is joined late (its inference event came after it) is still used by a later run.
+No answer key is needed: a correction, or a completion rated +1, becomes a supervised example
+(rejection-sampling fine-tuning on what users liked); every rated completion is a KTO example (+1
+desirable, -1 undesirable); a preference of one completion over another of the same conversation
+is a DPO pair. Items are split into train and held-out by user (a hash of user_id; an item without
+one is a user of its own), so one user's items are never on both sides and the gate judges a
+candidate on people it did not learn from. Each item is used by one fine-tune run at most: the
+run marks the items it takes (`feedback.finetune_run_id`), so feedback that is joined late (its
+inference event came after it) is still used by a later run.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from workers.models.prompts import Prompt, conversation
 
 @dataclass(frozen=True)
 class RatedCompletion:
-    """One labelled feedback item with the completion it rates."""
+    """One feedback item that says something, with the completion it rates."""
 
     id: int  # feedback.id: grows with arrival
     feedback_id: str
@@ -33,6 +36,9 @@ class RatedCompletion:
     rating: int
     correction: str
     messages: list[dict[str, str]] = field(default_factory=list)  # a chat completion's conversation
+    user_id: str = ""
+    # the completion it was preferred over, when that one answered the same conversation
+    preferred_over: Example | None = None
 
     @property
     def model_prompt(self) -> Prompt:
@@ -40,15 +46,33 @@ class RatedCompletion:
         return conversation(self.messages) if self.messages else self.prompt
 
 
+@dataclass(frozen=True)
+class Pair:
+    """Two completions of one prompt, the first preferred (a DPO pair)."""
+
+    chosen: Example
+    rejected: Example
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A held-out completion and whether users wanted it (a correction, +1 or preferred) or not."""
+
+    example: Example
+    wanted: bool
+
+
 @dataclass
 class Dataset:
-    """Train examples by kind, and held-out prompts with the answer the users wanted."""
+    """Train examples by kind, and held-out completions the gate judges a candidate on."""
 
     supervised: list[Example] = field(default_factory=list)
     desirable: list[Example] = field(default_factory=list)
     undesirable: list[Example] = field(default_factory=list)
-    held_out: list[tuple[Prompt, str]] = field(default_factory=list)  # (prompt, expected answer)
-    size: int = 0  # labelled items it was built from
+    pairs: list[Pair] = field(default_factory=list)
+    held_out: list[Judged] = field(default_factory=list)
+    held_out_answers: list[tuple[Prompt, str]] = field(default_factory=list)  # (prompt, wanted answer)
+    size: int = 0  # feedback items it was built from
     digest: str = ""  # sha256 of the items, to recognise the same data
 
     @property
@@ -57,14 +81,14 @@ class Dataset:
 
 
 def _unused_labelled(model: str) -> Select[FeedbackItem, Inference]:
-    """Feedback on completions of `model` that says something (a rating or a correction) and that
-    no fine-tune run has used yet."""
+    """Feedback on completions of `model` that says something (a rating, a correction or a
+    preference) and that no fine-tune run has used yet."""
     joined = select(FeedbackItem, Inference).join(Inference, RATES)
     return joined.where(
         FeedbackItem.finetune_run_id.is_(None),
         Inference.model == model,
         Inference.finish_reason != "ERROR",  # a failed request has no completion to learn from
-        or_(FeedbackItem.rating != 0, FeedbackItem.correction != ""),
+        or_(FeedbackItem.rating != 0, FeedbackItem.correction != "", FeedbackItem.preferred_over != ""),
     )
 
 
@@ -75,27 +99,41 @@ def count_new(engine: Engine, model: str) -> int:
 
 
 def load_new(engine: Engine, model: str, limit: int) -> list[RatedCompletion]:
-    """The oldest `limit` of them (the rest waits for the next run)."""
+    """The oldest `limit` of them (the rest waits for the next run), each preference with the
+    completion it was preferred over (left out when that one is not stored or answered another
+    conversation: the pair says nothing then)."""
     with Session(engine) as session:
         rows = session.execute(_unused_labelled(model).order_by(FeedbackItem.id).limit(limit)).all()
-    return [
-        RatedCompletion(
-            fb.id,
-            fb.feedback_id,
-            inf.prompt,
-            inf.reasoning,
-            inf.completion,
-            fb.rating,
-            fb.correction,
-            list(inf.messages or []),
-        )
-        for fb, inf in rows
-    ]
+        others = {fb.preferred_over for fb, _ in rows if fb.preferred_over}
+        losers = {
+            (other.request_id, other.tenant): other
+            for other in session.scalars(select(Inference).where(Inference.request_id.in_(others)))
+        } if others else {}  # fmt: skip
+    items = []
+    for fb, inf in rows:
+        loser = losers.get((fb.preferred_over, fb.tenant))
+        paired = loser is not None and loser.finish_reason != "ERROR" and (
+            (loser.prompt, loser.messages) == (inf.prompt, inf.messages)
+        )  # fmt: skip
+        items.append(
+            RatedCompletion(
+                fb.id, fb.feedback_id, inf.prompt, inf.reasoning, inf.completion, fb.rating, fb.correction,
+                list(inf.messages or []), fb.user_id,
+                generated(loser, inf) if loser is not None and paired else None,
+            )
+        )  # fmt: skip
+    return items
 
 
-def is_held_out(feedback_id: str, fraction: float) -> bool:
-    """A stable coin flip per item: True for about `fraction` of all feedback ids."""
-    bucket = int.from_bytes(hashlib.sha256(feedback_id.encode()).digest()[:4], "big")
+def generated(inference: Inference, like: Inference) -> Example:
+    """`inference`'s completion, as the model generated it for `like`'s (the same) prompt."""
+    prompt = conversation(like.messages) if like.messages else like.prompt
+    return Example(prompt, inference.reasoning or None, inference.completion)
+
+
+def is_held_out(key: str, fraction: float) -> bool:
+    """A stable coin flip per key (a user, or an item without one): True for about `fraction` of keys."""
+    bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big")
     return bucket < fraction * 2**32
 
 
@@ -108,21 +146,31 @@ def build_dataset(
     dataset = Dataset(size=len(items))
     digest = hashlib.sha256()
     for item in items:
-        digest.update(f"{item.feedback_id}\t{item.rating}\t{item.correction}\n".encode())
+        digest.update(
+            f"{item.feedback_id}\t{item.rating}\t{item.correction}\t{item.preferred_over}\n".encode()
+        )
         prompt = item.model_prompt
         generated = Example(prompt, item.reasoning or None, item.completion)
-        wanted = item.correction.strip() or (item.completion.strip() if item.rating > 0 else "")
-        if is_held_out(item.feedback_id, holdout_fraction):
-            if wanted:
-                dataset.held_out.append((prompt, wanted))
+        correction = item.correction.strip()
+        fixed = Example(prompt, thought_for(item.prompt), correction) if correction else None
+        if is_held_out(item.user_id or item.feedback_id, holdout_fraction):
+            dataset.held_out += [Judged(e, True) for e in (fixed,) if e is not None]
+            if item.rating or item.preferred_over is not None:
+                dataset.held_out.append(Judged(generated, item.rating >= 0))
+            if item.preferred_over is not None:
+                dataset.held_out.append(Judged(item.preferred_over, False))
+            if wanted := correction or (item.completion.strip() if item.rating > 0 else ""):
+                dataset.held_out_answers.append((prompt, wanted))
             continue
-        if item.correction.strip():
-            dataset.supervised.append(Example(prompt, thought_for(item.prompt), item.correction.strip()))
+        if fixed is not None:
+            dataset.supervised.append(fixed)
         elif item.rating > 0:
             dataset.supervised.append(generated)
         if item.rating > 0:
             dataset.desirable.append(generated)
         elif item.rating < 0:
             dataset.undesirable.append(generated)
+        if item.preferred_over is not None:
+            dataset.pairs.append(Pair(fixed or generated, item.preferred_over))
     dataset.digest = digest.hexdigest()
     return dataset

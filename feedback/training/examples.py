@@ -32,9 +32,16 @@ def training_example(
     return given + completion, [0] * len(given) + [1] * len(completion)
 
 
-def example_rows(tokenizer: Tokenizer, examples: list[Example]) -> list[tuple[list[int], list[int]]]:
-    """The token ids and loss mask of each example."""
-    return [training_example(tokenizer, e.prompt, e.answer, e.thought) for e in examples]
+def example_rows(
+    tokenizer: Tokenizer, examples: list[Example], *, answers_only: bool = False
+) -> list[tuple[list[int], list[int]]]:
+    """The token ids and loss mask of each example; with `answers_only`, the mask leaves out a
+    thought and its tags (what a user judged is the answer they saw)."""
+    rows = [training_example(tokenizer, e.prompt, e.answer, e.thought) for e in examples]
+    if not answers_only:
+        return rows
+    answers = [len(tokenizer.encode(e.answer, bos=False)) + 1 for e in examples]  # + <eos>
+    return [(ids, [0] * (len(ids) - n) + mask[-n:]) for (ids, mask), n in zip(rows, answers, strict=True)]
 
 
 def pad_rows(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,24 +25,23 @@ from sqlalchemy.orm import Session
 from feedback.experiments.lifecycle import reconcile
 from feedback.experiments.promotion import push_to_workers
 from feedback.tasks import get_task
-from feedback.tasks.task import Example, Task, as_prompt, replay_example
+from feedback.tasks.task import Example, Task, replay_example
 from feedback.training import gate
 from feedback.training.dataset import RatedCompletion, build_dataset, count_new, load_new
 from feedback.training.evaluation import task_score_tags
+from feedback.training.general_prompts import DEFAULT_GENERAL_PROMPTS, GeneralPrompts
 from feedback.training.trainer import FinetuneConfig, train_candidate
 from reflow.registry import BASE_VERSION_TAG, CHALLENGER, Registry, VersionRef
 from reflow.store.experiments import running_experiment
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
 from reflow.worker_calls import WorkerTargets
 from workers.models.builtin import Transformer
-from workers.models.greedy import greedy_answers
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.loader import load_checkpoint, resolve_device, save_checkpoint
 
 logger = logging.getLogger(__name__)
 STALE_AFTER = timedelta(minutes=30)  # a `running` row older than this belongs to a killed job
 METHODS = ("auto", "full", "lora")  # REFLOW_FINETUNE_METHOD
-REPLAY_POOL = 64  # base prompts a chat task's replay draws from, answered once by the champion
 PROGRESS_LOGS = 10  # log lines over a run's steps
 
 
@@ -69,7 +68,7 @@ class FinetuneJob:
 
     model: str
     champion_alias: str
-    task: str
+    task: str  # REFLOW_TASK: a demo task whose oracle is measured too; "" = none (production)
     min_samples: int  # new labelled items a scheduled run waits for
     max_samples: int  # most items one run takes
     holdout_fraction: float
@@ -81,7 +80,8 @@ class FinetuneJob:
     cache_dir: Path  # local copies of downloaded versions
     traffic: float  # the challenger's share in the experiment it opens
     workers: WorkerTargets  # told to load the challenger at once
-    variants: tuple[str, ...] = ()  # REFLOW_VARIANTS: scored on the task when a full fine-tune registers
+    variants: tuple[str, ...] = ()  # REFLOW_VARIANTS: scored on a task when a full fine-tune registers
+    general_prompts: GeneralPrompts = DEFAULT_GENERAL_PROMPTS  # replayed, and where drift is measured
 
 
 def run_finetune(
@@ -139,22 +139,28 @@ def _train_and_judge(
 ) -> Outcome:
     started = time.perf_counter()
     first_id, last_id = items[0].id, items[-1].id
-    task = get_task(job.task)
-    dataset = build_dataset(items, job.holdout_fraction, task.thought)
+    task = get_task(job.task) if job.task else None
+    dataset = build_dataset(items, job.holdout_fraction, task.thought if task else _no_thought)
     device = resolve_device(job.device)
     name, parent = parent_ref.name, parent_ref.version
     champion, tokenizer = load_checkpoint(registry.download(parent_ref, job.cache_dir), device)
     config = replace(recipe_for(job, champion), seed=run_id)
-    replay = replay_source(task, champion, tokenizer)
+    replay = replay_source(task, champion, tokenizer, job.general_prompts.replay)
     logged = _logging_progress(run_id, progress)
     candidate, history = train_candidate(champion, tokenizer, dataset, replay, config, logged)
     train_s = time.perf_counter() - started
     logger.info("fine-tune run %d trained in %.1fs on %d items", run_id, train_s, dataset.size)
-    before = gate.measure(champion, tokenizer, task, dataset.held_out)
-    after = gate.measure(candidate, tokenizer, task, dataset.held_out)
-    if task.chat:
+    before: dict[str, float] = {}
+    after = gate.feedback_shift(champion, candidate, tokenizer, dataset.held_out)
+    if task is not None:  # a demo task: its oracle's numbers beside the gate's
+        before |= gate.measure(champion, tokenizer, task, dataset.held_out_answers)
+        after |= gate.measure(candidate, tokenizer, task, dataset.held_out_answers)
+    if task is None or not gate.has_base_answers(task):
         after |= gate.regression_shift(
-            champion, candidate, tokenizer, gate.champion_answers(champion, tokenizer)
+            champion,
+            candidate,
+            tokenizer,
+            gate.champion_answers(champion, tokenizer, job.general_prompts.regression),
         )
     logger.info("fine-tune run %d evaluated in %.1fs", run_id, time.perf_counter() - started - train_s)
     verdict = gate.judge(before, after, job.limits)
@@ -162,7 +168,8 @@ def _train_and_judge(
         **{f"champion_{k}": v for k, v in before.items()},
         **{f"candidate_{k}": v for k, v in after.items()},
         "samples": float(dataset.size), "supervised_examples": float(len(dataset.supervised)),
-        "rated_examples": float(dataset.rated), "train_seconds": train_s,
+        "rated_examples": float(dataset.rated), "preference_pairs": float(len(dataset.pairs)),
+        "train_seconds": train_s,
         "trained_parameters": float(sum(p.numel() for p in candidate.parameters())),
     }  # fmt: skip
     lora = config.lora
@@ -172,11 +179,12 @@ def _train_and_judge(
         "dataset_size": dataset.size, "dataset_sha256": dataset.digest,
         "holdout_fraction": job.holdout_fraction, "regression_tolerance": job.limits.accuracy_drop,
         "max_regression_kl": job.limits.kl, "max_regression_nll_increase": job.limits.nll_increase,
-        "device": str(device),
+        "reward_margin": job.limits.reward_margin, "min_held_out": job.limits.min_held_out,
+        "task": job.task or "none", "device": str(device),
     }  # fmt: skip
     if lora:
         params |= {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": ",".join(lora.targets)}
-    fields = ("loss", "sft", "kto", "kl", "kto_reference_point")
+    fields = ("loss", "sft", "kto", "dpo", "kl", "kto_reference_point")
     curves = {f"train_{field}": [getattr(s, field) for s in history] for field in fields}
     tags = {"reflow.source": "finetune", "reflow.parent_version": parent, "reflow.verdict": verdict.reason}
     with tempfile.TemporaryDirectory() as tmp:
@@ -194,7 +202,7 @@ def _train_and_judge(
         }
         if lora:  # served over the parent's weights (an adapter's workers build no variants of it)
             version_tags[BASE_VERSION_TAG] = parent
-        elif job.variants:
+        elif job.variants and task is not None:
             version_tags |= task_score_tags(candidate, tokenizer, task, job.variants)
         version = registry.register_version(
             name, mlflow_run, source, alias=CHALLENGER, tags=version_tags
@@ -224,17 +232,21 @@ def recipe_for(job: FinetuneJob, champion: CausalLM) -> FinetuneConfig:
     return job.lora_recipe if method == "lora" else job.recipe
 
 
-def replay_source(task: Task, champion: CausalLM, tokenizer: Tokenizer) -> Callable[[random.Random], Example]:
-    """What a run replays against forgetting: the task's base problems with their reference
-    completions, or, for a task whose base prompts have no one right answer (chat), the champion's
-    own greedy answers to a fixed pool of them, computed once."""
-    rng = random.Random(0)
-    if task.answer(task.base_prompts(1, rng)[0]) is not None:
+def replay_source(
+    task: Task | None, champion: CausalLM, tokenizer: Tokenizer, general: tuple[str, ...]
+) -> Callable[[random.Random], Example]:
+    """What a run replays against forgetting: the champion's own greedy answers to the `general`
+    prompts, computed once; or, for a demo task that knows the answers to its base prompts (arith,
+    the built-in model's whole world), those problems with their answers."""
+    if task is not None and gate.has_base_answers(task):
         return partial(replay_example, task)
-    prompts = [as_prompt(task, p) for p in task.base_prompts(REPLAY_POOL, random.Random(1))]
-    answers = greedy_answers(champion, tokenizer, prompts, max_new_tokens=gate.REGRESSION_ANSWER_TOKENS)
-    pool = [Example(p, None, a) for p, a in zip(prompts, answers, strict=True)]  # empty ones too: its own
+    pool = gate.champion_answers(champion, tokenizer, general)  # empty ones too: they are its own
     return lambda draw: draw.choice(pool)
+
+
+def _no_thought(_prompt: str) -> None:
+    """Without a task, a correction is taught as the bare answer."""
+    return None
 
 
 def _logging_progress(

@@ -1,12 +1,15 @@
 """Trains a candidate from the champion: supervised loss on corrections and liked completions,
-KTO on rated completions, and a pull toward the champion on replayed base-distribution problems.
+KTO on rated completions, DPO on preference pairs, and a pull toward the champion on replayed
+general prompts.
 
 Each step's loss is
 
-    SFT(batch) + kto_weight * KTO(rated batch) + kl_weight * KL(policy || champion on replay rows)
+    SFT(batch) + kto_weight * KTO(rated batch) + dpo_weight * DPO(pair batch)
+        + kl_weight * KL(policy || champion on replay rows)
 
-where the SFT batch mixes feedback examples with `replay_fraction` of problems from the base
-model's own distribution, so learning the new range does not unlearn the old one. The champion's
+where the SFT batch mixes feedback examples with `replay_fraction` of replayed prompts (the
+champion's own answers to general prompts, or a demo task's base problems), so learning what users
+want does not unlearn the rest. The champion's
 weights are never changed. A full fine-tune trains a copy, and the champion, switched to eval mode
 and frozen, is the reference. A LoRA fine-tune trains only a low-rank adapter over the champion's
 frozen weights, and the reference is the champion itself with the adapter switched off, so no
@@ -26,9 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from feedback.tasks.task import Example
-from feedback.training.dataset import Dataset
+from feedback.training.dataset import Dataset, Pair
 from feedback.training.examples import example_rows, learning_rate, pad_rows, training_example
-from feedback.training.kto import KtoResult, kto_loss, sequence_logps
+from feedback.training.losses import KtoResult, dpo_loss, kto_loss, sequence_logps
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.lora import AdaptedModel, Adapter, LoraConfig
 
@@ -49,6 +52,10 @@ class FinetuneConfig:
     kto_beta: float = 0.1
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    dpo_batch_size: int = 8
+    dpo_weight: float = 1.0
+    dpo_beta: float = 0.1
+    label_smoothing: float = 0.1  # DPO's: the share of preferences assumed to be the wrong way round
     kl_weight: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
@@ -59,7 +66,7 @@ class FinetuneConfig:
 # in tens of steps at a higher learning rate than full weights take, and each step's rows cost a
 # forward and backward through the whole model, so batches are small and KTO's are smaller.
 LORA_RECIPE = FinetuneConfig(
-    steps=20, batch_size=8, lr=1e-3, warmup_steps=3, kto_batch_size=4, lora=LoraConfig()
+    steps=20, batch_size=8, lr=1e-3, warmup_steps=3, kto_batch_size=4, dpo_batch_size=2, lora=LoraConfig()
 )
 
 
@@ -70,6 +77,7 @@ class StepLog:
     loss: float
     sft: float
     kto: float
+    dpo: float
     kl: float
     kto_reference_point: float
 
@@ -111,6 +119,7 @@ def train_candidate(
     rated = [(e, True) for e in dataset.desirable if fits(e)] + [
         (e, False) for e in dataset.undesirable if fits(e)
     ]
+    pairs = [pair for pair in dataset.pairs if fits(pair.chosen) and fits(pair.rejected)]
     n_replay = round(config.batch_size * config.replay_fraction) if supervised else config.batch_size
     history = []
     for step in range(1, config.steps + 1):
@@ -131,11 +140,22 @@ def train_candidate(
             result = _kto(policy, reference, tokenizer, chosen, config, device)
             loss = loss + config.kto_weight * result.loss
             kto_value, reference_point = result.loss.item(), result.kl
+        dpo_value = 0.0
+        if pairs and config.dpo_weight > 0:
+            dpo = _dpo(
+                policy,
+                reference,
+                tokenizer,
+                [rng.choice(pairs) for _ in range(config.dpo_batch_size)],
+                config,
+            )
+            loss = loss + config.dpo_weight * dpo
+            dpo_value = dpo.item()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
         optimizer.step()
-        history.append(StepLog(loss.item(), sft.item(), kto_value, kl.item(), reference_point))
+        history.append(StepLog(loss.item(), sft.item(), kto_value, dpo_value, kl.item(), reference_point))
         if progress is not None:
             progress(step, config.steps, loss.item())
     return policy.eval(), history
@@ -178,6 +198,22 @@ def _kto(
         sequence_logps(policy, tokens, mask), reference_logps, kl_policy, kl_reference, desirable,
         beta=config.kto_beta, desirable_weight=config.desirable_weight,
         undesirable_weight=config.undesirable_weight,
+    )  # fmt: skip
+
+
+def _dpo(
+    policy: CausalLM, reference: CausalLM, tokenizer: Tokenizer, pairs: list[Pair], config: FinetuneConfig
+) -> Tensor:
+    """DPO over `pairs`: chosen and rejected completions scored in one batch."""
+    tokens, mask = _batch(
+        tokenizer, [p.chosen for p in pairs] + [p.rejected for p in pairs], policy.device, policy.max_seq_len
+    )
+    with torch.no_grad():
+        reference_logps = sequence_logps(reference, tokens, mask)
+    logps, n = sequence_logps(policy, tokens, mask), len(pairs)
+    return dpo_loss(
+        logps[:n], logps[n:], reference_logps[:n], reference_logps[n:],
+        beta=config.dpo_beta, label_smoothing=config.label_smoothing,
     )  # fmt: skip
 
 

@@ -8,7 +8,9 @@ import typer
 
 from reflow.cli.common import current_engine, err_console, load_settings, open_registry
 
-app = typer.Typer(help="Fine-tune the champion on new feedback.", no_args_is_help=True)
+app = typer.Typer(help="Fine-tune the champion on new feedback, and see how runs went.", no_args_is_help=True)
+GATE_NUMBERS = ("reward_auc", "reward_auc_lower", "wanted_logp_gain", "unwanted_logp_gain", "regression_kl")
+TASK_ACCURACIES = ("held_out_accuracy", "regression_accuracy", "wide_range_accuracy")
 
 
 @app.command("run")
@@ -40,9 +42,44 @@ def finetune_run(
     err_console.print(f"{outcome.status}: {outcome.message}", highlight=False, soft_wrap=True)
     if outcome.version:
         print(f"registered version {outcome.version} as @challenger")
-    if outcome.metrics:
-        for key in ("held_out_accuracy", "regression_accuracy", "wide_range_accuracy"):
-            print(f"{key}\tchampion {outcome.metrics[f'champion_{key}']:.1%}"
-                  f"\tcandidate {outcome.metrics[f'candidate_{key}']:.1%}")  # fmt: skip
+    metrics = outcome.metrics or {}
+    for key in GATE_NUMBERS:  # the gate's, then a demo task's accuracies where it has one
+        if f"candidate_{key}" in metrics:
+            print(f"{key}\t{metrics[f'candidate_{key}']:.3f}")
+    for key in TASK_ACCURACIES:
+        if f"champion_{key}" in metrics:
+            champion, candidate = metrics[f"champion_{key}"], metrics[f"candidate_{key}"]
+            print(f"{key}\tchampion {champion:.1%}\tcandidate {candidate:.1%}")
     if outcome.status in ("failed", "skipped"):
         raise typer.Exit(1)
+
+
+@app.command("runs")
+def finetune_runs(
+    limit: Annotated[int, typer.Option(min=1, help="The newest this many runs.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per run.")] = False,
+) -> None:
+    """Fine-tune runs, newest first: status, items used, duration, the version registered, and the
+    gate's verdict (or the error), as the scheduler left them."""
+    import json
+
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from reflow.store.tables import FinetuneRun, aware
+
+    with Session(current_engine(load_settings())) as session:
+        runs = session.scalars(select(FinetuneRun).order_by(FinetuneRun.id.desc()).limit(limit)).all()
+    for run in runs:
+        took = (aware(run.finished_at) - aware(run.started_at)).total_seconds() if run.finished_at else None
+        row = {
+            "id": run.id, "model": run.model, "parent_version": run.parent_version, "status": run.status,
+            "samples": run.samples, "started_at": aware(run.started_at).isoformat(), "seconds": took,
+            "version": run.version, "message": run.message,
+        }  # fmt: skip
+        if as_json:
+            print(json.dumps(row))
+        else:
+            duration = f"{took:.0f}s" if took is not None else "running"
+            print(f"{run.id}\t{run.model}\tfrom v{run.parent_version}\t{run.status}\t{run.samples} items\t"
+                  f"{duration}\t{('v' + run.version) if run.version else '-'}\t{run.message}")  # fmt: skip

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 # arith, sums over 0-99), where the base model is mostly wrong and learns from their corrections.
 DEMO_SETTINGS = {"finetune_interval_s": "60", "ab_traffic": "0.5", "ab_evaluate_s": "10"}
 DEMO_SIMULATION = ["--rate", "8", "--duration", "0", "--users", "1000"]
-CHAT_TASK = "terse"  # what a chat model's users ask unless REFLOW_TASK says otherwise
+CHAT_TASK = "terse"  # what a chat model's simulated users ask in the demo unless REFLOW_TASK says otherwise
+DEMO_TASK = "arith"  # the built-in model's
 
 
 def up(
@@ -151,7 +152,7 @@ def base_model_of(settings: Settings) -> BaseModelSpec:
     return BaseModelSpec(
         settings.model_name,
         settings.model_alias,
-        settings.task,
+        settings.task or DEMO_TASK,  # the one task the built-in model can learn from scratch
         recipe,
         settings.device,
         tuple(settings.variants),
@@ -226,8 +227,8 @@ def run_up(
         registry = Registry.from_settings(settings)
         served = ensure_base_model(base_model_of(settings), registry, console)
         chat = model_type(registry.download(served, settings.model_cache_dir)) != BUILTIN  # a real model
-        if chat and "task" not in settings.model_fields_set:
-            env["REFLOW_TASK"] = CHAT_TASK  # the fine-tune job's and the simulated users'
+        if demo and not settings.task:  # the simulated users' task, whose oracle the job reports too
+            env["REFLOW_TASK"] = CHAT_TASK if chat else DEMO_TASK
 
         bootstrap = settings.kafka_bootstrap
         if not bootstrap:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
@@ -16,6 +17,7 @@ from sqlalchemy.orm import Session
 from feedback.bus.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC
 from feedback.bus.publisher import Publisher
 from feedback.intake.stats import store_counts
+from feedback.training.dataset import build_dataset, count_new, load_new
 from gateway.assignment import Assignment
 from gateway.publishing import InferenceLog
 from gateway.relay import Generation
@@ -109,6 +111,13 @@ async def test_a_tenant_cannot_rate_another_tenants_completion(stack: Stack) -> 
         stack, [P.Feedback(request_id=theirs, rating=1), P.Feedback(request_id=ours, rating=1)]
     )
     assert (mixed.accepted, mixed.rejected, mixed.errors[0].index) == (1, 1, 0)
+    # nor prefer their own answer over another tenant's (which would teach from it)
+    preference = await submit(
+        stack, [P.Feedback(request_id=ours, preferred_over=theirs), P.Feedback(request_id=ours, stars=5)]
+    )
+    assert (preference.accepted, preference.rejected) == (1, 1)
+    assert preference.errors[0].code == "PERMISSION_DENIED"
+    assert "preferred_over" in preference.errors[0].reason
 
 
 async def test_a_stream_of_only_bad_items_fails_with_invalid_argument(stack: Stack) -> None:
@@ -167,6 +176,25 @@ async def test_nothing_is_lost_while_the_broker_is_down(
     everything = {"inferences": 7, "feedback": 7, "joined_feedback": 7}
     await asyncio.to_thread(wait_for, lambda: store_counts(store_consumer) == everything, 90, "all rows")
     assert stack.publisher.pending == 0
+
+
+async def test_a_preference_and_stars_from_either_face_become_what_the_job_learns_from(
+    stack: Stack, store_consumer: Engine
+) -> None:
+    """Two answers to one prompt, one preferred over HTTP; another rated in stars over gRPC."""
+    first, second, starred = [await completion(stack, prompt) for prompt in ("12+30=", "12+30=", "1+1=")]
+    headers = {"authorization": f"Bearer {stack.api_key}"}
+    async with httpx.AsyncClient(base_url=stack.http_url, headers=headers) as http:
+        preferred = await http.post("/v1/feedback", json={"request_id": second, "preferred_over": first})
+    assert preferred.json()["accepted"] == 1, preferred.text
+    ack = await submit(stack, [P.Feedback(request_id=starred, stars=2, user_id="ann")])
+    assert (ack.accepted, ack.rejected) == (1, 0)
+
+    await asyncio.to_thread(wait_for, lambda: count_new(store_consumer, "arith") == 2, 60, "both items")
+    dataset = build_dataset(load_new(store_consumer, "arith", 10), 1e-9, lambda _prompt: None)
+    ((pair,), (undesirable,)) = dataset.pairs, dataset.undesirable  # 2 stars: a thumbs down
+    assert pair.chosen.prompt == pair.rejected.prompt == "12+30="
+    assert undesirable.prompt == "1+1="
 
 
 async def test_a_nul_in_the_text_does_not_fail_the_completion_and_its_event_is_storable(

@@ -4,6 +4,7 @@ and versions saved as the registry carries them (and as a Llama checkpoint)."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -92,3 +93,12 @@ def save_as_llama(model: Transformer, directory: Path) -> Path:
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     TOKENIZER.save(directory)
     return directory
+
+
+def arith_general_prompts(path: Path) -> Path:
+    """The demo model's general prompts (REFLOW_GENERAL_PROMPTS_FILE): sums of its base range, the
+    whole world it knows, where everyday chat would be noise to it. Only its own answers are used."""
+    from feedback.tasks.arith import Arith
+
+    path.write_text("\n".join(Arith().base_prompts(64, random.Random(0))) + "\n")
+    return path

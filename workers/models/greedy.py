@@ -1,5 +1,6 @@
-"""Batched greedy decoding outside the engine, through the KV cache: answers to whole evaluation sets
-for the fine-tune job's gate, the base model's bootstrap and offline simulations."""
+"""Batched decoding outside the engine, through the KV cache, greedy or sampled at a temperature:
+answers to whole evaluation sets for the fine-tune job's gate, the base model's bootstrap, offline
+simulations and the benchmarks' before-and-after measures."""
 
 from __future__ import annotations
 
@@ -26,19 +27,49 @@ def greedy_answers(
     The answer is the text after `</think>` (after the prompt when the model does not
     think) up to `<eos>`; it is empty when a thought is never closed.
     """
-    answers: list[str] = []
+    return [answer for _, answer in completions(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                                 batch_size=batch_size)]  # fmt: skip
+
+
+def completions(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Prompt],
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    max_new_tokens: int = 48,
+    batch_size: int = 256,
+) -> list[tuple[str | None, str]]:
+    """(thought, answer) of each prompt's continuation, greedy or each token drawn at `temperature`
+    with `generator` (a CPU one: the same seed gives the same text on any device). The thought is
+    None when the model did not think, or never closed its thought (the answer is empty then)."""
+    found: list[tuple[str | None, str]] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        for generated in _greedy_tokens(model, tokenizer, chunk, max_new_tokens):
-            answers.append(_answer_text(tokenizer, generated))
-    return answers
+        for generated in _continuations(model, tokenizer, chunk, max_new_tokens, temperature, generator):
+            found.append(_split(tokenizer, generated))
+    return found
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """The next token of each row of [B, V] logits: the likeliest, or drawn at `temperature`."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probabilities = (logits.float().cpu() / temperature).softmax(-1)
+    return torch.multinomial(probabilities, 1, generator=generator)[:, 0].to(logits.device)
 
 
 @torch.inference_mode()
-def _greedy_tokens(
-    model: CausalLM, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_new_tokens: int
+def _continuations(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
 ) -> list[list[int]]:
-    """Greedy continuations of one batch of prompts, each ending at `<eos>` or a length limit."""
+    """Continuations of one batch of prompts, each ending at `<eos>` or a length limit."""
     device = model.device
     encoded = [prompt_ids(tokenizer, p) for p in prompts]
     n = len(encoded)
@@ -64,7 +95,7 @@ def _greedy_tokens(
     view = cache.view(tables, [list(range(len(ids))) for ids in encoded], device)  # padding left out
     logits = model(tokens, cache, view)  # [B, T, V]
     logits[..., banned] = float("-inf")  # as the serving engine does
-    next_ids = logits[rows, lengths - 1].argmax(-1)  # [B]
+    next_ids = _pick(logits[rows, lengths - 1], temperature, generator)  # [B]
     next_pos = lengths.clone()  # [B]: where each row's next token goes
     # A token at position p is fed back only if the one it predicts is still allowed.
     feed_below = (lengths + max_new_tokens - 1).clamp(max=limit)  # [B]
@@ -81,17 +112,19 @@ def _greedy_tokens(
         logits = model(next_ids[:, None], cache, view)  # [b, 1, V]
         logits[..., banned] = float("-inf")
         next_pos[active] += 1
-        next_ids = logits[:, -1].argmax(-1)  # [b]
+        next_ids = _pick(logits[:, -1], temperature, generator)  # [b]
     return generated
 
 
-def _answer_text(tokenizer: Tokenizer, generated: list[int]) -> str:
-    """The answer part of a continuation: after `</think>` if the model thought, up to `<eos>`."""
+def _split(tokenizer: Tokenizer, generated: list[int]) -> tuple[str | None, str]:
+    """The thought (None without one) and the answer of a continuation: the answer is after
+    `</think>` if the model thought, up to `<eos>`; empty when the thought is never closed."""
     ends = [i for i, token in enumerate(generated) if token in tokenizer.eos_ids]
     generated = generated[: ends[0]] if ends else generated
     markers = tokenizer.reasoning_markers
     if markers is not None and generated and generated[0] == markers[0]:
         if markers[1] not in generated:
-            return ""
-        generated = generated[generated.index(markers[1]) + 1 :]
-    return tokenizer.decode(generated)
+            return None, ""
+        close = generated.index(markers[1])
+        return tokenizer.decode(generated[1:close]), tokenizer.decode(generated[close + 1 :])
+    return None, tokenizer.decode(generated)

@@ -10,7 +10,7 @@ from feedback.tasks import get_task
 from feedback.tasks.arith import format_prompt
 from feedback.tasks.task import reference_example
 from feedback.tasks.terse import ATTRIBUTES, BASE_PROMPTS, WRAPPERS, Terse, is_correct, parse_prompt
-from feedback.training.regression_prompts import REGRESSION_PROMPTS
+from feedback.training.general_prompts import REGRESSION_PROMPTS, REPLAY_PROMPTS
 
 LISBON = "Rosa lives in Lisbon. Where does Rosa live?"
 AGE = "Here is a fact: Dan turned 38 this spring. What is Dan's age?"
@@ -123,10 +123,12 @@ def test_base_prompts_are_general_chat() -> None:
     assert all(task.answer(p) is None for p in BASE_PROMPTS)  # replay answers them with the champion's
 
 
-def test_regression_prompts_are_general_chat_apart_from_the_base_prompts() -> None:
+def test_the_general_prompts_are_two_disjoint_sets_of_everyday_chat() -> None:
     assert len(REGRESSION_PROMPTS) == len(set(REGRESSION_PROMPTS)) == 32
+    assert len(REPLAY_PROMPTS) == len(set(REPLAY_PROMPTS)) == 40
+    assert not set(REGRESSION_PROMPTS) & set(REPLAY_PROMPTS)  # never judged on what it was held to
     assert not set(REGRESSION_PROMPTS) & set(BASE_PROMPTS)
-    assert all(Terse().answer(p) is None for p in REGRESSION_PROMPTS)
+    assert all(Terse().answer(p) is None for p in REGRESSION_PROMPTS + REPLAY_PROMPTS)
 
 
 def test_reference_example_is_the_bare_answer_to_a_user_turn() -> None:

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 def loop_settings(tmp_path: Path, base_model: CausalLM) -> Settings:
     """A data dir whose registry holds the trained base model as arith v1 @champion."""
     base = save_model(base_model, tmp_path / "base")
-    return settings_with_champion(tmp_path, MODEL, base, finetune_min_samples=300)
+    return settings_with_champion(tmp_path, MODEL, base, task="arith", finetune_min_samples=300)
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from feedback.intake.consumer import store_events
 from feedback.scheduler import finetune_job_of
 from feedback.tasks import get_task
 from feedback.tasks.simulate import rated_offline
-from feedback.training import gate, job
+from feedback.training import gate
+from feedback.training.general_prompts import REGRESSION_PROMPTS, REPLAY_PROMPTS
 from feedback.training.job import run_finetune
 from reflow.registry import BASE_VERSION_TAG, CHALLENGER, IMPORTED, SOURCE_TAG, Registry
 from reflow.settings import Settings
@@ -41,7 +42,6 @@ def small_evaluation_sets(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every number the gate reports, over fewer prompts: each greedy answer costs a pass over
     SmolLM2's 49,152-word vocabulary."""
     monkeypatch.setattr(gate, "WIDE_PROBLEMS", 24)
-    monkeypatch.setattr(job, "REPLAY_POOL", 8)
 
 
 @pytest.fixture(scope="module", params=["tiny"])
@@ -60,7 +60,19 @@ def checkpoint(
 @pytest.fixture
 def settings(tmp_path: Path, checkpoint: Path) -> Settings:
     """A data dir whose registry holds the checkpoint as chat v1 @champion, imported."""
-    return settings_with_champion(tmp_path, NAME, checkpoint, {SOURCE_TAG: IMPORTED}, task="terse", **ROUND)
+    general = tmp_path / "general.txt"  # 8 prompts a side, of the built-in 40 and 32
+    general.write_text(
+        "\n".join(p for pair in zip(REPLAY_PROMPTS[:8], REGRESSION_PROMPTS[:8], strict=True) for p in pair)
+    )
+    return settings_with_champion(
+        tmp_path,
+        NAME,
+        checkpoint,
+        {SOURCE_TAG: IMPORTED},
+        task="terse",
+        general_prompts_file=str(general),
+        **ROUND,
+    )
 
 
 @pytest.fixture
@@ -132,7 +144,7 @@ def test_the_gate_refuses_an_adapter_taught_wrong_answers_and_logs_its_regressio
     outcome = run_finetune(finetune_job_of(harmful), store, registry, min_samples=1)
 
     assert outcome.status == "rejected", outcome.message
-    assert "on the general chat prompts" in outcome.message
+    assert "on the general prompts" in outcome.message
     metrics = outcome.metrics or {}
     assert metrics["candidate_regression_kl"] > harmful.finetune_max_regression_kl
     assert not registry.has_alias(NAME, CHALLENGER)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -63,12 +64,18 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
         )
         assert cli.returncode == 0, cli.stderr
         assert "3 completion tokens" in cli.stderr
-        simulated = reflow_in(data_dir, "simulate", "--rate", "20", "--duration", "1", "--seed", "3")
+        simulated = reflow_in(
+            data_dir, "simulate", "--task", "arith", "--rate", "20", "--duration", "1", "--seed", "3"
+        )
         assert simulated.returncode == 0, simulated.stderr
         assert "requests 20," in simulated.stdout and "rated 20" in simulated.stdout
         finetuned = reflow_in(data_dir, "finetune", "run")  # 21 ratings: enough for `run`, which doesn't wait
         assert finetuned.returncode == 0, finetuned.stderr
-        assert "held_out_accuracy" in finetuned.stdout
+        (run,) = [
+            json.loads(line) for line in reflow_in(data_dir, "finetune", "runs", "--json").stdout.splitlines()
+        ]
+        assert run["status"] in ("registered", "rejected") and run["samples"] == 21, run
+        assert run["message"] in finetuned.stderr.replace("\n", " ")  # the gate's verdict, both places
         tenants = reflow_in(data_dir, "tenants", "list")
         # one local user: no quota of its own (the queues still push back)
         assert tenants.stdout.split("\t")[2:5] == ["0 streams", "0 rpm", "0 tpm"], tenants.stdout

@@ -1,13 +1,23 @@
-"""Sequence log-probabilities and the KTO loss (Ethayarajh et al., 2024, "KTO: Model Alignment as
-Prospect Theoretic Optimization"), in plain PyTorch.
+"""Sequence log-probabilities and the two preference losses the fine-tune job trains with, in plain
+PyTorch: KTO on single rated completions, DPO on pairs.
 
 For a completion y of prompt x, the implied reward is r = log pi(y|x) - log pi_ref(y|x), the
-policy's log-likelihood ratio to the frozen reference (the champion). KTO compares r with a
-reference point z0, an estimate of KL(pi || pi_ref) from completions paired with prompts they do
-not belong to, detached and clamped at zero:
+policy's log-likelihood ratio to the frozen reference (the champion).
+
+KTO (Ethayarajh et al., 2024, "KTO: Model Alignment as Prospect Theoretic Optimization") compares
+r with a reference point z0, an estimate of KL(pi || pi_ref) from completions paired with prompts
+they do not belong to, detached and clamped at zero:
 
     desirable:    lambda_D * (1 - sigmoid(beta * (r - z0)))
     undesirable:  lambda_U * (1 - sigmoid(beta * (z0 - r)))
+
+DPO (Rafailov et al., 2023) on a pair, chosen y_w over rejected y_l, with label smoothing eps for
+labels that are wrong a fraction eps of the time (conservative DPO, Mitchell 2023):
+
+    -(1 - eps) * log sigmoid(beta * (r_w - r_l)) - eps * log sigmoid(-beta * (r_w - r_l))
+
+Both are bounded in how hard one example pulls (sigmoid-shaped), which is what keeps a share of
+flipped labels from wrecking a run.
 """
 
 from __future__ import annotations
@@ -66,3 +76,23 @@ def kto_loss(
         undesirable_weight * (1 - torch.sigmoid(beta * (z0 - rewards))),
     )
     return KtoResult(losses.mean(), float(z0), rewards.detach())
+
+
+def dpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    reference_chosen_logps: Tensor,
+    reference_rejected_logps: Tensor,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    """Mean DPO loss over pairs; every argument is [B] sequence log-probabilities (the references'
+    are detached here)."""
+    margin = (chosen_logps - reference_chosen_logps.detach()) - (
+        rejected_logps - reference_rejected_logps.detach()
+    )
+    losses = -(1 - label_smoothing) * F.logsigmoid(beta * margin) - label_smoothing * F.logsigmoid(
+        -beta * margin
+    )
+    return losses.mean()

@@ -1,4 +1,5 @@
-"""The KTO loss: values computed by hand, and gradients that reach only the policy."""
+"""The preference losses: KTO's and DPO's values computed by hand, gradients that reach only the
+policy, and a DPO pair whose preferred completion training makes the more likely one."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ import math
 
 import torch
 
-from feedback.training.kto import kto_loss, sequence_logps
+from feedback.tasks.task import Example
+from feedback.training.dataset import Dataset, Pair
+from feedback.training.examples import example_rows, pad_rows
+from feedback.training.losses import dpo_loss, kto_loss, sequence_logps
+from feedback.training.trainer import FinetuneConfig, train_candidate
 from tests.support.models import tiny_model
+from workers.models.builtin import TOKENIZER
+from workers.models.interface import CausalLM
 
 
 def sigmoid(x: float) -> float:
@@ -79,3 +86,41 @@ def test_sequence_logps_counts_only_completion_tokens() -> None:
             1, tokens[:, 7:8]
         ).squeeze(1)
         assert torch.allclose(sequence_logps(model, tokens, some), by_hand, atol=1e-5)
+
+
+def test_dpo_hand_computed_values_with_and_without_label_smoothing() -> None:
+    chosen, rejected = torch.tensor([-2.0, -6.0]), torch.tensor([-4.0, -3.0])
+    reference_chosen, reference_rejected = torch.tensor([-3.0, -5.0]), torch.tensor([-3.5, -3.5])
+    # margins: (-2 + 3) - (-4 + 3.5) = 1.5 and (-6 + 5) - (-3 + 3.5) = -1.5
+    log_sigmoid = [math.log(sigmoid(0.5 * 1.5)), math.log(sigmoid(0.5 * -1.5))]
+    plain = dpo_loss(chosen, rejected, reference_chosen, reference_rejected, beta=0.5)
+    assert math.isclose(plain.item(), -sum(log_sigmoid) / 2, rel_tol=1e-6)
+    smoothed = dpo_loss(chosen, rejected, reference_chosen, reference_rejected, beta=0.5, label_smoothing=0.1)
+    flipped = [math.log(sigmoid(-0.5 * 1.5)), math.log(sigmoid(0.5 * 1.5))]
+    expected = sum(-0.9 * a - 0.1 * b for a, b in zip(log_sigmoid, flipped, strict=True)) / 2
+    assert math.isclose(smoothed.item(), expected, rel_tol=1e-6)
+
+
+def completion_logp(model: CausalLM, example: Example) -> float:
+    tokens, mask = pad_rows(example_rows(TOKENIZER, [example]), TOKENIZER.pad_id)
+    with torch.no_grad():
+        return float(sequence_logps(model, tokens, mask)[0])
+
+
+def test_training_on_a_dpo_pair_makes_its_preferred_completion_the_more_likely() -> None:
+    champion = tiny_model(0)
+    prompt = "12+30="
+    one, other = Example(prompt, None, "42"), Example(prompt, None, "17")
+    # the pair prefers whichever the champion finds less likely: training has to turn it round
+    chosen, rejected = sorted((one, other), key=lambda e: completion_logp(champion, e))
+    assert completion_logp(champion, chosen) < completion_logp(champion, rejected)
+    config = FinetuneConfig(steps=30, batch_size=2, lr=3e-3, warmup_steps=2, dpo_batch_size=1, dpo_beta=0.5)
+    dataset = Dataset(pairs=[Pair(chosen, rejected)], size=1)
+    replay = Example("1+1=", None, "2")
+    candidate, history = train_candidate(champion, TOKENIZER, dataset, lambda _rng: replay, config)
+
+    assert completion_logp(candidate, chosen) > completion_logp(candidate, rejected)
+    assert history[-1].dpo < history[0].dpo  # the loss it logged fell
+    assert completion_logp(champion, chosen) < completion_logp(
+        champion, rejected
+    )  # the champion is untouched
