@@ -11,7 +11,9 @@ them the wrong way round. Prints, per run: the seconds from the first rating to 
 registered challenger and to its promotion; what the users saw, the share of answers they liked
 from the champion and from the challenger while both served; the share of the base and the
 promoted version's answers to 96 fresh requests, sampled offline at the same temperature and seed,
-they would like; each fine-tune run's time and verdict; and the CPU.
+they would like; each fine-tune run's time and verdict; the latency of the completions served while
+a run trained beside them and while none did (training and serving share the 2 cores: the job
+waits passively, docs/benchmarks.md); and the CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from hot_swap import percentile  # this script's directory is on sys.path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -37,7 +40,7 @@ from feedback.tasks.simulate import Behaviour
 from reflow.cli.models import name_of
 from reflow.registry import CHAMPION, SOURCE_TAG, Registry
 from reflow.store.database import open_engine
-from reflow.store.tables import FeedbackItem, FinetuneRun, aware
+from reflow.store.tables import FeedbackItem, FinetuneRun, Inference, aware
 from tests.support.smollm2 import smollm2_gguf
 from tests.support.users import Users
 from workers.models.greedy import completions
@@ -103,13 +106,22 @@ def report(data: Path, registry: Registry, name: str, promoted: object, users: U
     with Session(store) as session:
         first = session.scalar(select(FeedbackItem.stored_at).order_by(FeedbackItem.id).limit(1))
         runs = session.scalars(select(FinetuneRun).order_by(FinetuneRun.id)).all()
+        served = session.execute(select(Inference.created_at, Inference.total_ms)).all()
     store.dispose()
     print(f"\n{flip:.0%} of ratings flipped: {users.report.rated} ratings sent")
     for run in runs:
         took = (aware(run.finished_at) - aware(run.started_at)).total_seconds() if run.finished_at else 0.0
         since = (aware(run.finished_at) - aware(first)).total_seconds() if run.finished_at and first else 0.0
-        print(f"  run {run.id}: {run.status} after {took:.0f}s ({since:.0f}s from the first rating), "
-              f"{run.samples} items: {run.message}")  # fmt: skip
+        trained = (run.metrics or {}).get("train_seconds") or 0.0
+        print(f"  run {run.id}: {run.status} after {took:.0f}s (training {trained:.0f}s; {since:.0f}s from "
+              f"the first rating), {run.samples} items: {run.message}")  # fmt: skip
+    spans = [(aware(r.started_at), aware(r.finished_at)) for r in runs if r.finished_at]
+    beside = [ms for at, ms in served if any(a <= aware(at) <= b for a, b in spans)]
+    alone = [ms for at, ms in served if not any(a <= aware(at) <= b for a, b in spans)]
+    for what, times in (("while no run trained", alone), ("while a run trained beside them", beside)):
+        if times:
+            print(f"  served {what}: {len(times)} completions, total ms p50 {percentile(times, 0.5):.0f}, "
+                  f"p95 {percentile(times, 0.95):.0f}")  # fmt: skip
     for version, (liked, asked) in sorted(users.report.by_version.items()):
         print(f"  users saw v{version}: {liked}/{asked} liked ({liked / asked:.1%})")
     if promoted is None:
