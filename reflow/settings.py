@@ -79,7 +79,8 @@ class Settings(BaseSettings):
             "A demo task with an oracle: what `reflow simulate` asks and judges by, and what the fine-tune "
             "job also scores (its accuracy sets, the reasoning corrections are taught with). Empty (the "
             "default): no task, the job learns from whatever users rated. `arith` is the built-in demo "
-            "model's (its bootstrap learns it whatever this says); `terse` (users want the bare answer) and "
+            "model's, which knows nothing else (its bootstrap and fine-tunes use it whatever this says); "
+            "`terse` (users want the bare answer) and "
             "`numbered` (users like numbered lists) are chat tasks. `reflow up --demo` sets `arith`, or "
             "`terse` for a chat model, when it is empty."
         ),

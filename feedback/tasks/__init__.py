@@ -11,6 +11,7 @@ from feedback.tasks.task import Task
 from feedback.tasks.terse import Terse
 
 TASKS: dict[str, Callable[..., Task]] = {"arith": Arith, "numbered": Numbered, "terse": Terse}
+BUILTIN_MODEL_TASK = "arith"  # what the built-in demo model is trained on, and all it knows
 
 
 def get_task(name: str, **options: Any) -> Task:

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from feedback.experiments.lifecycle import reconcile
 from feedback.experiments.promotion import push_to_workers
-from feedback.tasks import get_task
+from feedback.tasks import BUILTIN_MODEL_TASK, get_task
 from feedback.tasks.task import Example, Task, replay_example
 from feedback.training import gate
 from feedback.training.dataset import RatedCompletion, build_dataset, count_new, load_new
@@ -139,11 +139,11 @@ def _train_and_judge(
 ) -> Outcome:
     started = time.perf_counter()
     first_id, last_id = items[0].id, items[-1].id
-    task = get_task(job.task) if job.task else None
-    dataset = build_dataset(items, job.holdout_fraction, task.thought if task else _no_thought)
     device = resolve_device(job.device)
     name, parent = parent_ref.name, parent_ref.version
     champion, tokenizer = load_checkpoint(registry.download(parent_ref, job.cache_dir), device)
+    task = task_of(job, champion)
+    dataset = build_dataset(items, job.holdout_fraction, task.thought if task else _no_thought)
     config = replace(recipe_for(job, champion), seed=run_id)
     replay = replay_source(task, champion, tokenizer, job.general_prompts.replay)
     logged = _logging_progress(run_id, progress)
@@ -180,7 +180,7 @@ def _train_and_judge(
         "holdout_fraction": job.holdout_fraction, "regression_tolerance": job.limits.accuracy_drop,
         "max_regression_kl": job.limits.kl, "max_regression_nll_increase": job.limits.nll_increase,
         "reward_margin": job.limits.reward_margin, "min_held_out": job.limits.min_held_out,
-        "task": job.task or "none", "device": str(device),
+        "task": task.name if task else "none", "device": str(device),
     }  # fmt: skip
     if lora:
         params |= {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": ",".join(lora.targets)}
@@ -220,6 +220,15 @@ def _train_and_judge(
         except Exception:  # the run stands; the evaluate job opens the experiment, workers poll
             logger.exception("fine-tune run %d: opening the experiment failed; the evaluate job will", run_id)
     return Outcome(status, verdict.reason, run_id, version, metrics)
+
+
+def task_of(job: FinetuneJob, champion: CausalLM) -> Task | None:
+    """REFLOW_TASK's task; unset, none, but for the built-in model, the demo model, which knows
+    nothing but the task it was made on (`arith`): its replay and regression set are that task's
+    problems, as everyday chat is noise to it."""
+    if job.task:
+        return get_task(job.task)
+    return get_task(BUILTIN_MODEL_TASK) if isinstance(champion, Transformer) else None
 
 
 def recipe_for(job: FinetuneJob, champion: CausalLM) -> FinetuneConfig:

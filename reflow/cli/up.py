@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 DEMO_SETTINGS = {"finetune_interval_s": "60", "ab_traffic": "0.5", "ab_evaluate_s": "10"}
 DEMO_SIMULATION = ["--rate", "8", "--duration", "0", "--users", "1000"]
 CHAT_TASK = "terse"  # what a chat model's simulated users ask in the demo unless REFLOW_TASK says otherwise
-DEMO_TASK = "arith"  # the built-in model's
 
 
 def up(
@@ -143,6 +142,7 @@ def cuda_device_count() -> int:
 def base_model_of(settings: Settings) -> BaseModelSpec:
     """The base model an empty registry gets: REFLOW_MODEL_NAME@REFLOW_MODEL_ALIAS, trained on
     REFLOW_TASK with the recipe's defaults but REFLOW_MODEL_PRESET and REFLOW_BOOTSTRAP_STEPS."""
+    from feedback.tasks import BUILTIN_MODEL_TASK
     from feedback.training.bootstrap import BaseModelSpec
     from feedback.training.pretrain import PretrainConfig
 
@@ -152,7 +152,7 @@ def base_model_of(settings: Settings) -> BaseModelSpec:
     return BaseModelSpec(
         settings.model_name,
         settings.model_alias,
-        settings.task or DEMO_TASK,  # the one task the built-in model can learn from scratch
+        settings.task or BUILTIN_MODEL_TASK,
         recipe,
         settings.device,
         tuple(settings.variants),
@@ -179,6 +179,7 @@ def run_up(
     default); returns the exit status. With `demo`, the schedule is shortened and simulated users
     send traffic, so the learning loop turns by itself."""
     from feedback.bus.kafka import ensure_topics
+    from feedback.tasks import BUILTIN_MODEL_TASK
     from feedback.training.bootstrap import ensure_base_model
     from gateway.auth import announce_key_change
     from gateway.server import redis_config
@@ -228,7 +229,7 @@ def run_up(
         served = ensure_base_model(base_model_of(settings), registry, console)
         chat = model_type(registry.download(served, settings.model_cache_dir)) != BUILTIN  # a real model
         if demo and not settings.task:  # the simulated users' task, whose oracle the job reports too
-            env["REFLOW_TASK"] = CHAT_TASK if chat else DEMO_TASK
+            env["REFLOW_TASK"] = CHAT_TASK if chat else BUILTIN_MODEL_TASK
 
         bootstrap = settings.kafka_bootstrap
         if not bootstrap:
