@@ -6,9 +6,11 @@ implicit reward is the candidate's log-likelihood ratio to the champion, over th
 and judged (a thought before it is context). The candidate must rank
 the completions users wanted (corrections, +1, preferred) above those they did not (-1, passed
 over) better than chance by a margin (the AUC of the reward, at one-sided 95% confidence), and make
-the typical wanted one more likely and the typical unwanted one less likely (the median per-token
-gain of each side: with a share of ratings the wrong way round, the few flipped items would
-decide a mean). Elsewhere, it must not
+the typical wanted one more likely, and the typical unwanted one less likely than that (the median
+per-token gain of each side: with a share of ratings the wrong way round, the few flipped items
+would decide a mean). Not "unwanted less likely" outright: an adapter that learned what SmolLM2's
+users like also made its own answers a little surer on the whole (wanted +0.165, unwanted +0.001
+nats/token, AUC 0.82), and was right to. Elsewhere, it must not
 drift: over the champion's own greedy answers to a fixed set of general prompts (rendered as chat
 when the model has a chat template), its mean per-token KL to the champion and how much less
 likely it finds those answers must stay within limits. Where a demo task has an oracle for its
@@ -215,10 +217,11 @@ def judge(champion: dict[str, float], candidate: dict[str, float], limits: Limit
             False,
             f"held-out completions users wanted did not become more likely ({gain:+.3f} nats/token)",
         )
-    if not loss < 0:
+    if not loss < gain:
         return Verdict(
             False,
-            f"held-out completions users did not want did not become less likely ({loss:+.3f} nats/token)",
+            f"held-out completions users did not want became as much more likely as those they wanted "
+            f"({loss:+.3f} against {gain:+.3f} nats/token)",
         )
     answered = "held_out_accuracy" in candidate and candidate["held_out_items"]  # a demo task's answer key
     if answered and not candidate["held_out_accuracy"] > champion["held_out_accuracy"]:

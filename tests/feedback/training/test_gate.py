@@ -33,7 +33,10 @@ def test_reward_auc_counts_pairs_and_ties_by_hand() -> None:
         ({"regression_nll": 1.2}, "champion's own answers became 0.200 nats/token less likely"),
         ({"reward_auc": 0.6, "reward_auc_lower": 0.52}, "no better than chance by 0.05 (AUC 0.60, 95% lower"),
         ({"wanted_logp_gain": -0.01}, "users wanted did not become more likely (-0.010 nats/token)"),
-        ({"unwanted_logp_gain": 0.0}, "users did not want did not become less likely (+0.000 nats/token)"),
+        (
+            {"unwanted_logp_gain": 0.1},
+            "did not want became as much more likely as those they wanted (+0.100 ",
+        ),
         ({"reward_auc_lower": math.nan}, "no better than chance"),  # no unwanted at all to rank against
     ],
 )
@@ -45,6 +48,9 @@ def test_each_reason_to_refuse_is_given_in_a_sentence_with_its_numbers(changed: 
 def test_a_candidate_that_ranks_as_users_did_is_registered_with_its_numbers() -> None:
     verdict = judge({}, PASSING, Limits())
     assert verdict.register, verdict.reason
+    assert judge(
+        {}, PASSING | {"unwanted_logp_gain": 0.05}, Limits()
+    ).register  # surer of everything, more so of the wanted
     assert verdict.reason.startswith("held-out feedback ranked at AUC 0.80, 95% lower bound 0.70")
     # a demo task's answer key, where there is one, must agree too
     answered = {"held_out_accuracy": 0.5, "held_out_items": 10.0}
