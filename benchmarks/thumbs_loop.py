@@ -110,6 +110,9 @@ def report(data: Path, registry: Registry, name: str, promoted: object, users: U
     store.dispose()
     print(f"\n{flip:.0%} of ratings flipped: {users.report.rated} ratings sent")
     for run in runs:
+        if run.finished_at is None:
+            print(f"  run {run.id}: still running at the end, on {run.samples} items")
+            continue
         took = (aware(run.finished_at) - aware(run.started_at)).total_seconds() if run.finished_at else 0.0
         since = (aware(run.finished_at) - aware(first)).total_seconds() if run.finished_at and first else 0.0
         trained = (run.metrics or {}).get("train_seconds") or 0.0
