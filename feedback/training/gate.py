@@ -72,11 +72,6 @@ def has_chat_template(tokenizer: Tokenizer) -> bool:
     return True
 
 
-def general_prompt(tokenizer: Tokenizer, text: str) -> Prompt:
-    """A general prompt as this model is asked: a user turn for a chat model, else the text."""
-    return user_turn(text) if has_chat_template(tokenizer) else text
-
-
 @torch.inference_mode()
 def _answer_logps(
     model: CausalLM, tokenizer: Tokenizer, examples: list[Example]
@@ -113,19 +108,21 @@ def feedback_shift(
     median, as a share of the labels may be the wrong way round: one flipped item can move a mean
     by more than the rest)."""
     room = champion.max_seq_len
-    fits = [j for j in held_out if len(example_rows(tokenizer, [j.example])[0][0]) <= room]
+    rows = example_rows(tokenizer, [j.example for j in held_out])
+    fits = [j for j, (ids, _) in zip(held_out, rows, strict=True) if len(ids) <= room]
     examples = [j.example for j in fits]
     before, counts = _answer_logps(champion, tokenizer, examples)
     after, _ = _answer_logps(candidate, tokenizer, examples)
-    rewards = [a - b for a, b in zip(after, before, strict=True)]
+    rewards: dict[bool, list[float]] = {True: [], False: []}  # by wanted
+    gains: dict[bool, list[float]] = {True: [], False: []}  # per token
+    for judged, a, b, n in zip(fits, after, before, counts, strict=True):
+        rewards[judged.wanted].append(a - b)
+        gains[judged.wanted].append((a - b) / max(n, 1))
     metrics: dict[str, float] = {}
     for side, wanted in (("wanted", True), ("unwanted", False)):
-        gains = [rewards[i] / max(counts[i], 1) for i, j in enumerate(fits) if j.wanted == wanted]
-        metrics[f"held_out_{side}"] = float(len(gains))
-        metrics[f"{side}_logp_gain"] = statistics.median(gains) if gains else float("nan")
-    wanted_rewards = [r for r, j in zip(rewards, fits, strict=True) if j.wanted]
-    unwanted_rewards = [r for r, j in zip(rewards, fits, strict=True) if not j.wanted]
-    auc, error = reward_auc(wanted_rewards, unwanted_rewards) if wanted_rewards and unwanted_rewards else (
+        metrics[f"held_out_{side}"] = float(len(gains[wanted]))
+        metrics[f"{side}_logp_gain"] = statistics.median(gains[wanted]) if gains[wanted] else float("nan")
+    auc, error = reward_auc(rewards[True], rewards[False]) if rewards[True] and rewards[False] else (
         float("nan"), float("nan")
     )  # fmt: skip
     return metrics | {"reward_auc": auc, "reward_auc_lower": auc - Z_95 * error}
@@ -160,7 +157,8 @@ def has_base_answers(task: Task) -> bool:
 def champion_answers(champion: CausalLM, tokenizer: Tokenizer, general: tuple[str, ...]) -> list[Example]:
     """The champion's greedy completions of the `general` prompts: what a run replays, and what a
     candidate is held to (thought included, where the model thinks)."""
-    prompts = [general_prompt(tokenizer, p) for p in general]
+    chat = has_chat_template(tokenizer)  # a user turn for a chat model, else the text
+    prompts: list[Prompt] = [user_turn(p) if chat else p for p in general]
     found = completions(champion, tokenizer, prompts, max_new_tokens=REGRESSION_ANSWER_TOKENS)
     return [Example(p, thought, answer) for p, (thought, answer) in zip(prompts, found, strict=True)]
 
