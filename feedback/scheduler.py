@@ -36,17 +36,23 @@ STOPPING = threading.Event()  # set when the scheduler stops: a running fine-tun
 
 
 def finetune_job() -> None:
-    """The scheduled fine-tune: runs only when enough new labelled feedback has arrived; stops
-    between two training steps when the scheduler is stopping."""
+    """The scheduled fine-tune of each learning scope (reflow/scopes.py), one after the
+    other: each runs only when enough new labelled feedback of its own has arrived; stops between
+    two training steps when the scheduler is stopping."""
     from feedback.training.job import Cancelled, run_finetune
+    from reflow.scopes import learning_scopes
 
     def stop_when_stopping(_step: int, _total: int, _loss: float) -> None:
         if STOPPING.is_set():
             raise Cancelled("the scheduler is stopping")
 
     def run(settings: Settings, engine: Engine, registry: Registry) -> None:
-        outcome = run_finetune(finetune_job_of(settings), engine, registry, progress=stop_when_stopping)
-        logger.info("fine-tune job: %s (%s)", outcome.status, outcome.message)
+        job = finetune_job_of(settings)
+        for scope in learning_scopes(engine):  # the shared model, then each tenant training its own
+            if STOPPING.is_set():
+                return
+            outcome = run_finetune(job, engine, registry, scope=scope, progress=stop_when_stopping)
+            logger.info("fine-tune job for %s: %s (%s)", scope, outcome.status, outcome.message)
 
     _with_store(run)
 
@@ -95,6 +101,7 @@ def finetune_job_of(settings: Settings) -> FinetuneJob:
     return FinetuneJob(
         model=settings.model_name, champion_alias=settings.model_alias, task=settings.task,
         min_samples=settings.finetune_min_samples, max_samples=settings.finetune_max_samples,
+        max_per_user=settings.finetune_max_per_user,
         holdout_fraction=settings.finetune_holdout_fraction, limits=limits,
         recipe=replace(FinetuneConfig(), **overrides),
         lora_recipe=replace(LORA_RECIPE, lora=adapter, **overrides), method=settings.finetune_method,
@@ -117,6 +124,7 @@ def evaluate_job_of(settings: Settings) -> EvaluateJob:
         alpha=settings.ab_alpha, min_samples=settings.ab_min_samples, traffic=settings.ab_traffic,
         max_error_rate_increase=settings.ab_max_error_rate_increase,
         max_latency_ratio=settings.ab_max_latency_ratio, max_duration_s=settings.ab_max_duration_s,
+        max_per_user=settings.ab_max_per_user,
     )  # fmt: skip
     return EvaluateJob(
         settings.model_name, rules, WorkerTargets.from_settings(settings), settings.model_cache_dir

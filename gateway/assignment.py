@@ -1,16 +1,24 @@
-"""The gateway's view of running experiments: which arm a request gets, and where that arm runs.
+"""The gateway's view of running experiments: which version a tenant is served, which arm a
+request gets, and where that arm runs.
 
-The view is re-read from the store at most every `poll_s`, in the background of the request that
-finds it stale, so no request waits on the store. A request takes part in its model's experiment
-when it names the model without an alias or version, and only once a worker serves the
-challenger: until then everyone gets the champion and nothing is counted, so the experiment's
-split is never skewed by a challenger still loading.
+A request that names its model without an alias or version is served its tenant's champion: the
+tenant's own (reflow/scopes.py: trained on its feedback alone, or the version it was pinned
+to when the shared model learned from others) once a worker serves it, else the shared champion.
+It takes part in the experiment of its tenant's scope (its own for a tenant training its own
+versions, the shared model's for a tenant in it, none for one whose feedback trains nothing), and
+only once a worker serves the challenger: until then everyone gets the champion and nothing is
+counted, so the split is never skewed by a challenger still loading.
+
+The arm is drawn from a keyed hash of the experiment, the tenant and the user (else the request)
+under a server secret: a client can neither pick its arm nor share one with another tenant's user
+of the same name. The view is re-read from the store at most every `poll_s`, in the background of
+the request that finds it stale, so no request waits on the store.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import hmac
 import logging
 import time
 from dataclasses import dataclass
@@ -18,40 +26,49 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 
 from gateway.routing import ModelSpec, WorkerPool
-from reflow.registry import CHALLENGER, CHAMPION
+from gateway.tenants import TenantInfo
+from reflow.registry import CHALLENGER, CHAMPION, tenant_alias
 from reflow.store.experiments import RunningExperiment, running_experiments
+from reflow.store.tables import TRAINS_OWN, TRAINS_SHARED
+
+ASSIGNMENT_KEY = "assignment_key"  # the store's secret (reflow/store/secrets.py) arms are drawn with
 
 logger = logging.getLogger(__name__)
 
 
-def assigned_arm(experiment_id: int, unit: str, traffic: float) -> str:
-    """The arm of assignment unit `unit` (a user id, else a request id): the same unit always gets
-    the same arm within an experiment, and about `traffic` of all units get the challenger."""
-    digest = hashlib.sha256(f"{experiment_id}:{unit}".encode()).digest()
+def assigned_arm(key: bytes, experiment_id: int, tenant: str, unit: str, traffic: float) -> str:
+    """The arm of assignment unit `unit` (a user id, else a request id) of `tenant`: the same unit
+    always gets the same arm within an experiment, and about `traffic` of all units get the
+    challenger."""
+    digest = hmac.digest(key, f"{experiment_id}\0{tenant}\0{unit}".encode(), "sha256")
     return CHALLENGER if int.from_bytes(digest[:8], "big") < traffic * 2**64 else CHAMPION
 
 
 @dataclass
 class Assignment:
-    """Where one request goes: the spec to route, its arm, and the experiment that chose it."""
+    """Where one request goes: the spec to route, its arm, the experiment that chose it, and the
+    spec of its tenant's champion (where it goes when its challenger is gone)."""
 
     spec: ModelSpec
     arm: str
     experiment: RunningExperiment | None = None
+    champion: ModelSpec | None = None
 
     def fall_back_to_champion(self) -> None:
         """The challenger went away under the request (rolled back): the champion answers, and the
         request no longer counts in the experiment."""
-        self.spec, self.arm, self.experiment = ModelSpec(self.spec.name, alias=CHAMPION), CHAMPION, None
+        champion = self.champion or ModelSpec(self.spec.name, alias=CHAMPION)
+        self.spec, self.arm, self.experiment = champion, CHAMPION, None
 
 
 class ExperimentView:
     """Running experiments by model, refreshed from the store without blocking requests."""
 
-    def __init__(self, engine: Engine, poll_s: float) -> None:
+    def __init__(self, engine: Engine, poll_s: float, key: bytes) -> None:
         self.engine = engine
         self.poll_s = poll_s
-        self.by_model: dict[str, RunningExperiment] = {}
+        self.key = key  # ASSIGNMENT_KEY, shared by every replica: a unit gets one arm everywhere
+        self.running: dict[tuple[str, str], RunningExperiment] = {}  # by (model, tenant or "")
         self._loaded_at = float("-inf")
         self._refreshing: asyncio.Task[None] | None = None
 
@@ -64,24 +81,35 @@ class ExperimentView:
             return
         finally:
             self._loaded_at = time.monotonic()
-        self.by_model = {e.model: e for e in found}
+        self.running = {(e.model, e.tenant): e for e in found}
 
     def _refresh_if_stale(self) -> None:
         stale = time.monotonic() - self._loaded_at > self.poll_s
         if stale and (self._refreshing is None or self._refreshing.done()):
             self._refreshing = asyncio.create_task(self.refresh(), name="experiments-refresh")
 
-    def assign(self, requested: str, spec: ModelSpec, unit: str, pool: WorkerPool) -> Assignment:
-        """The assignment of a request for `requested` (the model field as sent) whose sticky unit
-        is `unit` (its user id, else its request id)."""
+    def assign(
+        self, requested: str, spec: ModelSpec, tenant: TenantInfo, unit: str, pool: WorkerPool
+    ) -> Assignment:
+        """The assignment of `tenant`'s request for `requested` (the model field as sent) whose
+        sticky unit is `unit` (its user id, else its request id)."""
         self._refresh_if_stale()
-        experiment = self.by_model.get(spec.name)
         explicit = "@" in requested or "/" in requested
-        if experiment is None or explicit or spec.alias != CHAMPION:
+        if explicit or spec.alias != CHAMPION:
             return Assignment(spec, spec.alias)
-        if not pool.serves(ModelSpec(spec.name, alias=CHALLENGER), version=experiment.challenger_version):
-            return Assignment(spec, spec.alias)  # not loaded yet, or already rolled back on the workers
-        challenger = ModelSpec(spec.name, version=experiment.challenger_version)
-        if assigned_arm(experiment.id, unit, experiment.traffic) == CHALLENGER:
-            return Assignment(challenger, CHALLENGER, experiment)
-        return Assignment(spec, CHAMPION, experiment)
+        champion = spec
+        scope: str | None = ""  # whose experiment it takes part in: "" the shared model's; None none
+        if tenant.trains != TRAINS_SHARED:
+            own = ModelSpec(spec.name, alias=tenant_alias(tenant.id, CHAMPION))
+            champion = own if pool.serves(own) else spec
+            scope = tenant.name if tenant.trains == TRAINS_OWN else None
+        experiment = self.running.get((spec.name, scope)) if scope is not None else None
+        if experiment is None:
+            return Assignment(champion, CHAMPION, champion=champion)
+        arm_alias = tenant_alias(tenant.id, CHALLENGER) if scope else CHALLENGER
+        if not pool.serves(ModelSpec(spec.name, alias=arm_alias), version=experiment.challenger_version):
+            return Assignment(champion, CHAMPION, champion=champion)  # not loaded yet, or rolled back
+        if assigned_arm(self.key, experiment.id, tenant.name, unit, experiment.traffic) == CHALLENGER:
+            challenger = ModelSpec(spec.name, version=experiment.challenger_version)
+            return Assignment(challenger, CHALLENGER, experiment, champion)
+        return Assignment(champion, CHAMPION, experiment, champion)

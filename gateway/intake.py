@@ -12,7 +12,7 @@ from feedback.bus.kafka import Record
 from feedback.bus.publisher import Publisher
 from feedback.events import InvalidFeedback, feedback_event, require_served
 from gateway.metrics import GatewayMetrics
-from reflow.errors import InvalidArgument, PermissionDenied, Unavailable
+from reflow.errors import InvalidArgument, PermissionDenied, RequestTooLarge, Unavailable
 from reflow.request_ids import RequestIds
 from reflow.store.tables import utcnow
 
@@ -46,25 +46,33 @@ class IntakeResult:
 
 
 class FeedbackIntake:
-    """Takes a tenant's feedback items and hands the valid ones over."""
+    """Takes a tenant's feedback items, at most `max_items` a request, and hands the valid ones over."""
 
-    def __init__(self, request_ids: RequestIds, publisher: Publisher, metrics: GatewayMetrics):
+    def __init__(
+        self, request_ids: RequestIds, publisher: Publisher, metrics: GatewayMetrics, max_items: int
+    ):
         self.request_ids = request_ids
         self.publisher = publisher
         self.metrics = metrics
+        self.max_items = max_items
 
     async def submit(self, tenant: str, items: AsyncIterator[Item]) -> IntakeResult:
         """Validates each item (the fields of a Feedback message), hands the valid ones over in
         chunks while the next are read (at most CHUNKS_IN_FLIGHT at once), and returns once every
         chunk is durable. When every item is rejected it fails as a unary call would, with the
-        status of the first."""
+        status of the first. An item past `max_items` (valid or not) ends the reading: the items
+        before it are handed over all the same, then the request fails with RequestTooLarge."""
         result = IntakeResult()
         first_error: InvalidFeedback | None = None
         chunk: list[Record] = []
         handovers: set[asyncio.Task[int]] = set()
         index = -1
+        over_bound = False
         async for fields in items:
             index += 1
+            if index == self.max_items:  # read no further; what came before is taken all the same
+                over_bound = True
+                break
             try:
                 if isinstance(fields, InvalidFeedback):
                     raise fields
@@ -92,8 +100,15 @@ class FeedbackIntake:
             if isinstance(outcome, BaseException):
                 raise outcome
             result.accepted += outcome
-        self.metrics.feedback.labels("accepted").inc(result.accepted)
-        self.metrics.feedback.labels("rejected").inc(result.rejected)
+        label = self.metrics.tenant(tenant)
+        self.metrics.feedback.labels("accepted", label).inc(result.accepted)
+        self.metrics.feedback.labels("rejected", label).inc(result.rejected)
+        if over_bound:
+            raise RequestTooLarge(
+                f"a feedback request carries at most {self.max_items} items; the first {self.max_items} "
+                f"were taken ({result.accepted} accepted, {result.rejected} rejected): send the rest in "
+                "another request (items with the same feedback_id are stored once)"
+            )
         if first_error is not None and result.accepted == 0:  # nothing taken: fail like a unary call would
             error_type = PermissionDenied if first_error.code == "PERMISSION_DENIED" else InvalidArgument
             more = f" ({result.rejected - 1} more item(s) rejected too)" if result.rejected > 1 else ""

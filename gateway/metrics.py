@@ -1,4 +1,5 @@
-"""Prometheus series of one gateway: latency as clients see it, tokens, requests by status and arm."""
+"""Prometheus series of one gateway: latency as clients see it, tokens, requests by status, arm and
+tenant."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from reflow.metrics import LATENCY_BUCKETS
 
+OTHER_TENANTS = "(other)"  # the tenant label of every tenant past the bound
+
 
 class GatewayMetrics:
     """The series a gateway exports, in a registry of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_tenants: int = 100) -> None:
+        self.max_tenants = max_tenants  # REFLOW_METRICS_MAX_TENANTS: the bound on the tenant label
+        self._tenants: set[str] = set()
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -36,8 +41,8 @@ class GatewayMetrics:
         )
         self.arms = Counter(
             "reflow_gateway_generations",
-            "Generations routed, by model and arm.",
-            ["model", "arm"],
+            "Generations routed, by model, arm and tenant.",
+            ["model", "arm", "tenant"],
             registry=r,
         )
         self.placed = Counter(
@@ -54,8 +59,8 @@ class GatewayMetrics:
         )
         self.feedback = Counter(
             "reflow_gateway_feedback_items",
-            "SubmitFeedback items by outcome (accepted, rejected).",
-            ["outcome"],
+            "SubmitFeedback items by outcome (accepted, rejected) and tenant.",
+            ["outcome", "tenant"],
             registry=r,
         )
         self.outbox = Gauge(
@@ -79,6 +84,17 @@ class GatewayMetrics:
         self.redis_up = Gauge(
             "reflow_gateway_redis_up", "1 while the shared level (REFLOW_REDIS_URL) answers.", registry=r
         )
+
+    def tenant(self, name: str) -> str:
+        """The tenant label of tenant `name`: its name for the first `max_tenants` tenants this
+        gateway counts, OTHER_TENANTS for the rest, so the series stay bounded however many
+        tenants there are."""
+        if name in self._tenants:
+            return name
+        if len(self._tenants) < self.max_tenants:
+            self._tenants.add(name)
+            return name
+        return OTHER_TENANTS
 
     def count_request(self, method: str, code: grpc.StatusCode) -> None:
         """Called by the error interceptor when an RPC ends."""

@@ -26,6 +26,7 @@ from reflow.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ReflowError,
     ResourceExhausted,
     Unavailable,
@@ -92,6 +93,8 @@ class Relay:
                     raise
                 raise Unavailable(f"every worker serving {spec} failed; retry the request") from None
             worker, loaded = placement.option.worker, placement.option.loaded
+            if loaded.tenant and loaded.tenant != generation.tenant.name:
+                raise PermissionDenied(f"{spec} is version {loaded.version}, another tenant's own")
             tried.add(worker.address)
             call_request = worker_request(
                 generation.request, self.limits, request_id=generation.request_id, loaded=loaded,
@@ -110,7 +113,7 @@ class Relay:
                 self.metrics.reasoning_lowered.labels(loaded.model).inc()
             try:
                 async with contextlib.aclosing(
-                    self._stream_from(placement, call_request, remaining_s, header, generation.received)
+                    self._stream_from(placement, call_request, remaining_s, header, generation)
                 ) as stream:
                     answer: list[str] = []
                     reasoning: list[str] = []
@@ -139,7 +142,7 @@ class Relay:
         call_request: worker_pb2.WorkerGenerateRequest,
         remaining_s: float | None,
         header: inference_pb2.GenerateResponse,
-        received: float,
+        generation: Generation,
     ) -> AsyncGenerator[inference_pb2.GenerateResponse]:
         """Relays one worker stream; when the client reads slower than the worker writes, the
         deltas that piled up go out as one message (in order; the first is never held back). The
@@ -152,7 +155,7 @@ class Relay:
         reader = asyncio.create_task(_pump(call, mailbox), name=f"relay-{header.request_id}")
         self.metrics.in_flight.inc()
         first_token_at: float | None = None
-        last_sent = received
+        received = last_sent = generation.received
         try:
             while True:
                 try:
@@ -167,7 +170,8 @@ class Relay:
                     first_token_at = now
                     message.MergeFrom(header)
                     self.metrics.ttft.observe(now - received)
-                    self.metrics.arms.labels(header.model, header.arm).inc()
+                    tenant = self.metrics.tenant(generation.tenant.name)
+                    self.metrics.arms.labels(header.model, header.arm, tenant).inc()
                     later_tokens -= 1
                 for _ in range(later_tokens):  # a coalesced message spreads its gap over its tokens
                     self.metrics.inter_token.observe((now - last_sent) / max(later_tokens, 1))

@@ -59,12 +59,14 @@ class ServedVersion:
     version: str
     aliases: list[str] = field(default_factory=list)
     ready_workers: int = 0
+    tenant: str = ""  # the tenant whose own version it is; "" = anyone's
     variants: dict[str, inference_pb2.ModelVariant] = field(default_factory=dict)
 
     def add(self, loaded: worker_pb2.LoadedVersion) -> None:
         """Counts one more worker holding the version as `loaded` reports it."""
         self.aliases = sorted({*self.aliases, *loaded.aliases})
         self.ready_workers += 1
+        self.tenant = loaded.tenant
         for v in loaded.variants:
             seen = self.variants.get(v.name)
             self.variants[v.name] = inference_pb2.ModelVariant(
@@ -195,10 +197,11 @@ class WorkerPool:
             raise NotFound(f"no worker serves model {spec}; served now: {', '.join(served) or 'nothing'}")
         return candidates
 
-    def serves(self, spec: ModelSpec, version: str) -> bool:
-        """True when a healthy worker serves `spec` as `version` (e.g. `@challenger` as v2)."""
+    def serves(self, spec: ModelSpec, version: str = "") -> bool:
+        """True when a healthy worker serves `spec` (as `version`, e.g. `@challenger` as v2)."""
         return any(
-            w.healthy and (v := w.serves(spec)) is not None and v.version == version for w in self.workers
+            w.healthy and (v := w.serves(spec)) is not None and version in ("", v.version)
+            for w in self.workers
         )
 
     def served_versions(self) -> list[tuple[str, list[ServedVersion]]]:

@@ -18,7 +18,7 @@ from kafka.errors import KafkaError
 from feedback.bus.kafka import ensure_topics, resolve_bootstrap
 from feedback.bus.publisher import Publisher
 from feedback.events import FEEDBACK_FIELDS
-from gateway.assignment import ExperimentView
+from gateway.assignment import ASSIGNMENT_KEY, ExperimentView
 from gateway.auth import Authenticator, authorization_metadata
 from gateway.http.app import create_app
 from gateway.http.server import HttpServer
@@ -50,6 +50,7 @@ from reflow.serving import (
 )
 from reflow.settings import Settings
 from reflow.store.database import open_engine, require_current_schema
+from reflow.store.secrets import shared_secret
 from reflow.v1 import inference_pb2, inference_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -87,9 +88,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
-        await self.service.authenticate(authorization_metadata(context))
+        tenant = await self.service.authenticate(authorization_metadata(context))
         response = inference_pb2.ListModelsResponse()
-        for name, versions in self.service.served_models():
+        for name, versions in self.service.served_models(tenant):
             model = response.models.add(name=name)
             for v in versions:
                 served = model.versions.add(
@@ -165,14 +166,14 @@ async def create_server(
     auth = Authenticator(engine, settings.auth_cache_ttl_s, shared=shared)
     quotas = quotas_of(settings, shared, metrics)
     request_ids = RequestIds.from_store(engine)
-    experiments = ExperimentView(engine, settings.worker_poll_s)
+    experiments = ExperimentView(engine, settings.worker_poll_s, shared_secret(engine, ASSIGNMENT_KEY))
     await experiments.refresh()
     limits = request_limits(settings)
     placer = Placer(pool, LatencyModel(), limits, settings.reasoning_budget_floor)
     relay = Relay(pool, metrics, limits, placer)
     service = InferenceService(
         auth, quotas, limits, pool, experiments, relay, InferenceLog(publisher),
-        FeedbackIntake(request_ids, publisher, metrics), request_ids,
+        FeedbackIntake(request_ids, publisher, metrics, settings.max_feedback_items), request_ids,
         ModelSpec(settings.model_name, alias=settings.model_alias),
     )  # fmt: skip
     metrics.outbox.set_function(lambda: publisher.pending)
@@ -207,7 +208,7 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
     pool = WorkerPool(
         settings.workers, settings.worker_poll_s, channel_credentials(TlsFiles.from_settings(settings))
     )
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(settings.metrics_max_tenants)
     gateway = await create_server(settings, pool, metrics, publisher)
     metrics_server, metrics_url = start_metrics_server(
         metrics.registry, settings.gateway_host, settings.gateway_metrics_port

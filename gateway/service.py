@@ -8,6 +8,7 @@ import contextlib
 import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 
 from gateway.assignment import ExperimentView
 from gateway.auth import Authenticator
@@ -19,6 +20,7 @@ from gateway.routing import ModelSpec, ServedVersion, WorkerPool
 from gateway.tenants import TenantInfo
 from gateway.validation import RequestLimits, check_request
 from reflow.errors import InvalidArgument, ReflowError
+from reflow.registry import CHALLENGER, CHAMPION, TENANT_ALIAS, tenant_alias
 from reflow.request_ids import RequestIds
 from reflow.v1 import inference_pb2
 
@@ -68,7 +70,7 @@ class InferenceService:
         spec = ModelSpec.parse(request.model, self.default_model.name, self.default_model.alias)
         request_id = self.request_ids.new(tenant.name)
         unit = request.user_id or request_id  # what the arm sticks to
-        assignment = self.experiments.assign(request.model, spec, unit, self.pool)
+        assignment = self.experiments.assign(request.model, spec, tenant, unit, self.pool)
         deadline = deadline_of(time_remaining, request.latency_budget_ms, received)
         return Generation(request, tenant, request_id, assignment, received, deadline)
 
@@ -106,6 +108,20 @@ class InferenceService:
         await self.auth.close()
         await self.quotas.close()
 
-    def served_models(self) -> list[tuple[str, list[ServedVersion]]]:
-        """Each model the healthy workers serve, by name, with its versions in number order."""
-        return self.pool.served_versions()
+    def served_models(self, tenant: TenantInfo | None = None) -> list[tuple[str, list[ServedVersion]]]:
+        """Each model the healthy workers serve, by name, with its versions in number order; for
+        `tenant`, without other tenants' own versions and aliases (their existence is theirs)."""
+        served = self.pool.served_versions()
+        if tenant is None:
+            return served
+        mine = {tenant_alias(tenant.id, CHAMPION), tenant_alias(tenant.id, CHALLENGER)}
+        seen = []
+        for name, versions in served:
+            visible = [
+                replace(v, aliases=[a for a in v.aliases if a in mine or not TENANT_ALIAS.fullmatch(a)])
+                for v in versions
+                if v.tenant in ("", tenant.name)
+            ]
+            if visible:
+                seen.append((name, visible))
+        return seen

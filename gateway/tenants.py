@@ -8,7 +8,7 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from reflow.api_keys import MIN_API_KEY_LENGTH, display_prefix, hash_key, new_key
-from reflow.store.tables import Tenant, utcnow
+from reflow.store.tables import TRAINS, TRAINS_OWN, TRAINS_SHARED, Tenant, utcnow
 
 
 @dataclass(frozen=True)
@@ -32,16 +32,19 @@ class TenantInfo:
     max_concurrent_streams: int
     requests_per_minute: int
     tokens_per_minute: int = 0
+    trains: str = TRAINS_SHARED  # what its feedback trains (reflow/store/tables.py's TRAINS)
 
 
 def _info(tenant: Tenant) -> TenantInfo:
     return TenantInfo(
-        tenant.id,
-        tenant.name,
-        tenant.max_concurrent_streams,
-        tenant.requests_per_minute,
-        tenant.tokens_per_minute,
-    )
+        tenant.id, tenant.name, tenant.max_concurrent_streams, tenant.requests_per_minute,
+        tenant.tokens_per_minute, tenant.trains,
+    )  # fmt: skip
+
+
+def _check_trains(trains: str) -> None:
+    if trains not in TRAINS:
+        raise ValueError(f"a tenant's feedback trains one of {', '.join(TRAINS)}, not {trains!r}")
 
 
 def _set_limits(tenant: Tenant, limits: Limits) -> None:
@@ -51,16 +54,25 @@ def _set_limits(tenant: Tenant, limits: Limits) -> None:
 
 
 def create_tenant(
-    engine: Engine, name: str, *, api_key: str | None = None, limits: Limits = Limits()
+    engine: Engine,
+    name: str,
+    *,
+    api_key: str | None = None,
+    limits: Limits = Limits(),
+    trains: str = TRAINS_OWN,
 ) -> tuple[TenantInfo, str]:
-    """Creates a tenant with `api_key` (or a new one); returns it and the key, shown only now."""
+    """Creates a tenant with `api_key` (or a new one); returns it and the key, shown only now.
+
+    A new tenant's feedback trains its own versions unless it says otherwise: the shared model is
+    served to every tenant in it, so joining it is a choice each of them makes."""
     key = api_key or new_key()
     if len(key) < MIN_API_KEY_LENGTH:
         raise ValueError(f"an API key needs at least {MIN_API_KEY_LENGTH} characters")
+    _check_trains(trains)
     with Session(engine) as session, session.begin():
         if session.scalar(select(Tenant).where(Tenant.name == name)) is not None:
             raise ValueError(f"tenant {name!r} already exists")
-        tenant = Tenant(name=name, key_hash=hash_key(key), key_prefix=display_prefix(key))
+        tenant = Tenant(name=name, key_hash=hash_key(key), key_prefix=display_prefix(key), trains=trains)
         _set_limits(tenant, limits)
         session.add(tenant)
         session.flush()
@@ -70,8 +82,10 @@ def create_tenant(
 def ensure_tenant(
     engine: Engine, name: str, api_key: str, limits: Limits = Limits()
 ) -> tuple[TenantInfo, str | None]:
-    """The tenant `name` holding `api_key` with `limits`: created, re-keyed to a new key or given
-    the limits, as needed; also the hash of the key it held before, when that one is retired.
+    """The tenant `name` holding `api_key` with `limits`: created (training the shared model: one
+    team serving its own users learns with no setting turned), re-keyed to a new key or given the
+    limits, as needed; also the hash of the key it held before, when that one is retired. What an
+    existing tenant trains is left as `reflow tenants update` set it.
 
     A revoked key is never brought back: re-keying with a different key re-enables the
     tenant, the same key raises ValueError.
@@ -97,7 +111,35 @@ def ensure_tenant(
                 )
             _set_limits(tenant, limits)
             return _info(tenant), retired
-    return create_tenant(engine, name, api_key=api_key, limits=limits)[0], None
+    return create_tenant(engine, name, api_key=api_key, limits=limits, trains=TRAINS_SHARED)[0], None
+
+
+def update_tenant(
+    engine: Engine, name: str, *, limits: Limits | None = None, trains: str | None = None
+) -> tuple[TenantInfo, str]:
+    """Changes a tenant's quotas and what its feedback trains (None: unchanged); returns it and the
+    hash of its key (what gateways are told changed); LookupError when there is no such tenant.
+    A fine-tune run uses what the store says when it starts."""
+    if trains is not None:
+        _check_trains(trains)
+    with Session(engine) as session, session.begin():
+        tenant = session.scalar(select(Tenant).where(Tenant.name == name))
+        if tenant is None:
+            raise LookupError(f"there is no tenant named {name!r}")
+        if limits is not None:
+            _set_limits(tenant, limits)
+        if trains is not None:
+            tenant.trains = trains
+        return _info(tenant), tenant.key_hash
+
+
+def find_tenant(engine: Engine, name: str) -> tuple[TenantInfo, str, bool]:
+    """The tenant `name` with its key prefix and whether it is revoked; LookupError when none."""
+    with Session(engine) as session:
+        tenant = session.scalar(select(Tenant).where(Tenant.name == name))
+        if tenant is None:
+            raise LookupError(f"there is no tenant named {name!r}")
+        return _info(tenant), tenant.key_prefix, tenant.revoked_at is not None
 
 
 def revoke_tenant(engine: Engine, name: str) -> str | None:

@@ -74,6 +74,13 @@ class ResourceExhausted(ReflowError):
         self.retry_after_ms = retry_after_ms
 
 
+class RequestTooLarge(ResourceExhausted):
+    """A request carries more than one request may (e.g. feedback items); splitting it helps,
+    waiting does not, hence HTTP 413 rather than a quota's 429."""
+
+    http_status = 413
+
+
 class Unavailable(ReflowError):
     """No worker can take the request now."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -17,6 +18,16 @@ logger = logging.getLogger(__name__)
 
 EXPERIMENT_NAME = "reflow"
 CHAMPION, CHALLENGER = "champion", "challenger"  # the aliases an A/B experiment tests
+# A tenant whose feedback trains its own versions (`tenants.trains`) has the two of its own, by its
+# id (alias names allow only letters, digits, "_" and "-"); one it is pinned to is its champion too.
+TENANT_ALIAS = re.compile(r"tenant-(\d+)-(champion|challenger)")
+
+
+def tenant_alias(tenant_id: int, arm: str) -> str:
+    """The alias of tenant `tenant_id`'s `arm` (CHAMPION or CHALLENGER)."""
+    return f"tenant-{tenant_id}-{arm}"
+
+
 MODEL_ARTIFACT_PATH = "model"
 # What every version carries; beside them it may carry more of the same kinds (weight shards and
 # their index, the tokenizer's config, a chat template, generation defaults).
@@ -34,6 +45,7 @@ VERSION_FILE_SUFFIXES = (".safetensors", ".json", ".jinja")
 TASK_SCORE_TAG = "reflow.task_score"
 SOURCE_TAG = "reflow.source"  # where a version came from: "bootstrap", "finetune", IMPORTED
 IMPORTED = "import"  # a checkpoint brought in by `reflow models import`
+TENANT_TAG = "reflow.tenant"  # on a tenant's own versions: its name; no other tenant is served them
 SOURCE_SHA256_TAG = "reflow.source_sha256"  # on imported versions: the digest of the files imported
 
 
@@ -93,6 +105,17 @@ class Registry:
         except LookupError:
             return False
         return True
+
+    def aliases(self, name: str) -> dict[str, str]:
+        """Every alias of `name` and the version it points at, read in one call (a consistent
+        snapshot); empty when `name` is not registered."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            found = self.client.get_registered_model(name).aliases
+        except MlflowException:
+            return {}
+        return {alias: str(version) for alias, version in found.items()}
 
     def versions(self, name: str) -> list[dict[str, object]]:
         """Every version of `name`, newest first: version, aliases, run id, creation time, tags."""

@@ -12,11 +12,9 @@ import hmac
 import re
 import secrets
 
-from sqlalchemy import Engine, select
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine
 
-from reflow.store.tables import Secret
+from reflow.store.secrets import shared_secret
 
 KEY_NAME = "request_id_key"
 NONCE_HEX = 24  # 96 random bits
@@ -33,16 +31,7 @@ class RequestIds:
     @classmethod
     def from_store(cls, engine: Engine) -> RequestIds:
         """Uses the store's signing key, creating it on first use."""
-        with Session(engine) as session:
-            secret = session.get(Secret, KEY_NAME)
-            if secret is None:
-                session.add(Secret(name=KEY_NAME, value=secrets.token_hex(32)))
-                try:
-                    session.commit()
-                except IntegrityError:  # another replica created it first
-                    session.rollback()
-                secret = session.scalars(select(Secret).where(Secret.name == KEY_NAME)).one()
-            return cls(bytes.fromhex(secret.value))
+        return cls(shared_secret(engine, KEY_NAME))
 
     def _tag(self, nonce: str, tenant: str) -> str:
         return hmac.digest(self._key, f"{nonce}:{tenant}".encode(), "sha256").hex()[:TAG_HEX]

@@ -212,6 +212,14 @@ class Settings(BaseSettings):
         ge=1,
         description="Most items one run uses: the oldest of what is new; the rest waits for the next run.",
     )
+    finetune_max_per_user: int = Field(
+        20,
+        ge=1,
+        description=(
+            "Most items of one user (the rater, else the user served, else the completion rated) one "
+            "run takes, the oldest first: a busy user cannot outweigh the others in a training set."
+        ),
+    )
     finetune_method: Literal["auto", "full", "lora"] = Field(
         "auto",
         description=(
@@ -329,6 +337,14 @@ class Settings(BaseSettings):
     )
     ab_min_samples: int = Field(
         100, ge=1, description="Rated responses each arm needs before an experiment decides."
+    )
+    ab_max_per_user: int = Field(
+        5,
+        ge=1,
+        description=(
+            "Most rated responses of one user an arm's rate counts at full weight: users, not "
+            "responses, are the unit of the test, and a user weighs at most this many responses."
+        ),
     )
     ab_evaluate_s: float = Field(
         30.0,
@@ -457,6 +473,23 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(4096, ge=1, description="Longest prompt the gateway accepts.")
     default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request leaves it 0.")
     max_stop_strings: int = Field(8, ge=0, description="Most stop strings per request.")
+    metrics_max_tenants: int = Field(
+        100,
+        ge=0,
+        description=(
+            "Tenants a gateway labels its per-tenant series with (generations, feedback items), the "
+            "first it counts; the rest share the label `(other)`, so the series stay bounded."
+        ),
+    )
+    max_feedback_items: int = Field(
+        1000,
+        ge=1,
+        description=(
+            "Most feedback items one request (a SubmitFeedback stream, a `POST /v1/feedback`) carries; "
+            "past it the request is refused with RESOURCE_EXHAUSTED (HTTP 413) after the items before "
+            "the bound were taken (a retry with the same `feedback_id`s stores them once)."
+        ),
+    )
     reasoning_budget_floor: int = Field(
         16,
         ge=0,

@@ -1,5 +1,9 @@
 """Keeps a worker's versions in step with the registry's aliases: hot-swap without dropping a request.
 
+A worker follows the aliases it is given (REFLOW_WORKER_ALIASES: the shared champion and
+challenger) and every tenant's own (reflow/scopes.py), so each tenant's versions are served
+beside everyone else's.
+
 Every `poll_s` (and whenever `sync` is called) the follower resolves each alias it follows. When
 an alias points at a version the worker does not hold, that version is fetched, loaded, compiled
 and warmed up off the engine thread, so running sequences keep decoding; then the alias moves to it
@@ -16,6 +20,7 @@ import asyncio
 import logging
 import time
 
+from reflow.registry import TENANT_ALIAS
 from workers.versions import Versions
 
 logger = logging.getLogger(__name__)
@@ -52,39 +57,56 @@ class AliasFollower:
                 )
             await asyncio.sleep(self.poll_s)
 
+    def follows(self, alias: str) -> bool:
+        """True for the aliases it was given and every tenant's own (reflow.registry.TENANT_ALIAS):
+        a tenant's versions are served by the same workers, in the same batches."""
+        return alias in self.aliases or TENANT_ALIAS.fullmatch(alias) is not None
+
     async def sync(self) -> None:
-        """One round: load and move every alias that points elsewhere, unload what is idle."""
+        """One round: load what the aliases point at, move them all at once, unload what is idle.
+
+        The aliases are read in one call, so a promotion that pins tenants to the old champion
+        before moving it is never seen half done; an alias whose version fails to load keeps
+        serving where it was, and the next round tries again."""
         registry, engine = self.versions.registry, self.versions.engine
         if registry is None:
             return
         async with self._lock:
-            for alias in self.aliases:
+            snapshot = await asyncio.to_thread(registry.aliases, self.name)
+            targets = {alias: version for alias, version in snapshot.items() if self.follows(alias)}
+            held = {a for m in engine.loaded() if m.name == self.name for a in m.aliases if self.follows(a)}
+            loaded = {}
+            for version in sorted(set(targets.values()), key=int):
                 try:
-                    target = (await asyncio.to_thread(registry.resolve, self.name, alias=alias)).version
-                except LookupError:
-                    target = None  # the alias was removed (a challenger rolled back)
+                    loaded[version] = await self.versions.load(self.name, version=version)
+                except Exception:
+                    logger.exception("loading %s/%s failed; its aliases stay put", self.name, version)
+            moves = []
+            for alias in sorted(held | set(targets)):  # the move itself: no await from here on
+                target = targets.get(alias)
+                if target is not None and target not in loaded:
+                    continue
                 holders = [m for m in engine.loaded() if m.name == self.name and alias in m.aliases]
                 if [m.version for m in holders] == ([target] if target is not None else []):
-                    continue  # already where the registry points (or absent on both sides)
-                loaded = await self.versions.load(self.name, version=target) if target is not None else None
-                for previous in holders:  # the move itself: no await between these lines
+                    continue  # already where the registry points
+                for previous in holders:
                     previous.aliases.discard(alias)
                     if not previous.aliases:
                         self._released.add(previous.version)
-                if loaded is not None:
-                    loaded.aliases.add(alias)
-                    self._released.discard(loaded.version)
-                logger.info(
-                    "@%s of %s: %s -> %s", alias, self.name,
-                    ",".join(m.version for m in holders) or "-", target or "-",
-                )  # fmt: skip
+                if target is not None:
+                    loaded[target].aliases.add(alias)
+                    self._released.discard(target)
+                moves.append(f"@{alias}: {','.join(m.version for m in holders) or '-'} -> {target or '-'}")
+            for move in moves:
+                logger.info("%s of %s", move, self.name)
             self._retire_idle()
 
     def _retire_idle(self) -> None:
         now = time.monotonic()
         for version in sorted(self._released):
             loaded = self.versions.engine.find(self.name, version)
-            if loaded is None or loaded.aliases:
+            riders = [m for m in self.versions.engine.loaded() if m.base_version == version and m.aliases]
+            if loaded is None or loaded.aliases or riders:  # a served adapter needs its base's weights
                 self._released.discard(version)
             elif now - loaded.last_request > self.retire_idle_s:
                 self.versions.engine.remove(self.name, version)

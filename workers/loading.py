@@ -42,6 +42,7 @@ class LoadedModel:
     base_version: str = ""
     variant: str = ""  # a variant of the version (workers/variants.py); "" = the version as loaded
     quality: Quality | None = None  # measured against the version as loaded; None until measured
+    tenant: str = ""  # the tenant whose own version it is (reflow.registry.TENANT_TAG); "" = anyone's
 
     banned_tokens: torch.Tensor = field(init=False)  # [V] bool
 

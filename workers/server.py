@@ -103,6 +103,7 @@ def loaded_to_pb(loaded: LoadedModel, engine: Engine) -> worker_pb2.LoadedVersio
         max_sequence_length=loaded.max_len,
         dtype=str(loaded.model.dtype).removeprefix("torch."),
         base_version=loaded.base_version,
+        tenant=loaded.tenant,
         adapter_parameters=loaded.adapter.parameter_count() if loaded.adapter is not None else 0,
         variants=[variant_to_pb(v, scheduler) for v, scheduler in measured],
         kv_blocks_used=pool.blocks_used,

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from reflow.errors import NotFound
-from reflow.registry import BASE_VERSION_TAG, Registry
+from reflow.registry import BASE_VERSION_TAG, TENANT_TAG, Registry
 from workers.engine import Engine
 from workers.loading import LoadedModel, load_adapter, load_directory
 from workers.quality import measure
@@ -71,6 +71,7 @@ class Versions:
                 loaded = load_directory(
                     directory, name, ref.version, self.device, aliases, self.dtype, max_len
                 )
+            loaded.tenant = tags.get(TENANT_TAG, "")
             self.engine.add(loaded)  # compiles and warms up first when enabled
             return loaded
 

@@ -10,12 +10,29 @@ champion) and V its estimated variance, the likelihood ratio against "no differe
 
 and the experiment may stop the first time Lambda >= 1/alpha, however often it was looked at
 before: the chance of ever stopping when the arms are equal stays below alpha.
+
+Users, not responses, are the unit: what was randomized is the user, and one user's ratings are
+alike (a user who likes the model likes most of its answers), so counting each response as an
+independent draw understates the variance and a few busy users can make noise look like an
+effect. A unit (a user of a tenant, or a request without one) with n rated responses, k of them
+positive, has the mean k/n and the weight w = min(n, max_per_user); an arm's rate is
+sum(w * mean) / sum(w), and V is the cluster-robust (sandwich) variance of the difference of the
+two rates, pooled under "no difference": with p the pooled rate over both arms,
+
+    V_arm = sum(w^2 * (mean - p)^2) / (sum w)^2,    V = V_champion + V_challenger
+
+which, with one rating per user, is about the binomial p (1 - p) (1/n_champion + 1/n_challenger).
+Decisions recorded before users were the unit carry no per-user numbers: theirs is that binomial
+variance, responses as the unit.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+
+import numpy as np
+import numpy.typing as npt
 
 MIXING_SD = 0.1  # tau: the size of effect on a rate the test is most sensitive to
 SRM_P = 0.001  # a split this unlikely under the configured traffic share invalidates the test
@@ -25,7 +42,9 @@ SRM_MIN_EXPECTED = 20  # units the smaller arm should have before the split is j
 @dataclass(frozen=True)
 class ArmStats:
     """What one arm saw: rated responses, positive ones, requests, failed ones, assignment units
-    (distinct users, or requests without one), latency."""
+    (distinct users, or requests without one), latency; and its ratings by unit, weighted, with
+    the sums the cluster-robust variance needs (0 in decisions recorded before users were the
+    unit, which JSON rows load without)."""
 
     rated: int
     positive: int
@@ -33,10 +52,39 @@ class ArmStats:
     errors: int = 0
     units: int = 0
     p95_latency_ms: float = 0.0
+    users: int = 0  # units with a rated response
+    weight: int = 0  # sum of w, a unit's weight min(rated, max_per_user)
+    weighted_positive: float = 0.0  # sum of w * mean, a unit's mean its positive share
+    weight_sq: int = 0  # sum of w^2
+    weight_sq_mean: float = 0.0  # sum of w^2 * mean
+    weight_sq_mean_sq: float = 0.0  # sum of w^2 * mean^2
 
     @property
     def rate(self) -> float:
+        """The positive share: weighted by unit when known, else of responses."""
+        if self.weight:
+            return self.weighted_positive / self.weight
         return self.positive / self.rated if self.rated else 0.0
+
+    def variance(self, around: float) -> float:
+        """The cluster-robust variance of the weighted rate, the units' means taken around
+        `around`: sum(w^2 (mean - around)^2) / (sum w)^2; needs `users`."""
+        spread = self.weight_sq_mean_sq - 2 * around * self.weight_sq_mean + around * around * self.weight_sq
+        return spread / (self.weight * self.weight)
+
+    def with_ratings(self, per_unit: npt.ArrayLike, max_per_user: int) -> ArmStats:
+        """These numbers with the arm's ratings: `per_unit` holds each unit's (rated, positive);
+        a unit weighs at most `max_per_user` responses."""
+        counts = np.asarray(per_unit, dtype=float).reshape(-1, 2)
+        counts = counts[counts[:, 0] > 0]
+        rated, positive = counts[:, 0], counts[:, 1]
+        weight, mean = np.minimum(rated, max_per_user), positive / rated
+        weight_sq = weight * weight
+        return replace(
+            self, rated=int(rated.sum()), positive=int(positive.sum()), users=len(counts),
+            weight=int(weight.sum()), weighted_positive=float(weight @ mean), weight_sq=int(weight_sq.sum()),
+            weight_sq_mean=float(weight_sq @ mean), weight_sq_mean_sq=float(weight_sq @ (mean * mean)),
+        )  # fmt: skip
 
     @property
     def error_rate(self) -> float:
@@ -65,15 +113,22 @@ class Rules:
     max_error_rate_increase: float = 0.02  # guardrail: challenger errors minus champion's
     max_latency_ratio: float = 1.5  # guardrail: challenger p95 over champion's
     max_duration_s: float = float("inf")  # an experiment still undecided after this long expires
+    max_per_user: int = 5  # the most rated responses one user weighs in an arm's rate
 
 
 def likelihood_ratio(champion: ArmStats, challenger: ArmStats, tau: float = MIXING_SD) -> tuple[float, float]:
     """The mSPRT statistic and the observed difference of rates (challenger - champion)."""
     theta = challenger.rate - champion.rate
-    pooled = (champion.positive + challenger.positive) / (champion.rated + challenger.rated)
     # the variance of the difference under "no difference" (pooled): larger, so more cautious,
     # than the unpooled one when the rates differ
-    variance = pooled * (1 - pooled) * (1 / champion.rated + 1 / challenger.rated)
+    if champion.users and challenger.users:
+        pooled = (champion.weighted_positive + challenger.weighted_positive) / (
+            champion.weight + challenger.weight
+        )
+        variance = champion.variance(pooled) + challenger.variance(pooled)
+    else:  # recorded before users were the unit: responses are
+        pooled = (champion.positive + challenger.positive) / (champion.rated + challenger.rated)
+        variance = pooled * (1 - pooled) * (1 / champion.rated + 1 / challenger.rated)
     if variance <= 0:  # every rating the same on both arms: no evidence of a difference
         return 1.0, theta
     t2 = tau * tau

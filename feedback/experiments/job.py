@@ -19,6 +19,7 @@ from feedback.experiments.decision import Decision, Rules, decide
 from feedback.experiments.lifecycle import DECIDING, ENDED_BY, arm_stats, decided, end, reconcile, record
 from feedback.experiments.promotion import promote, push_to_workers, roll_back
 from reflow.registry import CHALLENGER, CHAMPION, Registry
+from reflow.scopes import learning_scopes, scope_named, unshared_tenant_ids
 from reflow.store.experiments import RunningExperiment, running_experiments
 from reflow.store.tables import utcnow
 from reflow.worker_calls import WorkerTargets
@@ -48,22 +49,26 @@ class EvaluateJob:
 
 def evaluate_experiments(job: EvaluateJob, engine: Engine, registry: Registry) -> list[Evaluation]:
     """Finishes decisions a stopped process left half applied, opens the experiment a new
-    challenger needs, then evaluates and acts on every running one. A model whose round fails is
-    logged and retried at the next round; the other models go on. When aliases moved, the
-    workers are told once, at the end."""
+    challenger needs (of the shared model, or of a tenant training its own), then evaluates and
+    acts on every running one. A scope whose round fails is logged and retried at the next round;
+    the others go on. When aliases moved, the workers are told once, at the end."""
     half_applied = decided(engine)
     for experiment, look in half_applied:
         logger.info("experiment %d: applying its %s decision again", experiment.id, look.outcome)
         apply(job, engine, registry, experiment, look.outcome, look.reason)
-    models = {job.model} | {e.model for e in running_experiments(engine)}
+    looked_at = {(job.model, scope) for scope in learning_scopes(engine)} | {
+        (e.model, scope_named(engine, e.tenant)) for e in running_experiments(engine)
+    }
     evaluations = []
-    for model in sorted(models):
+    for model, scope in sorted(looked_at, key=lambda pair: (pair[0], pair[1].tenant_id)):
         try:
-            running = reconcile(engine, registry, model, job.rules.traffic)
+            running = reconcile(engine, registry, model, job.rules.traffic, scope)
             if running is not None and (evaluation := evaluate_one(job, engine, registry, running)):
                 evaluations.append(evaluation)
         except Exception:
-            logger.exception("evaluating the experiment of %s failed; the next round tries again", model)
+            logger.exception(
+                "evaluating the experiment of %s for %s failed; the next round tries again", model, scope
+            )
     if half_applied or any(e.decision.outcome != "continue" for e in evaluations):
         push_to_workers(job.workers)
     return evaluations
@@ -74,7 +79,7 @@ def evaluate_one(
 ) -> Evaluation | None:
     """Decides on one experiment, records the decision and applies it; None when another process
     ended the experiment meanwhile."""
-    stats = arm_stats(engine, experiment.id)
+    stats = arm_stats(engine, experiment.id, job.rules.max_per_user)
     age_s = (utcnow() - experiment.started_at).total_seconds()
     rules = replace(job.rules, traffic=experiment.traffic)
     decision = decide(stats[CHAMPION], stats[CHALLENGER], rules, age_s)
@@ -102,8 +107,10 @@ def apply(
     `promote` makes the challenger the champion (an adapter merged into its base first); every
     other outcome removes the challenger alias, if it still points at this experiment's
     challenger."""
+    scope = scope_named(engine, experiment.tenant)
     if outcome == "promote":
-        promote(registry, experiment.model, experiment.challenger_version, job.cache_dir)
+        unshared = unshared_tenant_ids(engine) if not scope.tenant else ()
+        promote(registry, experiment.model, experiment.challenger_version, job.cache_dir, scope, unshared)
     else:
-        roll_back(registry, experiment.model, version=experiment.challenger_version)
+        roll_back(registry, experiment.model, experiment.challenger_version, scope)
     end(engine, experiment.id, ENDED_BY[outcome], reason, was=DECIDING)

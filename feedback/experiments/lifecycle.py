@@ -1,7 +1,8 @@
 """A/B experiments in the store: opening one when a model gets a challenger, the per-arm numbers
 an evaluation needs, recording what was decided, and the history the CLI shows.
 
-An experiment exists while a model has both a `champion` and a `challenger` alias. It opens when
+An experiment exists while a scope (the shared model, or a tenant's own versions: reflow/store/
+scopes.py) of a model has both a champion and a challenger alias. It opens when
 the fine-tune job registers a challenger or when the scheduler's next evaluation finds one set by
 hand; it ends when it decides, or when someone moves the aliases it tests.
 """
@@ -22,6 +23,7 @@ from sqlalchemy.orm import Session
 
 from feedback.experiments.decision import ArmStats, Decision
 from reflow.registry import CHALLENGER, CHAMPION, Registry
+from reflow.scopes import SHARED, Scope, champion_of
 from reflow.store.experiments import RUNNING, RunningExperiment, running_experiment
 from reflow.store.tables import RATES, Experiment, ExperimentDecision, FeedbackItem, Inference, aware, utcnow
 
@@ -32,19 +34,22 @@ DECIDING = "deciding"  # decided and claimed, its aliases being moved
 ENDED_BY = {"promote": "promoted", "rollback": "rolled_back", "invalid": "invalid", "expire": "expired"}
 
 
-def reconcile(engine: Engine, registry: Registry, model: str, traffic: float) -> RunningExperiment | None:
-    """Brings `model`'s experiment in line with its aliases and returns the running one.
+def reconcile(
+    engine: Engine, registry: Registry, model: str, traffic: float, scope: Scope = SHARED
+) -> RunningExperiment | None:
+    """Brings the experiment of `model` in `scope` in line with its aliases and returns the running
+    one.
 
-    A challenger without an experiment gets one (one running experiment per model, even when two
-    processes race: the store's unique index lets one insert win); an experiment whose champion or
-    challenger was moved by hand ends as `ended`.
+    A challenger without an experiment gets one (one running experiment per model and scope, even
+    when two processes race: the store's unique index lets one insert win); an experiment whose
+    champion or challenger was moved by hand ends as `ended`.
     """
-    champion = registry.resolve(model, alias=CHAMPION).version
+    champion = champion_of(registry, model, scope).version
     try:
-        challenger = registry.resolve(model, alias=CHALLENGER).version
+        challenger = registry.resolve(model, alias=scope.challenger).version
     except LookupError:
         challenger = None
-    current = running_experiment(engine, model)
+    current = running_experiment(engine, model, scope.tenant)
     if current is not None and (current.champion_version, current.challenger_version) != (
         champion,
         challenger,
@@ -55,24 +60,24 @@ def reconcile(engine: Engine, registry: Registry, model: str, traffic: float) ->
     if current is not None or challenger is None:
         return current
     if challenger == champion:  # a promotion by hand that left the challenger alias behind
-        registry.delete_alias(model, CHALLENGER)
+        registry.delete_alias(model, scope.challenger)
         return None
     try:
         with Session(engine) as session, session.begin():
             experiment = Experiment(
-                model=model, champion_version=champion, challenger_version=challenger,
+                model=model, tenant=scope.tenant, champion_version=champion, challenger_version=challenger,
                 traffic=traffic, status=RUNNING,
             )  # fmt: skip
             session.add(experiment)
             session.flush()
             opened = experiment.id
         logger.info(
-            "experiment %d opened: %s v%s (champion) vs v%s (challenger), %.0f%% to the challenger",
-            opened, model, champion, challenger, traffic * 100,
+            "experiment %d opened for %s: %s v%s (champion) vs v%s (challenger), %.0f%% to the challenger",
+            opened, scope, model, champion, challenger, traffic * 100,
         )  # fmt: skip
     except IntegrityError:
         pass  # another process opened it first
-    return running_experiment(engine, model)
+    return running_experiment(engine, model, scope.tenant)
 
 
 def end(engine: Engine, experiment_id: int, status: str, reason: str, *, was: str = RUNNING) -> bool:
@@ -89,38 +94,43 @@ def end(engine: Engine, experiment_id: int, status: str, reason: str, *, was: st
     return bool(changed)
 
 
-def arm_stats(engine: Engine, experiment_id: int) -> dict[str, ArmStats]:
+def arm_stats(engine: Engine, experiment_id: int, max_per_user: int) -> dict[str, ArmStats]:
     """What each arm of the experiment saw, from the inferences it assigned and their feedback.
 
     A completion counts as rated when it has a non-zero rating, and as positive when one of its
-    ratings is +1. Units are distinct users (or requests without one): the sample ratio check is
-    on what was randomized.
+    ratings is +1. Units are distinct users of a tenant (two tenants' users of the same id are
+    different people; a request without a user is a unit of its own): the sample ratio check is on
+    what was randomized, and the ratings are grouped by unit, each weighing at most `max_per_user`
+    responses (feedback.experiments.decision).
     """
     of_experiment = Inference.experiment_id == experiment_id
     unit = case((Inference.user_id != "", Inference.user_id), else_=Inference.request_id)
     errors = func.sum(case((Inference.finish_reason == "ERROR", 1), else_=0))
     best = (
-        select(Inference.arm, func.max(FeedbackItem.rating).label("best"))
+        select(
+            Inference.arm, Inference.tenant, unit.label("unit"), func.max(FeedbackItem.rating).label("best")
+        )
         .join(FeedbackItem, RATES)
         .where(of_experiment, FeedbackItem.rating != 0)
-        .group_by(Inference.request_id, Inference.arm)
+        .group_by(Inference.request_id, Inference.arm, Inference.tenant, Inference.user_id)
         .subquery()
     )
     with Session(engine) as session:
         traffic = session.execute(
-            select(Inference.arm, func.count(), errors, func.count(unit.distinct()))
+            select(
+                Inference.arm, func.count(), errors, func.count((Inference.tenant + " " + unit).distinct())
+            )
             .where(of_experiment)
             .group_by(Inference.arm)
         ).all()
-        ratings = session.execute(
+        per_unit = session.execute(
             select(
                 best.c.arm, func.count(), func.sum(case((best.c.best > 0, 1), else_=0)).cast(Integer)
-            ).group_by(best.c.arm)
+            ).group_by(best.c.arm, best.c.tenant, best.c.unit)
         ).all()
         stats: dict[str, ArmStats] = {}
         for arm in (CHAMPION, CHALLENGER):
             requests, failed, units = next(((n, e, u) for a, n, e, u in traffic if a == arm), (0, 0, 0))
-            rated, positive = next(((n, p) for a, n, p in ratings if a == arm), (0, 0))
             latencies = session.scalars(
                 select(Inference.total_ms)
                 .where(of_experiment, Inference.arm == arm, Inference.finish_reason != "ERROR")
@@ -128,9 +138,9 @@ def arm_stats(engine: Engine, experiment_id: int) -> dict[str, ArmStats]:
                 .limit(LATENCY_SAMPLE)
             ).all()
             stats[arm] = ArmStats(
-                rated=rated, positive=int(positive or 0), requests=requests, errors=int(failed or 0),
-                units=units, p95_latency_ms=percentile(latencies, 0.95),
-            )  # fmt: skip
+                rated=0, positive=0, requests=requests, errors=int(failed or 0), units=units,
+                p95_latency_ms=percentile(latencies, 0.95),
+            ).with_ratings([(n, p) for a, n, p in per_unit if a == arm], max_per_user)  # fmt: skip
     return stats
 
 

@@ -4,9 +4,10 @@ The time axis runs from the experiment's start to its last evaluation (or its en
 a margin on each side and never less than MIN_SPAN wide, so an experiment decided at its first
 evaluation still gets a bounded, readable axis: times of day in UTC, with the date where it changes.
 
-Top: each arm's positive-feedback rate at every evaluation, with its 95% Wilson interval as an error
-bar, and as a band once there are two evaluations or more; the arms are drawn slightly apart so
-their bars do not hide each other.
+Top: each arm's positive-feedback rate (weighted by user) at every evaluation, with its 95% Wilson
+interval as an error bar, and as a band once there are two evaluations or more; the arms are drawn
+slightly apart so their bars do not hide each other. The interval is taken over the arm's effective
+sample size, the binomial count its users' variance is worth, so busy users do not narrow it.
 Middle: the decision statistic, the mSPRT likelihood ratio each evaluation recorded (log scale),
 against the line 1/alpha where the test stops: crossing it promotes a better challenger and rolls a
 worse one back. An evaluation that did not run the test (too few ratings yet, or a guardrail or a
@@ -33,7 +34,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from feedback.experiments.decision import Rules, likelihood_ratio
+from feedback.experiments.decision import ArmStats, Rules, likelihood_ratio
 from feedback.experiments.lifecycle import Look
 from reflow.store.tables import Experiment, aware
 
@@ -51,7 +52,7 @@ DPI = 110
 RATES, STATISTIC, SAMPLES = "rates", "statistic", "samples"
 
 
-def wilson_interval(positive: int, n: int, z: float = Z_95) -> tuple[float, float]:
+def wilson_interval(positive: float, n: float, z: float = Z_95) -> tuple[float, float]:
     """The Wilson score interval of a proportion: sound at small n and near 0 or 1."""
     if n == 0:
         return 0.0, 1.0
@@ -59,6 +60,16 @@ def wilson_interval(positive: int, n: int, z: float = Z_95) -> tuple[float, floa
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def rate_interval(arm: ArmStats) -> tuple[float, float]:
+    """The Wilson interval of the arm's rate over its effective sample size: the n for which the
+    binomial variance rate (1 - rate) / n is the cluster-robust one, and never more than its rated
+    responses (users who agree make it no surer than that). Responses are the unit without
+    per-user numbers."""
+    variance = arm.variance(arm.rate) if arm.users else 0.0
+    n = min(arm.rate * (1 - arm.rate) / variance, arm.rated) if variance > 0 else arm.rated
+    return wilson_interval(arm.rate * n, n)
 
 
 def time_span(experiment: Experiment, looks: Sequence[Look]) -> tuple[datetime, datetime]:
@@ -123,7 +134,8 @@ def report_figure(experiment: Experiment, looks: Sequence[Look], *, alpha: float
     samples.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=UTC))
     fig.suptitle(
         f"experiment {experiment.id}: {experiment.model} v{experiment.challenger_version} (challenger) vs "
-        f"v{experiment.champion_version} (champion), {experiment.traffic:.0%} of traffic to the challenger"
+        f"v{experiment.champion_version} (champion), {experiment.traffic:.0%} of "
+        f"{f'tenant {experiment.tenant}' if experiment.tenant else 'shared'} traffic to the challenger"
         f" — {experiment.status}",
         fontsize=10,
     )
@@ -156,7 +168,7 @@ def _plot_arm(
         return
     stats = [getattr(look, arm) for look in looks]
     rate = [s.rate for s in stats]
-    intervals = [wilson_interval(s.positive, s.rated) for s in stats]
+    intervals = [rate_interval(s) for s in stats]
     low, high = [lo for lo, _ in intervals], [hi for _, hi in intervals]
     color = COLORS[arm]
     if len(looks) >= 2:
@@ -173,9 +185,7 @@ def _plot_arm(
 
 def _rate_limits(looks: Sequence[Look]) -> tuple[float, float]:
     """The rate axis: every interval, with room above them for the labels along the top."""
-    intervals = [
-        wilson_interval(s.positive, s.rated) for look in looks for s in (look.champion, look.challenger)
-    ]
+    intervals = [rate_interval(s) for look in looks for s in (look.champion, look.challenger)]
     low, high = min(lo for lo, _ in intervals), max(hi for _, hi in intervals)
     pad = max(high - low, 0.05)
     return max(0.0, low - 0.08 * pad), min(1.0, high + 0.18 * pad)

@@ -20,7 +20,8 @@ from sqlalchemy import Engine, Select, func, or_, select
 from sqlalchemy.orm import Session
 
 from feedback.tasks.task import Example
-from reflow.store.tables import RATES, FeedbackItem, Inference
+from reflow.scopes import SHARED, Scope
+from reflow.store.tables import RATES, TRAINS_OWN, TRAINS_SHARED, FeedbackItem, Inference, Tenant
 from workers.models.prompts import Prompt, conversation
 
 
@@ -80,30 +81,63 @@ class Dataset:
         return len(self.desirable) + len(self.undesirable)
 
 
-def _unused_labelled(model: str) -> Select[FeedbackItem, Inference]:
-    """Feedback on completions of `model` that says something (a rating, a correction or a
-    preference) and that no fine-tune run has used yet."""
-    joined = select(FeedbackItem, Inference).join(Inference, RATES)
-    return joined.where(
-        FeedbackItem.finetune_run_id.is_(None),
-        Inference.model == model,
-        Inference.finish_reason != "ERROR",  # a failed request has no completion to learn from
-        or_(FeedbackItem.rating != 0, FeedbackItem.correction != "", FeedbackItem.preferred_over != ""),
+def _unused_labelled(model: str, scope: Scope, max_per_user: int) -> Select[tuple[int]]:
+    """The ids of feedback on completions of `model` served in `scope` that says something (a
+    rating, a correction or a preference) and that no fine-tune run has used yet: of the shared
+    model, what tenants in it said; of a tenant's own, what that tenant said, while it trains its
+    own. Each user's oldest `max_per_user` items only (the rater, else the user served, else the
+    completion: one busy user cannot outweigh the others); the rest waits for later runs."""
+    user = func.coalesce(
+        func.nullif(FeedbackItem.user_id, ""), func.nullif(Inference.user_id, ""), FeedbackItem.request_id
     )
+    rank = func.row_number().over(partition_by=(FeedbackItem.tenant, user), order_by=FeedbackItem.id)
+    # a tenant the store does not know (rows written by hand) counts as in the shared model, as
+    # every tenant was before tenants chose; the gateway and `reflow feedback ingest` serve and
+    # take only known tenants, and tenants are revoked, never deleted
+    trains = func.coalesce(Tenant.trains, TRAINS_SHARED)
+    whose = (
+        (trains == TRAINS_OWN, Inference.tenant == scope.tenant)
+        if scope.tenant
+        else (trains == TRAINS_SHARED,)
+    )
+    ranked = (
+        select(FeedbackItem.id, rank.label("rank"))
+        .join(Inference, RATES)
+        .outerjoin(Tenant, Tenant.name == Inference.tenant)
+        .where(
+            FeedbackItem.finetune_run_id.is_(None),
+            Inference.model == model,
+            Inference.finish_reason != "ERROR",  # a failed request has no completion to learn from
+            or_(FeedbackItem.rating != 0, FeedbackItem.correction != "", FeedbackItem.preferred_over != ""),
+            *whose,
+        )
+        .subquery()
+    )
+    return select(ranked.c.id).where(ranked.c.rank <= max_per_user)
 
 
-def count_new(engine: Engine, model: str) -> int:
-    """Labelled feedback items on `model`, joined with their completions, that no run has used."""
+def count_new(engine: Engine, model: str, scope: Scope = SHARED, max_per_user: int = 2**31 - 1) -> int:
+    """Labelled feedback items on `model` in `scope`, joined with their completions, that no run
+    has used (at most `max_per_user` of each user)."""
     with Session(engine) as session:
-        return session.scalar(select(func.count()).select_from(_unused_labelled(model).subquery())) or 0
+        unused = _unused_labelled(model, scope, max_per_user).subquery()
+        return session.scalar(select(func.count()).select_from(unused)) or 0
 
 
-def load_new(engine: Engine, model: str, limit: int) -> list[RatedCompletion]:
+def load_new(
+    engine: Engine, model: str, limit: int, scope: Scope = SHARED, max_per_user: int = 2**31 - 1
+) -> list[RatedCompletion]:
     """The oldest `limit` of them (the rest waits for the next run), each preference with the
     completion it was preferred over (left out when that one is not stored or answered another
     conversation: the pair says nothing then)."""
     with Session(engine) as session:
-        rows = session.execute(_unused_labelled(model).order_by(FeedbackItem.id).limit(limit)).all()
+        ids = _unused_labelled(model, scope, max_per_user).order_by("id").limit(limit).subquery()
+        rows = session.execute(
+            select(FeedbackItem, Inference)
+            .join(Inference, RATES)
+            .where(FeedbackItem.id.in_(select(ids.c.id)))
+            .order_by(FeedbackItem.id)
+        ).all()
         others = {fb.preferred_over for fb, _ in rows if fb.preferred_over}
         losers = {
             (other.request_id, other.tenant): other

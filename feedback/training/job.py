@@ -18,9 +18,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 from sqlalchemy import Engine, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
+from torch import nn
 
 from feedback.experiments.lifecycle import reconcile
 from feedback.experiments.promotion import push_to_workers
@@ -31,13 +33,15 @@ from feedback.training.dataset import RatedCompletion, build_dataset, count_new,
 from feedback.training.evaluation import task_score_tags
 from feedback.training.general_prompts import DEFAULT_GENERAL_PROMPTS, GeneralPrompts
 from feedback.training.trainer import FinetuneConfig, train_candidate
-from reflow.registry import BASE_VERSION_TAG, CHALLENGER, Registry, VersionRef
+from reflow.registry import BASE_VERSION_TAG, TENANT_TAG, Registry, VersionRef
+from reflow.scopes import SHARED, Scope, champion_of
 from reflow.store.experiments import running_experiment
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
 from reflow.worker_calls import WorkerTargets
 from workers.models.builtin import Transformer
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.loader import load_checkpoint, resolve_device, save_checkpoint
+from workers.models.lora import AdaptedModel, Adapter
 
 logger = logging.getLogger(__name__)
 STALE_AFTER = timedelta(minutes=30)  # a `running` row older than this belongs to a killed job
@@ -71,6 +75,7 @@ class FinetuneJob:
     task: str  # REFLOW_TASK: a demo task whose oracle is measured too; "" = none (production)
     min_samples: int  # new labelled items a scheduled run waits for
     max_samples: int  # most items one run takes
+    max_per_user: int  # most items of one user one run takes
     holdout_fraction: float
     limits: gate.Limits
     recipe: FinetuneConfig  # a full fine-tune's; its seed is set per run
@@ -90,34 +95,43 @@ def run_finetune(
     registry: Registry,
     *,
     model: str | None = None,
+    scope: Scope = SHARED,
     min_samples: int | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Outcome:
-    """Fine-tunes `model`'s champion (the job's by default) on the oldest labelled feedback no run
-    has used yet (at most `job.max_samples` items; the rest waits for the next run)."""
+    """Fine-tunes the champion of `model` (the job's by default) in `scope` (the shared model, or a
+    tenant's own versions) on the oldest labelled feedback of that scope no run has used yet (at
+    most `job.max_samples` items, `job.max_per_user` of each user; the rest waits for the next
+    run)."""
     name = model or job.model
     needed = job.min_samples if min_samples is None else min_samples
-    if (experiment := running_experiment(engine, name)) is not None:
+    if (experiment := running_experiment(engine, name, scope.tenant)) is not None:
         return Outcome(
             "skipped",
-            f"experiment {experiment.id} is still testing v{experiment.challenger_version} of {name}",
+            f"experiment {experiment.id} is still testing v{experiment.challenger_version} of {name} "
+            f"for {scope}",
         )
-    new = count_new(engine, name)
+    new = count_new(engine, name, scope, job.max_per_user)
     if new < max(needed, 1):
-        return Outcome("skipped", f"{new} new labelled feedback item(s) on {name}; waiting for {needed}")
-    parent = registry.resolve(name, alias=job.champion_alias)
-    if registry.tags(parent).get(BASE_VERSION_TAG):  # promotion merges adapters: only by hand
         return Outcome(
-            "skipped",
-            f"{name} v{parent.version}, the champion, is an adapter (set by hand?); promote a full version ("
-            "`reflow models promote` merges an adapter into one) before training over it",
+            "skipped", f"{new} new labelled feedback item(s) on {name} for {scope}; waiting for {needed}"
         )
-    items = load_new(engine, name, job.max_samples)
-    run_id = claim_run(engine, name, parent.version, [item.id for item in items])
+    if scope.tenant:
+        parent = champion_of(registry, name, scope)
+    else:
+        parent = registry.resolve(name, alias=job.champion_alias)
+        if registry.tags(parent).get(BASE_VERSION_TAG):  # promotion merges adapters: only by hand
+            return Outcome(
+                "skipped",
+                f"{name} v{parent.version}, the champion, is an adapter (set by hand?); promote a full "
+                "version (`reflow models promote` merges an adapter into one) before training over it",
+            )
+    items = load_new(engine, name, job.max_samples, scope, job.max_per_user)
+    run_id = claim_run(engine, name, parent.version, [item.id for item in items], scope.tenant)
     if run_id is None:
         return Outcome("skipped", "another fine-tune run of this model is in progress")
     try:
-        return _train_and_judge(job, engine, registry, run_id, parent, items, progress)
+        return _train_and_judge(job, engine, registry, run_id, parent, items, scope, progress)
     except Exception as error:
         if isinstance(error, Cancelled):
             logger.info("fine-tune run %d cancelled: %s", run_id, error)
@@ -135,13 +149,14 @@ def _train_and_judge(
     run_id: int,
     parent_ref: VersionRef,
     items: list[RatedCompletion],
+    scope: Scope,
     progress: Callable[[int, int, float], None] | None,
 ) -> Outcome:
     started = time.perf_counter()
     first_id, last_id = items[0].id, items[-1].id
     device = resolve_device(job.device)
     name, parent = parent_ref.name, parent_ref.version
-    champion, tokenizer = load_checkpoint(registry.download(parent_ref, job.cache_dir), device)
+    champion, tokenizer, base = load_version(registry, parent_ref, job.cache_dir, device)
     task = task_of(job, champion)
     dataset = build_dataset(items, job.holdout_fraction, task.thought if task else _no_thought)
     config = replace(recipe_for(job, champion), seed=run_id)
@@ -172,7 +187,8 @@ def _train_and_judge(
         "train_seconds": train_s,
         "trained_parameters": float(sum(p.numel() for p in candidate.parameters())),
     }  # fmt: skip
-    lora = config.lora
+    # the adapter trained (a tenant's own champion's, trained further, keeps its own shape)
+    lora = candidate.adapter.config if isinstance(candidate, AdaptedModel) else None
     params = {
         **{k: v for k, v in asdict(config).items() if k != "lora"}, "parent_version": parent,
         "method": "lora" if lora else "full", "feedback_first_id": first_id, "feedback_last_id": last_id,
@@ -180,13 +196,15 @@ def _train_and_judge(
         "holdout_fraction": job.holdout_fraction, "regression_tolerance": job.limits.accuracy_drop,
         "max_regression_kl": job.limits.kl, "max_regression_nll_increase": job.limits.nll_increase,
         "reward_margin": job.limits.reward_margin, "min_held_out": job.limits.min_held_out,
-        "task": task.name if task else "none", "device": str(device),
+        "task": task.name if task else "none", "device": str(device), "tenant": scope.tenant or "(shared)",
+        "max_per_user": job.max_per_user,
     }  # fmt: skip
     if lora:
         params |= {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": ",".join(lora.targets)}
     fields = ("loss", "sft", "kto", "dpo", "kl", "kto_reference_point")
     curves = {f"train_{field}": [getattr(s, field) for s in history] for field in fields}
     tags = {"reflow.source": "finetune", "reflow.parent_version": parent, "reflow.verdict": verdict.reason}
+    tags |= {TENANT_TAG: scope.tenant} if scope.tenant else {}
     with tempfile.TemporaryDirectory() as tmp:
         mlflow_run, source = registry.log_run(
             f"{name}-finetune-{run_id}", params=params, metrics=metrics,
@@ -200,12 +218,14 @@ def _train_and_judge(
             "reflow.run_id": mlflow_run,
             "reflow.finetune_run": str(run_id),
         }
-        if lora:  # served over the parent's weights (an adapter's workers build no variants of it)
-            version_tags[BASE_VERSION_TAG] = parent
+        if scope.tenant:  # served to this tenant alone
+            version_tags[TENANT_TAG] = scope.tenant
+        if lora:  # served over the weights it was trained on (an adapter's workers build no variants)
+            version_tags[BASE_VERSION_TAG] = base
         elif job.variants and task is not None:
             version_tags |= task_score_tags(candidate, tokenizer, task, job.variants)
         version = registry.register_version(
-            name, mlflow_run, source, alias=CHALLENGER, tags=version_tags
+            name, mlflow_run, source, alias=scope.challenger, tags=version_tags
         ).version
     status = "registered" if verdict.register else "rejected"
     _finish(
@@ -215,7 +235,7 @@ def _train_and_judge(
     logger.info("fine-tune run %d %s: %s", run_id, status, verdict.reason)
     if verdict.register:  # the experiment opens now, and the workers load the challenger now
         try:
-            reconcile(engine, registry, name, job.traffic)
+            reconcile(engine, registry, name, job.traffic, scope)
             push_to_workers(job.workers)
         except Exception:  # the run stands; the evaluate job opens the experiment, workers poll
             logger.exception("fine-tune run %d: opening the experiment failed; the evaluate job will", run_id)
@@ -231,9 +251,28 @@ def task_of(job: FinetuneJob, champion: CausalLM) -> Task | None:
     return get_task(BUILTIN_MODEL_TASK) if isinstance(champion, Transformer) else None
 
 
+def load_version(
+    registry: Registry, ref: VersionRef, cache_dir: Path, device: torch.device
+) -> tuple[CausalLM, Tokenizer, str]:
+    """The version `ref` as a model, its tokenizer, and the version whose weights it runs on: its
+    own, or for an adapter (a tenant's own champion) its base's, seen through the adapter."""
+    base = registry.tags(ref).get(BASE_VERSION_TAG, "")
+    if not base:
+        model, tokenizer = load_checkpoint(registry.download(ref, cache_dir), device)
+        return model, tokenizer, ref.version
+    weights, tokenizer = load_checkpoint(
+        registry.download(registry.resolve(ref.name, version=base), cache_dir), device
+    )
+    adapter = Adapter.load(registry.download(ref, cache_dir), device, weights.dtype)
+    return AdaptedModel(cast(nn.Module, weights), adapter), tokenizer, base
+
+
 def recipe_for(job: FinetuneJob, champion: CausalLM) -> FinetuneConfig:
     """The recipe REFLOW_FINETUNE_METHOD picks for this champion; ValueError for LoRA on the
-    built-in model, whose layers take no adapters."""
+    built-in model, whose layers take no adapters. A champion that is an adapter is trained on as
+    one, whatever the method."""
+    if isinstance(champion, AdaptedModel):
+        return job.lora_recipe
     builtin = isinstance(champion, Transformer)
     method = job.method if job.method != "auto" else ("full" if builtin else "lora")
     if method == "lora" and builtin:
@@ -274,7 +313,9 @@ def _logging_progress(
     return report
 
 
-def claim_run(engine: Engine, model: str, parent: str, feedback_ids: list[int]) -> int | None:
+def claim_run(
+    engine: Engine, model: str, parent: str, feedback_ids: list[int], tenant: str = ""
+) -> int | None:
     """Records a running run of `model` and marks `feedback_ids` as its items; returns the run's
     id, or None when another fresh run of `model` is running or took some of these items first.
 
@@ -293,7 +334,8 @@ def claim_run(engine: Engine, model: str, parent: str, feedback_ids: list[int]) 
         for run_id in stale:
             _mark_failed(session, run_id, f"abandoned: still running after {STALE_AFTER}")
         run = FinetuneRun(
-            model=model, parent_version=parent, status="running", first_feedback_id=min(feedback_ids),
+            model=model, tenant=tenant, parent_version=parent, status="running",
+            first_feedback_id=min(feedback_ids),
             last_feedback_id=max(feedback_ids), samples=len(feedback_ids), dataset_hash="",
         )  # fmt: skip
         session.add(run)

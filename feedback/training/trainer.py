@@ -92,7 +92,8 @@ def train_candidate(
 ) -> tuple[CausalLM, list[StepLog]]:
     """The candidate and the per-step log; deterministic for a seed on CPU. The candidate is a
     fine-tuned copy of `champion`, or with `config.lora` an `AdaptedModel`: the champion seen
-    through the trained adapter.
+    through the trained adapter; a champion that is itself an adapter over some weights has a copy
+    of its adapter trained further, over the same weights.
 
     `replay(rng)` draws one problem of the base distribution; `progress(step, total, loss)` is
     called after every step.
@@ -100,7 +101,9 @@ def train_candidate(
     device = champion.device
     reference = champion.eval()
     policy: CausalLM
-    if config.lora is not None:  # the adapter's tensors are the only parameters
+    if isinstance(champion, AdaptedModel):  # a tenant's own adapter: trained on from where it is
+        policy = AdaptedModel(champion.base, champion.adapter.trainable_copy()).train()
+    elif config.lora is not None:  # the adapter's tensors are the only parameters
         base = cast(nn.Module, champion)  # every CausalLM reflow has is a torch module
         policy = AdaptedModel(base, Adapter.new(base, config.lora, config.seed)).train()
     else:

@@ -42,6 +42,7 @@ from gateway.http.translation import ChatShape, Served, Shape, TextShape
 from gateway.metrics import GatewayMetrics
 from gateway.routing import ServedVersion
 from gateway.service import InferenceService
+from gateway.tenants import TenantInfo
 from reflow.errors import NotFound, ReflowError
 from reflow.v1 import inference_pb2
 
@@ -152,20 +153,21 @@ def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["models"])
     async def list_models(request: Request) -> dict[str, Any]:
         """Every model id the workers serve now: `NAME`, `NAME/VERSION` and `NAME@ALIAS`."""
-        await service.authenticate(request.headers.get("authorization"))
-        return {"object": "list", "data": _model_cards(service)}
+        tenant = await service.authenticate(request.headers.get("authorization"))
+        return {"object": "list", "data": _model_cards(service, tenant)}
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS, tags=["models"])
     async def retrieve_model(request: Request, model: str) -> dict[str, Any]:
         """One served model id."""
-        await service.authenticate(request.headers.get("authorization"))
-        for card in _model_cards(service):
+        tenant = await service.authenticate(request.headers.get("authorization"))
+        for card in _model_cards(service, tenant):
             if card["id"] == model:
                 return card
         raise NotFound(f"no worker serves model {model!r}; GET /v1/models lists what is served")
 
     @app.post(
-        "/v1/feedback", response_model=FeedbackAck, responses=_ERRORS, tags=["feedback"],
+        "/v1/feedback", response_model=FeedbackAck, tags=["feedback"],
+        responses=_ERRORS | {413: {"model": ErrorResponse, "description": "Too many items for one request"}},
         openapi_extra={"requestBody": {"required": True, "content": {
             "application/json": {"schema": {"oneOf": [
                 {"$ref": "#/components/schemas/FeedbackItem"},
@@ -177,7 +179,8 @@ def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
     async def submit_feedback(request: Request) -> dict[str, Any]:
         """Ratings of and corrections to completions: one item, a JSON array of them, or NDJSON
         (read as it arrives). Items with the same `feedback_id` are stored once; each rejected
-        item is listed with why. When every item is rejected, the status is the first one's."""
+        item is listed with why. When every item is rejected, the status is the first one's. Past
+        REFLOW_MAX_FEEDBACK_ITEMS items, 413 once the items before the bound were taken."""
         tenant = await service.authenticate(request.headers.get("authorization"))
         result = await service.submit_feedback(tenant, feedback_items(request))
         return {
@@ -282,10 +285,10 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
     return None
 
 
-def _model_cards(service: InferenceService) -> list[dict[str, Any]]:
-    """Model cards for each served model, its versions and its aliases."""
+def _model_cards(service: InferenceService, tenant: TenantInfo) -> list[dict[str, Any]]:
+    """Model cards for each model served to `tenant`, its versions and its aliases."""
     cards: list[dict[str, Any]] = []
-    for name, versions in service.served_models():
+    for name, versions in service.served_models(tenant):
         aliases = sorted({alias for v in versions for alias in v.aliases})
         ready = max(v.ready_workers for v in versions)
         cards.append(_card(name, None, aliases, ready))

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from reflow.errors import DeadlineExceeded, InvalidArgument, ReflowError, ResourceExhausted
+from reflow.errors import DeadlineExceeded, InvalidArgument, ReflowError, RequestTooLarge, ResourceExhausted
 
 logger = logging.getLogger(__name__)
 CLIENT_GONE = 499  # nginx's status for a request whose client went away; nobody reads it
@@ -46,7 +46,7 @@ def reflow_error_body(error: ReflowError) -> dict[str, object]:
 def error_response(error: ReflowError, headers: dict[str, str] | None = None) -> JSONResponse:
     """The response of a request that failed with `error` (before anything was streamed)."""
     headers = dict(headers or {})
-    if isinstance(error, ResourceExhausted):
+    if isinstance(error, ResourceExhausted) and not isinstance(error, RequestTooLarge):  # no use waiting
         headers["retry-after"] = str(max(1, math.ceil(error.retry_after_ms / 1000)))
     if isinstance(error, DeadlineExceeded):  # the SDKs retry 5xx; this one would run out again
         headers["x-should-retry"] = "false"

@@ -25,11 +25,18 @@ def _arm_summary(look: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _rated(arm: Any) -> str:
+    """An arm's positive and rated responses, and by how many users when known."""
+    return f"{arm.positive}/{arm.rated}" + (f" ({arm.users} users)" if arm.users else "")
+
+
 def _experiment_summary(experiment: Any) -> dict[str, Any]:
     from reflow.store.tables import aware
 
     return {
-        "id": experiment.id, "model": experiment.model, "champion_version": experiment.champion_version,
+        "id": experiment.id, "model": experiment.model,
+        "tenant": experiment.tenant or None,  # whose own versions it tests; None: the shared model's
+        "champion_version": experiment.champion_version,
         "challenger_version": experiment.challenger_version, "traffic": experiment.traffic,
         "status": experiment.status, "reason": experiment.reason,
         "started_at": aware(experiment.started_at).isoformat(),
@@ -42,7 +49,8 @@ def experiments_list(
     name: Annotated[str | None, typer.Argument(help="Only this model's experiments.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON array.")] = False,
 ) -> None:
-    """Experiments, newest first: versions, split, status and the latest numbers per arm."""
+    """Experiments, newest first: the tenant whose versions each tests (or the shared model's),
+    versions, split, status and the latest numbers per arm."""
     from feedback.experiments.lifecycle import experiments
 
     found = experiments(current_engine(load_settings()), name)
@@ -55,9 +63,9 @@ def experiments_list(
     for e, look in found:
         numbers = "-"
         if look is not None:
-            numbers = (f"champion {look.champion.positive}/{look.champion.rated}, "
-                       f"challenger {look.challenger.positive}/{look.challenger.rated} positive")  # fmt: skip
-        print(f"{e.id}\t{e.model}\tv{e.champion_version} vs v{e.challenger_version}\t"
+            numbers = f"champion {_rated(look.champion)}, challenger {_rated(look.challenger)} positive"
+        print(f"{e.id}\t{e.model}\t{e.tenant or '(shared)'}\t"
+              f"v{e.champion_version} vs v{e.challenger_version}\t"
               f"{e.traffic:.0%}\t{e.status}\t{e.started_at:%Y-%m-%d %H:%M:%S}\t{numbers}")  # fmt: skip
 
 
@@ -91,8 +99,7 @@ def experiments_show(experiment_id: int) -> None:
     for look in shown:
         table.add_row(
             f"{look.at:%Y-%m-%d %H:%M:%S}", look.outcome,
-            f"{look.champion.positive}/{look.champion.rated}",
-            f"{look.challenger.positive}/{look.challenger.rated}",
+            _rated(look.champion), _rated(look.challenger),
             f"{look.likelihood_ratio:.3g}", f"{look.srm_p:.2g}", look.reason,
         )  # fmt: skip
     console.print(table)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from reflow.cli.common import current_engine, err_console, load_settings, open_registry
+from reflow.cli.common import current_engine, err_console, fail, load_settings, open_registry
 
 app = typer.Typer(help="Fine-tune the champion on new feedback, and see how runs went.", no_args_is_help=True)
 GATE_NUMBERS = ("reward_auc", "reward_auc_lower", "wanted_logp_gain", "unwanted_logp_gain", "regression_kl")
@@ -16,8 +16,15 @@ TASK_ACCURACIES = ("held_out_accuracy", "regression_accuracy", "wide_range_accur
 @app.command("run")
 def finetune_run(
     model: Annotated[str | None, typer.Option(help="Registered model [default: REFLOW_MODEL_NAME].")] = None,
+    tenant: Annotated[
+        str,
+        typer.Option(
+            help="Train this tenant's own versions, on its feedback alone [default: the shared model]."
+        ),
+    ] = "",
 ) -> None:
-    """Fine-tune now, in the foreground, on the labelled feedback that arrived since the last run."""
+    """Fine-tune now, in the foreground, on the labelled feedback that arrived since the last run:
+    the shared model's (its tenants' feedback), or with --tenant a tenant's own."""
     from workers.threads import wait_passively
 
     wait_passively()  # before torch loads: it trains beside the workers
@@ -25,10 +32,15 @@ def finetune_run(
 
     from feedback.scheduler import finetune_job_of
     from feedback.training.job import run_finetune
+    from reflow.scopes import scope_of
 
     settings = load_settings()
     engine = current_engine(settings)
     registry = open_registry(settings)
+    try:
+        scope = scope_of(engine, tenant)
+    except LookupError as error:
+        fail(f"{error}")
     columns = (
         TextColumn("[bold]fine-tuning"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -36,12 +48,12 @@ def finetune_run(
     with Progress(*columns, console=err_console) as progress:
         task = progress.add_task("finetune", total=settings.finetune_steps, loss=float("nan"))
         outcome = run_finetune(
-            finetune_job_of(settings), engine, registry, model=model, min_samples=1,
+            finetune_job_of(settings), engine, registry, model=model, scope=scope, min_samples=1,
             progress=lambda step, _total, loss: progress.update(task, completed=step, loss=loss),
         )  # fmt: skip
     err_console.print(f"{outcome.status}: {outcome.message}", highlight=False, soft_wrap=True)
     if outcome.version:
-        print(f"registered version {outcome.version} as @challenger")
+        print(f"registered version {outcome.version} as @{scope.challenger}")
     metrics = outcome.metrics or {}
     for key in GATE_NUMBERS:  # the gate's, then a demo task's accuracies where it has one
         if f"candidate_{key}" in metrics:
@@ -73,7 +85,8 @@ def finetune_runs(
     for run in runs:
         took = (aware(run.finished_at) - aware(run.started_at)).total_seconds() if run.finished_at else None
         row = {
-            "id": run.id, "model": run.model, "parent_version": run.parent_version, "status": run.status,
+            "id": run.id, "model": run.model, "tenant": run.tenant or None,
+            "parent_version": run.parent_version, "status": run.status,
             "samples": run.samples, "started_at": aware(run.started_at).isoformat(), "seconds": took,
             "version": run.version, "message": run.message,
         }  # fmt: skip
@@ -81,5 +94,6 @@ def finetune_runs(
             print(json.dumps(row))
         else:
             duration = f"{took:.0f}s" if took is not None else "running"
-            print(f"{run.id}\t{run.model}\tfrom v{run.parent_version}\t{run.status}\t{run.samples} items\t"
+            print(f"{run.id}\t{run.model}\t{run.tenant or '(shared)'}\tfrom v{run.parent_version}\t"
+                  f"{run.status}\t{run.samples} items\t"
                   f"{duration}\t{('v' + run.version) if run.version else '-'}\t{run.message}")  # fmt: skip

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from reflow.cli.common import err_console, fail, load_settings, open_registry
+from reflow.cli.common import current_engine, err_console, fail, load_settings, open_registry
 from reflow.settings import Settings
 
 app = typer.Typer(help="Registered model versions and their aliases.", no_args_is_help=True)
@@ -123,19 +123,28 @@ def _follow_aliases(settings: Settings, registry: Any, name: str) -> None:
 
 
 @app.command("promote")
-def models_promote(name: str, version: str) -> None:
+def models_promote(
+    name: str,
+    version: str,
+    tenant: Annotated[str, typer.Option(help="Make it this tenant's own champion instead.")] = "",
+) -> None:
     """Make VERSION the champion (no longer the challenger; a LoRA adapter is merged into its base
-    as a new version first); the workers follow at once."""
+    as a new version first), or with --tenant that tenant's own champion; the workers follow at
+    once. Tenants that did not opt into the shared model stay on the version they were served."""
     from feedback.experiments.promotion import promote
+    from reflow.scopes import scope_named, unshared_tenant_ids
 
     settings = load_settings()
     registry = open_registry(settings)
+    engine = current_engine(settings)
     try:
-        champion = promote(registry, name, version, settings.model_cache_dir)
+        scope = scope_named(engine, tenant)
+        unshared = unshared_tenant_ids(engine) if not tenant else []
+        champion = promote(registry, name, version, settings.model_cache_dir, scope, unshared)
     except LookupError as error:
         fail(f"{error}")
     merged = f" (adapter v{version} merged into it)" if champion != version else ""
-    print(f"{name}@champion -> version {champion}{merged}")
+    print(f"{name}@{scope.champion} -> version {champion}{merged}")
     _follow_aliases(settings, registry, name)
 
 

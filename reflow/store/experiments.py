@@ -20,6 +20,7 @@ class RunningExperiment:
 
     id: int
     model: str
+    tenant: str  # whose own versions it tests, on its traffic alone; "" = the shared model's
     champion_version: str
     challenger_version: str
     traffic: float
@@ -29,22 +30,24 @@ class RunningExperiment:
     def of(cls, row: Experiment) -> RunningExperiment:
         """The snapshot of an `experiments` row."""
         return cls(
-            row.id, row.model, row.champion_version, row.challenger_version, row.traffic,
+            row.id, row.model, row.tenant, row.champion_version, row.challenger_version, row.traffic,
             aware(row.started_at),
         )  # fmt: skip
 
 
 def running_experiments(engine: Engine) -> list[RunningExperiment]:
-    """Every running experiment, one per model at most."""
+    """Every running experiment, one per model and tenant at most."""
     with Session(engine) as session:
         rows = session.scalars(select(Experiment).where(Experiment.status == RUNNING)).all()
         return [RunningExperiment.of(e) for e in rows]
 
 
-def running_experiment(engine: Engine, model: str) -> RunningExperiment | None:
-    """The running experiment of `model`, if any."""
+def running_experiment(engine: Engine, model: str, tenant: str = "") -> RunningExperiment | None:
+    """The running experiment of `model` for `tenant` ("" = the shared model's), if any."""
     with Session(engine) as session:
         found = session.scalar(
-            select(Experiment).where(Experiment.status == RUNNING, Experiment.model == model)
+            select(Experiment).where(
+                Experiment.status == RUNNING, Experiment.model == model, Experiment.tenant == tenant
+            )
         )
         return None if found is None else RunningExperiment.of(found)

@@ -36,8 +36,14 @@ class Base(DeclarativeBase):
     """Declarative base of every table; its metadata is what migrations target."""
 
 
+# What a tenant's feedback trains (`tenants.trains`): nothing; the shared model, with every other
+# tenant that opted into it; or its own versions, which only its own traffic is served and tests.
+TRAINS_NOTHING, TRAINS_SHARED, TRAINS_OWN = "nothing", "shared", "own"
+TRAINS = (TRAINS_NOTHING, TRAINS_SHARED, TRAINS_OWN)
+
+
 class Tenant(Base):
-    """A customer of the gateway: one API key (stored hashed) and its quotas."""
+    """A customer of the gateway: one API key (stored hashed), its quotas, and what its feedback trains."""
 
     __tablename__ = "tenants"
 
@@ -49,6 +55,7 @@ class Tenant(Base):
     max_concurrent_streams: Mapped[int] = mapped_column(Integer, default=32)
     requests_per_minute: Mapped[int] = mapped_column(Integer, default=600)
     tokens_per_minute: Mapped[int] = mapped_column(Integer, default=0)  # prompt + completion tokens
+    trains: Mapped[str] = mapped_column(String(8), default=TRAINS_SHARED, server_default=TRAINS_SHARED)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
 
@@ -124,6 +131,8 @@ class FinetuneRun(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     model: Mapped[str] = mapped_column(String(128))
+    # the tenant whose own versions it trained, on its feedback alone; "" = the shared model
+    tenant: Mapped[str] = mapped_column(String(128), default="", server_default="")
     parent_version: Mapped[str] = mapped_column(String(32))  # the champion it started from
     status: Mapped[str] = mapped_column(String(16), index=True)  # running, registered, rejected, failed
     first_feedback_id: Mapped[int] = mapped_column(Integer)  # feedback.id range it considered
@@ -142,15 +151,17 @@ class Experiment(Base):
     """An A/B test of a model's challenger against its champion on live traffic."""
 
     __tablename__ = "experiments"
-    __table_args__ = (  # one running experiment per model, even with two schedulers racing
+    __table_args__ = (  # one running experiment per model and scope, even with two schedulers racing
         Index(
-            "ix_experiments_one_running", "model", unique=True,
+            "ix_experiments_one_running", "model", "tenant", unique=True,
             sqlite_where=text("status = 'running'"), postgresql_where=text("status = 'running'"),
         ),
     )  # fmt: skip
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     model: Mapped[str] = mapped_column(String(128))
+    # the tenant whose own versions it tests, on its traffic alone; "" = the shared model's
+    tenant: Mapped[str] = mapped_column(String(128), default="", server_default="")
     champion_version: Mapped[str] = mapped_column(String(32))
     challenger_version: Mapped[str] = mapped_column(String(32))
     traffic: Mapped[float] = mapped_column(Float)  # share of assignment units sent to the challenger

@@ -85,7 +85,7 @@ async def test_metrics_endpoints_expose_plausible_series(stack: Stack) -> None:
         worker_server.shutdown()
     assert g['reflow_gateway_requests_total{code="OK",method="Generate"}'] == 3
     assert g['reflow_gateway_requests_total{code="INVALID_ARGUMENT",method="Generate"}'] == 1
-    assert g['reflow_gateway_generations_total{arm="champion",model="arith"}'] == 3
+    assert g['reflow_gateway_generations_total{arm="champion",model="arith",tenant="acme"}'] == 3
     assert g["reflow_gateway_relayed_tokens_total"] == tokens
     assert g["reflow_gateway_time_to_first_token_seconds_count"] == 3
     assert g["reflow_gateway_inter_token_seconds_count"] == tokens - 3

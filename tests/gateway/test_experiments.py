@@ -10,10 +10,11 @@ from sqlalchemy.orm import Session
 
 from feedback.experiments.lifecycle import reconcile
 from feedback.experiments.promotion import push_to_workers
-from gateway.assignment import assigned_arm
+from gateway.assignment import ASSIGNMENT_KEY, assigned_arm
 from reflow.registry import CHALLENGER, CHAMPION, Registry
 from reflow.settings import Settings
 from reflow.store.database import open_engine
+from reflow.store.secrets import shared_secret
 from reflow.store.tables import Inference
 from reflow.v1 import inference_pb2
 from reflow.worker_calls import WorkerTargets
@@ -67,7 +68,8 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
         users = [f"user-{i}" for i in range(24)]
         first = [await ask(stack, u) for u in users]
         again = [await ask(stack, u) for u in users]
-        expected = [assigned_arm(experiment.id, u, 0.5) for u in users]
+        key = shared_secret(store, ASSIGNMENT_KEY)  # every replica draws arms with the store's key
+        expected = [assigned_arm(key, experiment.id, "acme", u, 0.5) for u in users]
         assert [m.arm for m in first] == [m.arm for m in again] == expected
         assert {CHAMPION, CHALLENGER} <= set(expected)
         assert all(m.model_version == ("2" if m.arm == CHALLENGER else "1") for m in first)

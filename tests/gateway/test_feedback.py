@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -23,11 +24,12 @@ from gateway.publishing import InferenceLog
 from gateway.relay import Generation
 from gateway.routing import ModelSpec
 from gateway.tenants import TenantInfo, create_tenant
+from reflow.settings import Settings
 from reflow.store.database import open_engine
 from reflow.store.tables import Inference
 from reflow.v1 import inference_pb2
 from tests.support.kafka import Broker, consuming
-from tests.support.stack import Stack, generate, request
+from tests.support.stack import Stack, generate, request, start_stack, stop_stack
 from tests.support.store import count
 from tests.support.waiting import wait_for
 
@@ -86,7 +88,7 @@ async def test_accepts_valid_items_and_says_why_each_other_one_was_rejected(
     by_rating = {r["rating"]: r for r in stored}
     assert by_rating[1]["feedback_id"] == "fb-1" and by_rating[1]["labels"] == {"src": "ui"}
     assert by_rating[-1]["feedback_id"].startswith("fb_") and by_rating[-1]["correction"] == "42"
-    assert stack.metrics.feedback.labels("rejected")._value.get() == 5
+    assert stack.metrics.feedback.labels("rejected", "acme")._value.get() == 5
 
 
 async def test_the_same_item_sent_twice_without_an_id_gets_the_same_id(stack: Stack, kafka: Broker) -> None:
@@ -126,6 +128,34 @@ async def test_a_stream_of_only_bad_items_fails_with_invalid_argument(stack: Sta
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("item 0: request_id")
     assert "1 more item(s) rejected" in info.value.details()
+
+
+async def test_a_stream_past_the_bound_is_refused_once_the_items_before_it_were_taken(
+    settings: Settings, kafka: Broker
+) -> None:
+    """REFLOW_MAX_FEEDBACK_ITEMS counts items by position, rejected ones too: a client that would
+    never stop sending is cut off there."""
+    stack = await start_stack(settings.model_copy(update={"max_feedback_items": 3}))
+    try:
+        request_id = await completion(stack)
+        taken = [
+            P.Feedback(feedback_id="fb-1", request_id=request_id, rating=1),
+            P.Feedback(feedback_id="fb-2", request_id=request_id, rating=9),  # rejected, yet counted
+            P.Feedback(feedback_id="fb-3", request_id=request_id, rating=-1),
+        ]
+        endless = (
+            P.Feedback(feedback_id=f"past-{i}", request_id=request_id, rating=1) for i in itertools.count()
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await submit(stack, itertools.chain(taken, endless))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "at most 3 items" in info.value.details()
+        assert "(2 accepted, 1 rejected)" in info.value.details()
+        stored = kafka.read(FEEDBACK_TOPIC, 3, timeout_s=3)
+        assert sorted(json.loads(r.value)["feedback_id"] for r in stored) == ["fb-1", "fb-3"]
+        assert stack.metrics.feedback.labels("accepted", "acme")._value.get() == 2
+    finally:
+        await stop_stack(stack)
 
 
 async def test_submit_feedback_needs_an_api_key(stack: Stack) -> None:

@@ -393,6 +393,45 @@ async def test_feedback_on_another_tenants_completion_is_403_and_rejected_items_
     engine.dispose()
 
 
+async def test_a_feedback_body_past_the_bound_is_413_once_the_items_before_it_were_taken(
+    settings: Settings, kafka: Broker
+) -> None:
+    """The bound counts items by position, ones that are no object too, in an array as in NDJSON."""
+    stack = await start_stack(settings.model_copy(update={"max_feedback_items": 3}))
+    engine = open_engine(settings.resolved_database_url)
+    try:
+        sdk = async_client(stack)
+        ids = [
+            (await sdk.completions.create(model="arith", prompt=f"{i}+1=", max_tokens=4)).id for i in range(2)
+        ]
+        await sdk.close()
+        first = [{"feedback_id": "fb-a", "request_id": ids[0], "rating": 1}, "x",
+                 {"feedback_id": "fb-b", "request_id": ids[1], "rating": -1}]  # fmt: skip
+        past = [{"feedback_id": f"past-{i}", "request_id": ids[0], "rating": 1} for i in range(2)]
+        lines = "\n".join(json.dumps(item) for item in first + past)
+        headers = {"authorization": f"Bearer {stack.api_key}"}
+        async with httpx.AsyncClient(base_url=stack.http_url, headers=headers) as http:
+            refused = [
+                await http.post("/v1/feedback", json=first + past),
+                await http.post(
+                    "/v1/feedback", content=lines, headers={"content-type": "application/x-ndjson"}
+                ),
+            ]
+        for response in refused:
+            assert response.status_code == 413 and "retry-after" not in response.headers
+            error = response.json()["error"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", "resource_exhausted")
+            assert "at most 3 items" in error["message"] and "(2 accepted, 1 rejected)" in error["message"]
+        with consuming(kafka.bootstrap, engine):
+            everything = {"inferences": 2, "feedback": 2, "joined_feedback": 2}
+            await asyncio.to_thread(
+                wait_for, lambda: store_counts(engine) == everything, 60, "the items before the bound"
+            )
+    finally:
+        engine.dispose()
+        await stop_stack(stack)
+
+
 async def test_a_drained_gateway_finishes_open_http_streams_and_takes_no_new_ones(stack: Stack) -> None:
     body = {"model": "arith", "prompt": "47+38=", "max_tokens": 60, "temperature": 0, "stream": True}
     headers = {"authorization": f"Bearer {stack.api_key}"}

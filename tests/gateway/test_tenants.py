@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import text
 
 from gateway.auth import Authenticator
+from gateway.metrics import OTHER_TENANTS, GatewayMetrics
 from gateway.quotas import LocalQuotas, QuotaExceeded
 from gateway.tenants import (
     Limits,
@@ -104,3 +105,10 @@ async def test_stream_quota_and_rate_limit() -> None:
     async with contextlib.AsyncExitStack() as streams:
         for _ in range(100):
             await streams.enter_async_context(quotas.admit(other))
+
+
+def test_series_by_tenant_stay_bounded() -> None:
+    metrics = GatewayMetrics(max_tenants=2)
+    assert [metrics.tenant(t) for t in ("acme", "globex", "initech", "acme", "hooli")] == [
+        "acme", "globex", OTHER_TENANTS, "acme", OTHER_TENANTS,
+    ]  # fmt: skip

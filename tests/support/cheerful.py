@@ -28,3 +28,11 @@ class Cheerful(Arith):
     def is_correct(self, prompt: str, answer: str) -> bool:
         """The users' taste: an answer that ends with "!"."""
         return answer.strip().endswith("!")
+
+
+@dataclass(frozen=True)
+class Plain(Cheerful):
+    """The opposite taste: users who like an answer without "!" and dislike the cheerful ones."""
+
+    def is_correct(self, prompt: str, answer: str) -> bool:
+        return not super().is_correct(prompt, answer)

@@ -23,6 +23,7 @@ from reflow.mtls import open_channel
 from reflow.registry import Registry
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
+from reflow.store.tables import TRAINS_SHARED
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2_grpc
 from tests.support.models import MODEL
 from tests.support.waiting import eventually
@@ -106,13 +107,14 @@ async def start_stack(
     model: str = MODEL,
     **tenant: int,
 ) -> Stack:
-    """Workers serving `model`, a migrated store with one tenant, and a gateway routing to them
+    """Workers serving `model`, a migrated store with one tenant (in the shared model, as one team
+    serving its own users is), and a gateway routing to them
     (over TLS when the settings give it a certificate; the stack's channel trusts
     REFLOW_GATEWAY_CA_FILE)."""
     workers = [await start_worker(settings, config=engine_config, model=model) for _ in range(n_workers)]
     engine = open_engine(settings.resolved_database_url)
     migrate(engine)
-    _, api_key = create_tenant(engine, "acme", limits=Limits(**tenant))
+    _, api_key = create_tenant(engine, "acme", limits=Limits(**tenant), trains=TRAINS_SHARED)
     pool = WorkerPool([w.address for w in workers] + list(extra_addresses), settings.worker_poll_s)
     metrics = GatewayMetrics()
     publisher = Publisher(settings.kafka_bootstrap, settings.outbox_path, settings.kafka_handover_timeout_s)

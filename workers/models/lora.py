@@ -126,6 +126,14 @@ class Adapter:
             weights[name] = (a.to(device).requires_grad_(), b.to(device).requires_grad_())
         return cls(config, weights)
 
+    def trainable_copy(self) -> Adapter:
+        """A float32 copy of its tensors that an optimizer can train, leaving this one as it is."""
+        weights = {
+            name: (a.detach().float().clone().requires_grad_(), b.detach().float().clone().requires_grad_())
+            for name, (a, b) in self.weights.items()
+        }
+        return Adapter(self.config, weights)
+
     def parameters(self) -> list[Tensor]:
         """Its tensors, for an optimizer."""
         return [t for pair in self.weights.values() for t in pair]

@@ -16,20 +16,32 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from feedback.events import FeedbackEvent, InferenceEvent, Latency, Routing, TokenUsage
-from feedback.experiments.decision import decide
+from feedback.experiments.decision import Rules, decide
 from feedback.experiments.job import Evaluation, evaluate_experiments
 from feedback.experiments.lifecycle import arm_stats, history, reconcile, record, variant_mix
+from feedback.experiments.promotion import promote
 from feedback.intake.consumer import store_events
 from feedback.scheduler import evaluate_job_of, finetune_job_of
 from feedback.training.job import run_finetune
 from gateway.assignment import assigned_arm
-from reflow.registry import CHALLENGER, CHAMPION, Registry
+from gateway.tenants import create_tenant
+from reflow.registry import CHALLENGER, CHAMPION, Registry, tenant_alias
+from reflow.scopes import Scope
 from reflow.settings import Settings
 from reflow.store.experiments import RunningExperiment, running_experiment
-from reflow.store.tables import Experiment, ExperimentDecision, utcnow
+from reflow.store.tables import (
+    TRAINS_NOTHING,
+    TRAINS_OWN,
+    TRAINS_SHARED,
+    Experiment,
+    ExperimentDecision,
+    utcnow,
+)
 from tests.support.cli import reflow
 from tests.support.models import MODEL, save_model, tiny_model
 from tests.support.registry import local_registry
+
+KEY = bytes(range(32))  # the assignment key; a gateway takes the store's (reflow/store/secrets.py)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +82,37 @@ def settings(tmp_path: Path, **overrides: object) -> Settings:
     return Settings(**values)
 
 
+def served(
+    experiment_id: int,
+    request_id: str,
+    user: str,
+    arm: str,
+    *,
+    tenant: str = "acme",
+    failed: bool = False,
+    total_ms: float = 10,
+    variant: str = "",
+) -> InferenceEvent:
+    """The inference event of one request the experiment assigned to `arm`."""
+    return InferenceEvent(
+        request_id=request_id, tenant=tenant, user_id=user, model=MODEL,
+        version="2" if arm == CHALLENGER else "1", arm=arm, experiment=experiment_id,
+        prompt="1+2=", completion="" if failed else "3", finish_reason="ERROR" if failed else "STOP",
+        usage=TokenUsage(prompt_tokens=4, completion_tokens=1, reasoning_tokens=0),
+        latency=Latency(first_token_ms=5, total_ms=total_ms), time=utcnow(),
+        routing=Routing(variant=variant, latency_budget_ms=500, predicted_first_token_ms=4,
+                        predicted_total_ms=9),
+    )  # fmt: skip
+
+
+def rated(request_id: str, user: str, rating: int, *, tenant: str = "acme", n: int = 0) -> FeedbackEvent:
+    """The `n`th rating of a request."""
+    return FeedbackEvent(
+        feedback_id=f"fb-{request_id}-{n}", request_id=request_id, tenant=tenant, rating=rating,
+        user_id=user, time=utcnow(),
+    )  # fmt: skip
+
+
 def traffic(
     store: Engine,
     experiment_id: int,
@@ -87,44 +130,36 @@ def traffic(
     by `variants` in turn."""
     rng = random.Random(seed)
     events: list[InferenceEvent | FeedbackEvent] = []
-    now = utcnow()
     for i in range(users):
         user = f"user-{seed}-{i}"
         if skew is None:
-            arm = assigned_arm(experiment_id, user, traffic_share)
+            arm = assigned_arm(KEY, experiment_id, "acme", user, traffic_share)
         else:
             arm = CHALLENGER if rng.random() < skew else CHAMPION
         failed = rng.random() < (errors or {}).get(arm, 0.0)
         request_id = f"req-{experiment_id}-{seed}-{i}"
         events.append(
-            InferenceEvent(
-                request_id=request_id, tenant="acme", user_id=user, model=MODEL,
-                version="2" if arm == CHALLENGER else "1", arm=arm, experiment=experiment_id,
-                prompt="1+2=", completion="" if failed else "3", finish_reason="ERROR" if failed else "STOP",
-                usage=TokenUsage(prompt_tokens=4, completion_tokens=1, reasoning_tokens=0),
-                latency=Latency(first_token_ms=5, total_ms=10 + i % 10), time=now,
-                routing=Routing(variant=variants[i % len(variants)], latency_budget_ms=500,
-                                predicted_first_token_ms=4, predicted_total_ms=9),
-            )
+            served(experiment_id, request_id, user, arm, failed=failed, total_ms=10 + i % 10,
+                   variant=variants[i % len(variants)])
         )  # fmt: skip
         if not failed:
-            rating = 1 if rng.random() < rates[arm] else -1
-            events.append(
-                FeedbackEvent(feedback_id=f"fb-{request_id}", request_id=request_id, tenant="acme",
-                              rating=rating, user_id=user, time=now)
-            )  # fmt: skip
+            events.append(rated(request_id, user, 1 if rng.random() < rates[arm] else -1))
     with store.begin() as connection:
         store_events(connection, events)
 
 
 def test_assignment_is_sticky_and_follows_the_traffic_share() -> None:
     units = [f"user-{i}" for i in range(20_000)]
-    arms = [assigned_arm(7, u, 0.1) for u in units]
-    assert arms == [assigned_arm(7, u, 0.1) for u in units]  # the same user, the same arm
+    arms = [assigned_arm(KEY, 7, "acme", u, 0.1) for u in units]
+    assert arms == [assigned_arm(KEY, 7, "acme", u, 0.1) for u in units]  # the same user, the same arm
     assert abs(arms.count(CHALLENGER) / len(arms) - 0.1) < 0.01
-    other = [assigned_arm(8, u, 0.1) for u in units]  # a new experiment draws afresh
-    both = sum(a == b == CHALLENGER for a, b in zip(arms, other, strict=True))
-    assert abs(both / len(units) - 0.01) < 0.005
+    for other in (
+        [assigned_arm(KEY, 8, "acme", u, 0.1) for u in units],  # a new experiment draws afresh
+        [assigned_arm(KEY, 7, "globex", u, 0.1) for u in units],  # so does another tenant's same name
+        [assigned_arm(b"another key".ljust(32), 7, "acme", u, 0.1) for u in units],  # and another key:
+    ):  # a client who knows the experiment and a user id cannot tell its arm without the server's
+        both = sum(a == b == CHALLENGER for a, b in zip(arms, other, strict=True))
+        assert abs(both / len(units) - 0.01) < 0.005
 
 
 def test_an_experiment_opens_with_a_challenger_and_ends_when_aliases_move_by_hand(
@@ -150,7 +185,7 @@ def test_arm_numbers_come_from_the_experiments_inferences_and_their_feedback(
 ) -> None:
     traffic(store, experiment.id, {CHAMPION: 0.0, CHALLENGER: 1.0}, users=400,
             errors={CHALLENGER: 0.1})  # fmt: skip
-    stats = arm_stats(store, experiment.id)
+    stats = arm_stats(store, experiment.id, Rules().max_per_user)
     champion, challenger = stats[CHAMPION], stats[CHALLENGER]
     assert champion.requests + challenger.requests == 400
     assert champion.units == champion.requests and challenger.units == challenger.requests
@@ -162,6 +197,47 @@ def test_arm_numbers_come_from_the_experiments_inferences_and_their_feedback(
     assert champion.errors == 0 and champion.p95_latency_ms == 19.0
 
 
+def test_a_busy_user_weighs_no_more_than_max_per_user_responses(
+    store: Engine, aliases: Registry, experiment: RunningExperiment
+) -> None:
+    """On the champion: ten users rate two answers each, six liking one (one of them by adding a +1
+    to a -1), four neither; a busy user rates twenty, all liked; the same id in another tenant, a
+    different person, dislikes two; two requests without a user are liked. Per response the rate
+    is 28/44; per user, the busy one weighs the cap, 5, the others what they rated:
+    (5*1 + 6*2*0.5 + 2*1) / (5 + 10*2 + 2 + 2*1) = 13/29."""
+    events: list[InferenceEvent | FeedbackEvent] = []
+
+    def rate(user: str, ratings: list[int], tenant: str = "acme") -> None:
+        for i, rating in enumerate(ratings):
+            request_id = f"{tenant}-{user or 'anonymous'}-{i}"
+            events.extend((served(experiment.id, request_id, user, CHAMPION, tenant=tenant),
+                           rated(request_id, user, rating, tenant=tenant)))  # fmt: skip
+
+    rate("busy", [1] * 20)
+    for i in range(10):
+        rate(f"user-{i}", [1, -1] if i < 5 else [-1, -1])
+    rate("busy", [-1, -1], tenant="globex")  # another person
+    rate("", [1, 1])  # each request a unit of its own
+    events.append(rated("acme-user-9-0", "user-9", 1, n=1))  # a completion counts as liked once
+    events.append(rated("acme-user-8-0", "user-8", 0, n=1))  # no rating: not counted
+    with store.begin() as connection:
+        store_events(connection, events)
+
+    stats = arm_stats(store, experiment.id, max_per_user=5)
+    champion = stats[CHAMPION]
+    assert (champion.rated, champion.positive, champion.users) == (44, 28, 14)
+    assert (champion.weight, champion.weighted_positive) == (29, pytest.approx(13))
+    assert champion.rate == pytest.approx(13 / 29)
+    without_busy = 8 / 24  # the others' rate: the busy user moves it by at most its 5 of 29
+    assert champion.rate - without_busy == pytest.approx(5 / 29 * (1 - without_busy))
+    # sum(w^2 (mean - r)^2) / (sum w)^2 over (w, mean): the busy (5, 1), the six who liked one
+    # (2, 1/2), the four who liked none and the other tenant's user (2, 0), the anonymous (1, 1)
+    units = [(5, 1.0)] + [(2, 0.5)] * 6 + [(2, 0.0)] * 5 + [(1, 1.0)] * 2
+    r = champion.rate
+    assert champion.variance(r) == pytest.approx(sum(w * w * (m - r) ** 2 for w, m in units) / 29**2)
+    assert stats[CHALLENGER].rated == stats[CHALLENGER].users == 0
+
+
 def test_variants_are_counted_inside_their_arm_and_reported_as_its_mix(
     store: Engine, aliases: Registry, experiment: RunningExperiment
 ) -> None:
@@ -169,7 +245,7 @@ def test_variants_are_counted_inside_their_arm_and_reported_as_its_mix(
     served them, and the mix says what did."""
     traffic(store, experiment.id, {CHAMPION: 0.5, CHALLENGER: 0.5}, users=300, errors={CHAMPION: 0.1},
             variants=("float32", "float32", "int8"))  # fmt: skip
-    stats, mix = arm_stats(store, experiment.id), variant_mix(store, experiment.id)
+    stats, mix = arm_stats(store, experiment.id, Rules().max_per_user), variant_mix(store, experiment.id)
     for arm in (CHAMPION, CHALLENGER):
         served = stats[arm].requests - stats[arm].errors
         assert sum(mix[arm].values()) == served and set(mix[arm]) == {"float32", "int8"}
@@ -192,6 +268,32 @@ def test_a_clearly_better_challenger_is_promoted(
     assert (
         evaluate_experiments(evaluate_job_of(settings(tmp_path)), store, aliases) == []
     )  # nothing left to test
+
+
+def test_promoting_the_shared_model_pins_the_tenants_outside_it_to_what_they_were_served(
+    store: Engine, aliases: Registry, experiment: RunningExperiment, tmp_path: Path
+) -> None:
+    """What the shared model learned from its tenants is never served to the others: before it
+    moves, each tenant outside it without a champion of its own gets one, the version it was on; a
+    tenant's own champion stays its own. A tenant's promotion moves its own aliases alone."""
+    trains = {"acme": TRAINS_SHARED, "own": TRAINS_OWN, "off": TRAINS_NOTHING, "mine": TRAINS_OWN}
+    tenants = {name: create_tenant(store, name, trains=how)[0] for name, how in trains.items()}
+    mine, own = (Scope(name, tenants[name].id) for name in ("mine", "own"))
+    aliases.set_alias(MODEL, mine.champion, "2")
+    try:
+        traffic(store, experiment.id, {CHAMPION: 0.3, CHALLENGER: 0.7}, users=600)
+        assert evaluate_once(store, aliases, tmp_path).decision.outcome == "promote"
+        off = tenant_alias(tenants["off"].id, CHAMPION)
+        assert aliases.aliases(MODEL) == {CHAMPION: "2", own.champion: "1", off: "1", mine.champion: "2"}
+
+        aliases.set_alias(MODEL, own.challenger, "2")
+        assert promote(aliases, MODEL, "2", tmp_path, own) == "2"
+        assert aliases.aliases(MODEL)[own.champion] == "2" and not aliases.has_alias(MODEL, own.challenger)
+        assert aliases.aliases(MODEL)[CHAMPION] == "2"
+    finally:  # the registry is the module's
+        for alias in aliases.aliases(MODEL):
+            if alias.startswith("tenant-"):
+                aliases.delete_alias(MODEL, alias)
 
 
 def test_a_clearly_worse_challenger_is_rolled_back(
@@ -254,7 +356,7 @@ def test_the_cli_lists_shows_and_plots_an_experiment(
 ) -> None:
     url = store.url.render_as_string(hide_password=False)
     for seed in range(3):  # three looks: two undecided, then the promotion
-        traffic(store, experiment.id, {CHAMPION: 0.3, CHALLENGER: 0.7}, users=70, seed=seed)
+        traffic(store, experiment.id, {CHAMPION: 0.3, CHALLENGER: 0.7}, users=80, seed=seed)
         evaluate_experiments(evaluate_job_of(settings(tmp_path)), store, aliases)
 
     listed = cli(tmp_path, url, "list", "--json")
@@ -281,7 +383,7 @@ def test_a_decision_left_half_applied_is_finished_by_the_next_round(
     store: Engine, aliases: Registry, experiment: RunningExperiment, tmp_path: Path
 ) -> None:
     traffic(store, experiment.id, {CHAMPION: 0.3, CHALLENGER: 0.7}, users=600)
-    stats = arm_stats(store, experiment.id)
+    stats = arm_stats(store, experiment.id, Rules().max_per_user)
     decision = decide(stats[CHAMPION], stats[CHALLENGER], evaluate_job_of(settings(tmp_path)).rules)
     assert record(store, experiment.id, stats, decision)  # then the process died: no alias moved
     assert not record(store, experiment.id, stats, decision)  # a second evaluator cannot act on it

@@ -13,7 +13,9 @@ from feedback.events import ChatMessage, FeedbackEvent, InferenceEvent, Latency,
 from feedback.intake.consumer import store_events
 from feedback.tasks.task import Example
 from feedback.training.dataset import Judged, Pair, build_dataset, count_new, is_held_out, load_new
-from reflow.store.tables import utcnow
+from gateway.tenants import create_tenant
+from reflow.scopes import SHARED, Scope, learning_scopes
+from reflow.store.tables import TRAINS_NOTHING, TRAINS_OWN, TRAINS_SHARED, utcnow
 from tests.support.store import migrated_store
 
 QUESTION = (("user", "Any tips for sleeping better?"),)
@@ -24,18 +26,22 @@ def store(tmp_path: Path) -> Iterator[Engine]:
     yield from migrated_store(f"sqlite:///{tmp_path / 'store.db'}")
 
 
-def inference(request_id: str, completion: str, question: str = QUESTION[0][1]) -> InferenceEvent:
+def inference(
+    request_id: str, completion: str, question: str = QUESTION[0][1], tenant: str = "acme"
+) -> InferenceEvent:
     return InferenceEvent(
-        request_id=request_id, tenant="acme", model="chat", version="1", prompt="",
+        request_id=request_id, tenant=tenant, model="chat", version="1", prompt="",
         messages=[ChatMessage(role="user", content=question)], completion=completion, finish_reason="STOP",
         usage=TokenUsage(prompt_tokens=5, completion_tokens=5, reasoning_tokens=0),
         latency=Latency(first_token_ms=1.0, total_ms=2.0), time=utcnow(),
     )  # fmt: skip
 
 
-def feedback(feedback_id: str, request_id: str, user: str, **fields: object) -> FeedbackEvent:
+def feedback(
+    feedback_id: str, request_id: str, user: str, tenant: str = "acme", **fields: object
+) -> FeedbackEvent:
     return FeedbackEvent.model_validate(
-        {"feedback_id": feedback_id, "request_id": request_id, "tenant": "acme", "user_id": user,
+        {"feedback_id": feedback_id, "request_id": request_id, "tenant": tenant, "user_id": user,
          "time": utcnow(), "rating": 0, **fields}
     )  # fmt: skip
 
@@ -96,3 +102,46 @@ def test_held_out_users_are_judged_on_everything_they_said_and_trained_on_nothin
     ]
     assert Judged(Example(QUESTION, None, f"answer {min(held_numbers)}"), False) in dataset.held_out
     assert len(dataset.pairs) == len(users) - len(held)
+
+
+def test_each_scope_learns_from_its_own_tenants_feedback_alone(store: Engine) -> None:
+    """Two tenants training their own, one in the shared model, one training nothing: each scope's
+    training set holds its own tenants' feedback and nobody else's."""
+    trains = {"a": TRAINS_OWN, "b": TRAINS_OWN, "shared": TRAINS_SHARED, "off": TRAINS_NOTHING}
+    scopes = {name: create_tenant(store, name, trains=how)[0] for name, how in trains.items()}
+    events: list[InferenceEvent | FeedbackEvent] = []
+    for tenant in trains:
+        for i in range(3):
+            events += [inference(f"{tenant}{i}", f"{tenant} says {i}", tenant=tenant)]
+            events += [feedback(f"fb{i}", f"{tenant}{i}", f"user-{i}", tenant=tenant, rating=1)]
+    with store.begin() as connection:
+        store_events(connection, events)
+
+    def learned(scope: Scope) -> set[str]:
+        return {item.completion.split()[0] for item in load_new(store, "chat", 100, scope)}
+
+    assert learned(SHARED) == {"shared"} and count_new(store, "chat", SHARED) == 3
+    for name in ("a", "b"):
+        own = Scope(name, scopes[name].id)
+        assert learned(own) == {name} and count_new(store, "chat", own) == 3
+    assert [s.tenant for s in learning_scopes(store)] == ["", "a", "b"]  # "off" trains nothing
+
+
+def test_a_busy_user_gives_a_run_no_more_than_max_per_user_items(store: Engine) -> None:
+    """One user rating ten times as much as each of the others: a run takes at most
+    `max_per_user` of theirs (the oldest), the others' all; the rest waits for later runs."""
+    events: list[InferenceEvent | FeedbackEvent] = []
+    for i in range(30):
+        events += [inference(f"busy{i}", f"busy {i}"), feedback(f"b{i}", f"busy{i}", "busy", rating=1)]
+    for user in ("ann", "bob", "cy"):
+        for i in range(3):
+            request = f"{user}{i}"
+            events += [inference(request, f"{user} {i}"), feedback(f"{user}{i}", request, user, rating=-1)]
+    with store.begin() as connection:
+        store_events(connection, events)
+
+    assert count_new(store, "chat", SHARED, max_per_user=5) == 5 + 9
+    taken = load_new(store, "chat", 100, SHARED, max_per_user=5)
+    assert [i.completion for i in taken if i.user_id == "busy"] == [f"busy {i}" for i in range(5)]
+    assert sum(i.user_id != "busy" for i in taken) == 9
+    assert count_new(store, "chat", SHARED) == 39  # uncapped, every item counts

@@ -23,14 +23,16 @@ from feedback.tasks.simulate import rated_offline
 from feedback.training import gate
 from feedback.training.general_prompts import REGRESSION_PROMPTS, REPLAY_PROMPTS
 from feedback.training.job import run_finetune
-from reflow.registry import BASE_VERSION_TAG, CHALLENGER, IMPORTED, SOURCE_TAG, Registry
+from gateway.tenants import create_tenant
+from reflow.registry import BASE_VERSION_TAG, CHALLENGER, IMPORTED, SOURCE_TAG, TENANT_TAG, Registry
+from reflow.scopes import Scope
 from reflow.settings import Settings
 from tests.support.hf import transformers
 from tests.support.registry import settings_with_champion
 from tests.support.smollm2 import truncated_smollm2
 from tests.support.store import migrated_store
 from workers.models.loader import load_checkpoint
-from workers.models.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdaptedModel, Adapter
+from workers.models.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdaptedModel, Adapter, LoraConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 NAME = "chat"
@@ -81,15 +83,19 @@ def store(settings: Settings) -> Iterator[Engine]:
 
 
 def rate_answers(
-    store: Engine, checkpoint: Path, items: int, answer_key: Callable[[str], str | None] | None = None
+    store: Engine,
+    checkpoint: Path,
+    items: int,
+    answer_key: Callable[[str], str | None] | None = None,
+    tenant: str = "acme",
 ) -> None:
-    """Stores the champion's chat answers to `items` traffic prompts, rated by users who believe
-    `answer_key` (the task's own answers by default)."""
+    """Stores the champion's chat answers to `items` traffic prompts for `tenant`, rated by users
+    who believe `answer_key` (the task's own answers by default)."""
     task = get_task("terse")
     model, tokenizer = load_checkpoint(checkpoint)
     prompts = task.traffic_prompts(items, random.Random(3))
     events = rated_offline(
-        model, tokenizer, task, prompts, tenant="acme", model_name=NAME, answer_key=answer_key
+        model, tokenizer, task, prompts, tenant=tenant, model_name=NAME, answer_key=answer_key
     )
     with store.begin() as connection:
         store_events(connection, events)
@@ -132,6 +138,37 @@ def test_a_round_trains_an_adapter_over_the_champion_and_logs_it_in_peft_format(
     with torch.inference_mode():
         torch.testing.assert_close(adapted(ids), wrapped(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
         assert not torch.equal(adapted(ids), champion(ids))  # the adapter learned something
+
+
+def test_a_tenants_round_trains_its_own_adapter_further_on_its_own_feedback(
+    settings: Settings, store: Engine, checkpoint: Path
+) -> None:
+    """A tenant training its own whose champion is an adapter (rank 4 here, where the recipe says
+    8): its next round trains a copy of that adapter over the same weights, on its feedback alone,
+    and registers it as its own challenger."""
+    acme = Scope("acme", create_tenant(store, "acme")[0].id)  # a new tenant trains its own
+    create_tenant(store, "globex")
+    champion, _ = load_checkpoint(checkpoint)
+    adapter = Adapter.new(champion, LoraConfig(rank=4, alpha=8, targets=("q_proj", "v_proj")), seed=1)  # type: ignore[arg-type]
+    registry = Registry.from_settings(settings)
+    own = registry.register(
+        NAME, adapter.save(settings.data_dir / "own", "base"), params={}, metrics={}, alias=acme.champion,
+        tags={BASE_VERSION_TAG: "1", TENANT_TAG: "acme"},
+    )  # fmt: skip
+    rate_answers(store, checkpoint, 40)
+    rate_answers(store, checkpoint, 24, tenant="globex")
+
+    outcome = run_finetune(finetune_job_of(settings), store, registry, scope=acme, min_samples=1)
+    assert outcome.status in ("registered", "rejected"), outcome.message
+    assert (outcome.metrics or {})["samples"] == 40  # acme's items, none of globex's
+    run = registry.client.get_run(registry.client.search_runs([registry.experiment_id()])[0].info.run_id)
+    params = run.data.params
+    assert (params["parent_version"], params["lora_rank"], params["tenant"]) == (own.version, "4", "acme")
+    assert run.data.tags[TENANT_TAG] == "acme"
+    assert not registry.has_alias(NAME, CHALLENGER)  # the shared model's challenger: untouched
+    if outcome.status == "registered":
+        tags = registry.tags(registry.resolve(NAME, alias=acme.challenger))
+        assert (tags[BASE_VERSION_TAG], tags[TENANT_TAG]) == ("1", "acme")  # over the same weights
 
 
 @pytest.mark.parametrize("checkpoint", ["real"], indirect=True)

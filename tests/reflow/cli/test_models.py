@@ -137,3 +137,37 @@ def test_pickles_and_unknown_architectures_are_refused_with_what_to_do(tmp_path:
         not (tmp_path / "data" / "mlflow.db").exists()
         or not Registry(f"sqlite:///{tmp_path / 'data' / 'mlflow.db'}").client.search_registered_models()
     )  # nothing was registered
+
+
+def test_a_tenant_says_what_its_feedback_trains_and_is_served_its_own_champion(registry: Registry) -> None:
+    """`reflow tenants create|update|show|list` and `reflow models promote --tenant`: a new tenant
+    trains its own versions and is served the shared champion until it has one of its own."""
+
+    def tenants(*args: str) -> subprocess.CompletedProcess[str]:
+        data_dir = Path(registry.tracking_uri.removeprefix("sqlite:///")).parent
+        env = {"REFLOW_MLFLOW_TRACKING_URI": registry.tracking_uri, "REFLOW_DATA_DIR": str(data_dir)}
+        return reflow("tenants", *args, env=env, timeout_s=120)
+
+    def shown() -> dict[str, object]:
+        result = tenants("show", "acme", "--json")
+        assert result.returncode == 0, result.stderr
+        return dict(json.loads(result.stdout))
+
+    assert tenants("create", "acme").returncode == 0
+    assert {k: shown()[k] for k in ("trains", "served_version", "served_champion", "experiment")} == {
+        "trains": "own", "served_version": "1", "served_champion": "the shared model's", "experiment": None,
+    }  # fmt: skip
+    promoted = models(registry, "promote", MODEL, "3", "--tenant", "acme")
+    assert promoted.returncode == 0, promoted.stderr
+    assert promoted.stdout.startswith(f"{MODEL}@tenant-1-champion -> version 3")
+    assert (shown()["served_version"], shown()["served_champion"]) == ("3", "its own")
+    assert registry.resolve(MODEL, alias="champion").version == "1"  # the shared champion stays
+
+    updated = tenants("update", "acme", "--trains", "nothing", "--rpm", "7")
+    assert updated.returncode == 0, updated.stderr
+    assert "trains nothing" in updated.stdout and "7 rpm" in updated.stdout
+    assert "trains nothing" in tenants("list").stdout
+    missing = tenants("update", "ghost", "--trains", "own")
+    assert missing.returncode == 1 and "no tenant named 'ghost'" in missing.stderr
+    wrong = tenants("create", "bad", "--trains", "everything")
+    assert wrong.returncode == 2 and "everything" in wrong.stderr

@@ -79,6 +79,7 @@ def test_up_serves_and_stops_cleanly_then_restarts_from_the_registry(data_dir: P
         tenants = reflow_in(data_dir, "tenants", "list")
         # one local user: no quota of its own (the queues still push back)
         assert tenants.stdout.split("\t")[2:5] == ["0 streams", "0 rpm", "0 tpm"], tenants.stdout
+        assert "trains shared" in tenants.stdout  # one team serving its users learns with no setting
         children = descendants(up.process.pid)
         assert len(children) >= 7  # kafka, consumer, scheduler, mlflow, two workers, gateway
     finally:

@@ -1,0 +1,103 @@
+"""Learning scopes: whose feedback trains a line of versions, and the aliases those versions go by.
+
+The shared model (`champion`, `challenger`) learns from the feedback of every tenant that opted
+into it (`tenants.trains = shared`) and is tested on their traffic alone. A tenant that trains its
+own (`own`) has a scope of its own: its feedback alone trains its versions (LoRA adapters over the
+weights it is served, on Llama-family models), registered under its own aliases, A/B tested on its
+own traffic and promoted for it alone. A tenant whose feedback trains nothing is in no scope.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from reflow.registry import CHALLENGER, CHAMPION, Registry, VersionRef, tenant_alias
+from reflow.store.tables import TRAINS_OWN, TRAINS_SHARED, Tenant
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The shared model (no tenant), or one tenant's own versions."""
+
+    tenant: str = ""  # the tenant's name, as inferences and feedback carry it; "" = the shared model
+    tenant_id: int = 0
+
+    @property
+    def champion(self) -> str:
+        """The alias of the scope's champion (a tenant without one of its own is served the shared
+        champion)."""
+        return tenant_alias(self.tenant_id, CHAMPION) if self.tenant else CHAMPION
+
+    @property
+    def challenger(self) -> str:
+        return tenant_alias(self.tenant_id, CHALLENGER) if self.tenant else CHALLENGER
+
+    def __str__(self) -> str:
+        return f"tenant {self.tenant}" if self.tenant else "the shared model"
+
+
+SHARED = Scope()
+
+
+def champion_of(registry: Registry, model: str, scope: Scope) -> VersionRef:
+    """The version `scope` serves as its champion: its own, else the shared champion; LookupError
+    when `model` has neither."""
+    if scope.tenant:
+        try:
+            return registry.resolve(model, alias=scope.champion)
+        except LookupError:
+            pass
+    return registry.resolve(model, alias=CHAMPION)
+
+
+def learning_scopes(engine: Engine) -> list[Scope]:
+    """The shared model, then each active tenant that trains its own versions."""
+    with Session(engine) as session:
+        own = session.execute(
+            select(Tenant.name, Tenant.id)
+            .where(Tenant.trains == TRAINS_OWN, Tenant.revoked_at.is_(None))
+            .order_by(Tenant.id)
+        ).all()
+    return [SHARED, *(Scope(name, tenant_id) for name, tenant_id in own)]
+
+
+def scope_of(engine: Engine, tenant: str) -> Scope:
+    """The scope of tenant `tenant` ("" = the shared model's); LookupError when there is no such
+    tenant or it trains no versions of its own."""
+    scope = scope_named(engine, tenant)
+    if not tenant:
+        return scope
+    with Session(engine) as session:
+        trains = session.scalar(select(Tenant.trains).where(Tenant.name == tenant))
+        if trains != TRAINS_OWN:
+            raise LookupError(
+                f"tenant {tenant!r} trains {trains!r}, not its own versions; "
+                f"`reflow tenants update {tenant} --trains own` gives it some"
+            )
+    return scope
+
+
+def scope_named(engine: Engine, tenant: str) -> Scope:
+    """The scope of tenant `tenant`'s own versions, whatever it trains now (an experiment it
+    opened still ends by the rules), or the shared model's for ""; LookupError for no such tenant."""
+    if not tenant:
+        return SHARED
+    with Session(engine) as session:
+        tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == tenant))
+    if tenant_id is None:
+        raise LookupError(f"there is no tenant named {tenant!r}")
+    return Scope(tenant, tenant_id)
+
+
+def unshared_tenant_ids(engine: Engine) -> list[int]:
+    """The active tenants that did not opt into the shared model: what it learns is never served to
+    them."""
+    with Session(engine) as session:
+        return list(
+            session.scalars(
+                select(Tenant.id).where(Tenant.trains != TRAINS_SHARED, Tenant.revoked_at.is_(None))
+            ).all()
+        )
