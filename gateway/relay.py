@@ -26,7 +26,6 @@ from reflow.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
-    PermissionDenied,
     ReflowError,
     ResourceExhausted,
     Unavailable,
@@ -93,8 +92,8 @@ class Relay:
                     raise
                 raise Unavailable(f"every worker serving {spec} failed; retry the request") from None
             worker, loaded = placement.option.worker, placement.option.loaded
-            if loaded.tenant and loaded.tenant != generation.tenant.name:
-                raise PermissionDenied(f"{spec} is version {loaded.version}, another tenant's own")
+            if loaded.tenant and loaded.tenant != generation.tenant.name:  # another tenant's own
+                raise self.pool.not_served(spec)
             tried.add(worker.address)
             call_request = worker_request(
                 generation.request, self.limits, request_id=generation.request_id, loaded=loaded,

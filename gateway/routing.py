@@ -12,6 +12,7 @@ import grpc
 
 from reflow.errors import InvalidArgument, NotFound, Unavailable
 from reflow.mtls import open_channel
+from reflow.registry import TENANT_ALIAS
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -193,9 +194,23 @@ class WorkerPool:
             raise Unavailable("no worker is available; check that `reflow worker` processes are running")
         candidates = [(w, v) for w in healthy if (v := w.serves(spec)) is not None]
         if not candidates:
-            served = sorted({f"{v.model}/{v.version} {list(v.aliases)}" for w in healthy for v in w.loaded})
-            raise NotFound(f"no worker serves model {spec}; served now: {', '.join(served) or 'nothing'}")
+            raise self.not_served(spec)
         return candidates
+
+    def not_served(self, spec: ModelSpec) -> NotFound:
+        """The error for `spec` when no worker serves it (or it is another tenant's own version:
+        the same words, so a tenant cannot tell one from the other); it lists what anyone may ask
+        for, never a tenant's own versions or aliases."""
+        served = sorted(
+            {
+                f"{v.model}/{v.version} {[a for a in v.aliases if not TENANT_ALIAS.fullmatch(a)]}"
+                for w in self.workers
+                if w.healthy
+                for v in w.loaded
+                if not v.tenant
+            }
+        )
+        return NotFound(f"no worker serves model {spec}; served now: {', '.join(served) or 'nothing'}")
 
     def serves(self, spec: ModelSpec, version: str = "") -> bool:
         """True when a healthy worker serves `spec` (as `version`, e.g. `@challenger` as v2)."""

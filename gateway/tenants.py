@@ -68,6 +68,8 @@ def create_tenant(
     key = api_key or new_key()
     if len(key) < MIN_API_KEY_LENGTH:
         raise ValueError(f"an API key needs at least {MIN_API_KEY_LENGTH} characters")
+    if not name.strip():
+        raise ValueError("a tenant needs a name")  # "" is the shared model's scope, nobody's name
     _check_trains(trains)
     with Session(engine) as session, session.begin():
         if session.scalar(select(Tenant).where(Tenant.name == name)) is not None:

@@ -113,8 +113,10 @@ class Registry:
 
         try:
             found = self.client.get_registered_model(name).aliases
-        except MlflowException:
-            return {}
+        except MlflowException as error:
+            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return {}
+            raise  # an outage: the caller keeps what it had rather than read "no aliases"
         return {alias: str(version) for alias, version in found.items()}
 
     def versions(self, name: str) -> list[dict[str, object]]:

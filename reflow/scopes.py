@@ -92,12 +92,31 @@ def scope_named(engine: Engine, tenant: str) -> Scope:
     return Scope(tenant, tenant_id)
 
 
+def follow_trains(registry: Registry, model: str, tenant_id: int, trains: str) -> str:
+    """Moves tenant `tenant_id`'s aliases of `model` to what its feedback now trains, and says what
+    it did. In the shared model: none of its own (it is served the shared champion). Outside it,
+    training its own or nothing: a champion of its own at once, the shared champion of now when it
+    has none (pinned: what the shared model learns later never reaches it, and the gateway never
+    has to route it to a shared champion it must not see); training nothing: no challenger."""
+    aliases = registry.aliases(model)
+    champion, challenger = tenant_alias(tenant_id, CHAMPION), tenant_alias(tenant_id, CHALLENGER)
+    dropped = [
+        a
+        for a in (champion, challenger)
+        if a in aliases and (trains == TRAINS_SHARED or (a == challenger and trains != TRAINS_OWN))
+    ]
+    for alias in dropped:
+        registry.delete_alias(model, alias)
+    if trains != TRAINS_SHARED and champion not in aliases and CHAMPION in aliases:
+        registry.set_alias(model, champion, aliases[CHAMPION])
+        return f"pinned to {model} v{aliases[CHAMPION]}, the shared champion of now"
+    if dropped:
+        return f"{', '.join('@' + a for a in dropped)} of {model} removed"
+    return "aliases unchanged"
+
+
 def unshared_tenant_ids(engine: Engine) -> list[int]:
-    """The active tenants that did not opt into the shared model: what it learns is never served to
-    them."""
+    """The tenants that did not opt into the shared model, revoked ones too (a key can be renewed):
+    what it learns is never served to them."""
     with Session(engine) as session:
-        return list(
-            session.scalars(
-                select(Tenant.id).where(Tenant.trains != TRAINS_SHARED, Tenant.revoked_at.is_(None))
-            ).all()
-        )
+        return list(session.scalars(select(Tenant.id).where(Tenant.trains != TRAINS_SHARED)).all())

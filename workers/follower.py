@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 
-from reflow.registry import TENANT_ALIAS
+from reflow.registry import CHAMPION, TENANT_ALIAS
 from workers.versions import Versions
 
 logger = logging.getLogger(__name__)
@@ -62,12 +62,14 @@ class AliasFollower:
         a tenant's versions are served by the same workers, in the same batches."""
         return alias in self.aliases or TENANT_ALIAS.fullmatch(alias) is not None
 
-    async def sync(self) -> None:
+    async def sync(self, strict: bool = False) -> None:
         """One round: load what the aliases point at, move them all at once, unload what is idle.
 
         The aliases are read in one call, so a promotion that pins tenants to the old champion
-        before moving it is never seen half done; an alias whose version fails to load keeps
-        serving where it was, and the next round tries again."""
+        before moving it is never seen half done. An alias whose version fails to load keeps
+        serving where it was, and the next round tries again; while a tenant's champion cannot be
+        served, the shared champion does not move either (that tenant must never be routed to a
+        champion that learned from others). `strict` (a worker starting): a failed load raises."""
         registry, engine = self.versions.registry, self.versions.engine
         if registry is None:
             return
@@ -80,11 +82,16 @@ class AliasFollower:
                 try:
                     loaded[version] = await self.versions.load(self.name, version=version)
                 except Exception:
+                    if strict:
+                        raise
                     logger.exception("loading %s/%s failed; its aliases stay put", self.name, version)
+            stuck = {alias for alias, version in targets.items() if version not in loaded}
+            if any(TENANT_ALIAS.fullmatch(a) and a.endswith(CHAMPION) for a in stuck):
+                stuck.add(CHAMPION)
             moves = []
             for alias in sorted(held | set(targets)):  # the move itself: no await from here on
                 target = targets.get(alias)
-                if target is not None and target not in loaded:
+                if alias in stuck:
                     continue
                 holders = [m for m in engine.loaded() if m.name == self.name and alias in m.aliases]
                 if [m.version for m in holders] == ([target] if target is not None else []):
@@ -102,15 +109,23 @@ class AliasFollower:
             self._retire_idle()
 
     def _retire_idle(self) -> None:
+        """Unloads each released version idle for `retire_idle_s`; a base waits for the adapters
+        served over its weights to go first, and goes next when none of its own aliases is left (a
+        base an adapter brought in has none)."""
         now = time.monotonic()
+        engine = self.versions.engine
         for version in sorted(self._released):
-            loaded = self.versions.engine.find(self.name, version)
-            riders = [m for m in self.versions.engine.loaded() if m.base_version == version and m.aliases]
-            if loaded is None or loaded.aliases or riders:  # a served adapter needs its base's weights
+            loaded = engine.find(self.name, version)
+            if loaded is None or loaded.aliases:
                 self._released.discard(version)
+            elif any(m.base_version == version for m in engine.loaded() if m.name == self.name):
+                continue  # its adapters first
             elif now - loaded.last_request > self.retire_idle_s:
-                self.versions.engine.remove(self.name, version)
+                engine.remove(self.name, version)
                 self._released.discard(version)
+                base = engine.find(self.name, loaded.base_version) if loaded.base_version else None
+                if base is not None and not base.aliases:
+                    self._released.add(base.version)
                 logger.info(
                     "unloaded %s/%s: no alias and no request for %.0fs",
                     self.name,

@@ -295,7 +295,7 @@ async def _serve_isolated(
         follower = servicer.follower = AliasFollower(
             versions, settings.model_name, settings.worker_aliases, settings.registry_poll_s
         )
-        await follower.sync()
+        await follower.sync(strict=True)  # every version it follows, or no start
     server, port, health_servicer = await create_server(
         servicer,
         settings.worker_host,

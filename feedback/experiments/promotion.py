@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from reflow.registry import BASE_VERSION_TAG, CHAMPION, Registry, tenant_alias
+from reflow.registry import BASE_VERSION_TAG, CHAMPION, TENANT_TAG, Registry, tenant_alias
 from reflow.scopes import SHARED, Scope
 from reflow.v1 import worker_pb2
 from reflow.worker_calls import WorkerTargets, call_workers
@@ -39,6 +39,8 @@ def promote(
     the same batches as everyone else's.
     """
     champion, ref = version, registry.resolve(name, version=version)
+    if (owner := registry.tags(ref).get(TENANT_TAG, "")) and owner != scope.tenant:
+        raise LookupError(f"{name} v{version} is tenant {owner}'s own: it is never {scope}'s champion")
     if not scope.tenant:
         was = registry.aliases(name).get(CHAMPION)
         for tenant_id in unshared:

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from reflow.cli.common import current_engine, err_console, fail, load_settings, open_registry
+from reflow.scopes import SHARED, Scope
 from reflow.settings import Settings
 
 app = typer.Typer(help="Registered model versions and their aliases.", no_args_is_help=True)
@@ -94,7 +95,7 @@ def models_list(
         print(f"{v['version']}\t{','.join(v['aliases']) or '-'}\t{origin or '-'}\t{v['run_id'] or '-'}")
 
 
-def _follow_aliases(settings: Settings, registry: Any, name: str) -> None:
+def _follow_aliases(settings: Settings, registry: Any, name: str, scope: Scope = SHARED) -> None:
     """After a move by hand: ends the experiment on the old aliases (opening one when a challenger
     remains) and tells the running workers to follow now; they poll anyway."""
     from feedback.experiments.lifecycle import reconcile
@@ -105,7 +106,7 @@ def _follow_aliases(settings: Settings, registry: Any, name: str) -> None:
     engine = open_engine(settings.resolved_database_url)
     try:
         require_current_schema(engine)
-        reconcile(engine, registry, name, settings.ab_traffic)
+        reconcile(engine, registry, name, settings.ab_traffic, scope)
     except Exception as error:  # the aliases moved all the same; the scheduler catches up
         err_console.print(
             f"[yellow]experiments not updated ({error}); the scheduler's next evaluation will[/]"
@@ -145,17 +146,26 @@ def models_promote(
         fail(f"{error}")
     merged = f" (adapter v{version} merged into it)" if champion != version else ""
     print(f"{name}@{scope.champion} -> version {champion}{merged}")
-    _follow_aliases(settings, registry, name)
+    _follow_aliases(settings, registry, name, scope)
 
 
 @app.command("rollback")
-def models_rollback(name: str) -> None:
-    """Remove the challenger alias: workers stop serving it, the champion keeps all traffic."""
+def models_rollback(
+    name: str,
+    tenant: Annotated[str, typer.Option(help="Remove this tenant's own challenger instead.")] = "",
+) -> None:
+    """Remove the challenger alias (or with --tenant that tenant's own): workers stop serving it,
+    the champion keeps all traffic."""
     from feedback.experiments.promotion import roll_back
+    from reflow.scopes import scope_named
 
     settings = load_settings()
     registry = open_registry(settings)
-    if not roll_back(registry, name):
-        fail(f"{name} has no challenger to roll back")
-    print(f"{name}@challenger removed")
-    _follow_aliases(settings, registry, name)
+    try:
+        scope = scope_named(current_engine(settings), tenant)
+    except LookupError as error:
+        fail(f"{error}")
+    if not roll_back(registry, name, scope=scope):
+        fail(f"{name} has no challenger of {scope} to roll back")
+    print(f"{name}@{scope.challenger} removed")
+    _follow_aliases(settings, registry, name, scope)

@@ -42,17 +42,20 @@ def tenants_create(
 ) -> None:
     """Create a tenant and print its new API key (shown only once; stored hashed). Its limits hold
     across gateways sharing REFLOW_REDIS_URL, per gateway otherwise. Its feedback trains its own
-    versions unless --trains says otherwise: joining the shared model is each tenant's choice."""
+    versions unless --trains says otherwise: joining the shared model is each tenant's choice. A
+    tenant outside it is pinned at once to the shared champion of now."""
     from gateway.tenants import Limits, create_tenant
     from reflow.store.database import migrate
 
     engine = store_engine()
     migrate(engine)
     try:
-        _, key = create_tenant(engine, name, limits=Limits(max_streams, rpm, tpm), trains=trains.value)
+        info, key = create_tenant(engine, name, limits=Limits(max_streams, rpm, tpm), trains=trains.value)
     except ValueError as error:
         fail(f"{error}")
     print(key)
+    if info.trains != Trains.shared:
+        _follow_trains(info)
 
 
 @app.command("update")
@@ -65,10 +68,9 @@ def tenants_update(
 ) -> None:
     """Change what a tenant's feedback trains, or its quotas (those given; the rest stay). Gateways
     apply it at once where they share REFLOW_REDIS_URL (set it here too), else within
-    REFLOW_AUTH_CACHE_TTL_S; fine-tune runs from their next start. A tenant that
-    leaves the shared model keeps being served the version it was on until the shared model next
-    promotes one, then stays on it (pinned): what the shared model learns from others is never
-    served to it."""
+    REFLOW_AUTH_CACHE_TTL_S; fine-tune runs from their next start. A tenant that leaves the shared
+    model is pinned at once to the shared champion of now (what the shared model learns from others
+    later is never served to it); one that joins it loses its own aliases."""
     from dataclasses import replace
 
     from gateway.tenants import Limits, find_tenant, update_tenant
@@ -83,7 +85,26 @@ def tenants_update(
     except LookupError as error:
         fail(f"{error}")
     print(f"{updated.name}\ttrains {updated.trains}\t{_quotas(updated)}")
+    if trains is not None:
+        _follow_trains(updated)
     _announce(digest, revoked=False)
+
+
+def _follow_trains(info: TenantInfo) -> None:
+    """Moves the tenant's aliases of REFLOW_MODEL_NAME to what it trains (reflow/scopes.py), or says
+    why it could not: the registry's next shared promotion pins it then."""
+    from reflow.scopes import follow_trains
+
+    settings = load_settings()
+    try:
+        done = follow_trains(open_registry(settings), settings.model_name, info.id, info.trains)
+    except Exception as error:  # the tenant is stored all the same
+        err_console.print(
+            f"[yellow]{settings.model_name}'s aliases not moved ({type(error).__name__}: {error}); the next "
+            "promotion of the shared model pins this tenant[/]", soft_wrap=True,
+        )  # fmt: skip
+        return
+    err_console.print(f"{info.name}: {done}", highlight=False, soft_wrap=True)
 
 
 @app.command("show")
@@ -98,7 +119,7 @@ def tenants_show(
     import json
 
     from gateway.tenants import find_tenant
-    from reflow.registry import CHALLENGER, tenant_alias
+    from reflow.registry import CHALLENGER, TENANT_TAG, tenant_alias
     from reflow.scopes import SHARED, Scope, champion_of
     from reflow.store.experiments import running_experiment
 
@@ -115,7 +136,9 @@ def tenants_show(
     served, whose = "", "none"
     with contextlib.suppress(LookupError):
         ref = champion_of(registry, model, own if info.trains != "shared" else SHARED)
-        served, whose = ref.version, "its own" if own.champion in ref.aliases else "the shared model's"
+        served, whose = ref.version, "the shared model's"
+        if own.champion in ref.aliases:  # trained on its feedback, or a version it was pinned to
+            whose = "its own" if registry.tags(ref).get(TENANT_TAG) == info.name else "pinned"
     experiment = running_experiment(engine, model, info.name if info.trains == "own" else "")
     if info.trains == "nothing":
         experiment = None

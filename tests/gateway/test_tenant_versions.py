@@ -5,6 +5,7 @@ no tenant is served another's own version, even by asking for it."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import grpc
@@ -13,7 +14,7 @@ import pytest
 from feedback.experiments.lifecycle import reconcile
 from gateway.assignment import ASSIGNMENT_KEY, assigned_arm
 from gateway.tenants import create_tenant
-from reflow.registry import CHALLENGER, CHAMPION, TENANT_TAG, Registry
+from reflow.registry import CHALLENGER, CHAMPION, TENANT_TAG, Registry, tenant_alias
 from reflow.scopes import Scope
 from reflow.settings import Settings
 from reflow.store.database import open_engine
@@ -102,8 +103,43 @@ async def test_each_tenant_is_served_its_own_versions_and_only_its_users_are_tes
             for asked in (f"{MODEL}/2", f"{MODEL}@{own.champion}", f"{MODEL}/{three}"):
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await ask(stack, key, "curious", model=asked)
-                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-                assert "another tenant's own" in str(refused.value.details())
+                assert refused.value.code() == grpc.StatusCode.NOT_FOUND  # as if it were not served
+                assert (
+                    refused.value.details()
+                    == f"no worker serves model {asked}; served now: {MODEL}/1 ['champion']"
+                )
     finally:
         store.dispose()
+        await stop_stack(stack)
+
+
+async def test_the_shared_champion_waits_while_a_tenants_pin_cannot_be_served(
+    swap_settings: Settings, tmp_path: Path
+) -> None:
+    """A worker that cannot load the version a tenant is pinned to keeps the shared champion where
+    it was, rather than leave that tenant to be routed to a champion it must not see; once the pin
+    loads, both move in one step."""
+    registry = Registry.from_settings(swap_settings)
+    broken = registry.register(
+        MODEL, save_model(tiny_model(2), tmp_path / "v3"), params={}, metrics={}, alias=""
+    )
+    source = registry.client.get_model_version(MODEL, broken.version).source
+    shutil.rmtree(Path(source.removeprefix("file://")))  # its files are gone from the artifact store
+    stack = await start_stack(swap_settings, requests_per_minute=0)
+    try:
+        worker = stack.workers[0]
+        follower = AliasFollower(worker.servicer.versions, MODEL, [CHAMPION, CHALLENGER], 0)
+        pin = tenant_alias(7, CHAMPION)
+        registry.set_alias(MODEL, pin, broken.version)
+        registry.set_alias(MODEL, CHAMPION, "2")
+        await follower.sync()
+        assert {m.version: m.aliases for m in worker.engine.loaded() if m.aliases} == {"1": {CHAMPION}}
+
+        registry.set_alias(MODEL, pin, "1")  # a version it can serve
+        await follower.sync()
+        assert {m.version: m.aliases for m in worker.engine.loaded() if m.aliases} == {
+            "1": {pin},
+            "2": {CHAMPION},
+        }
+    finally:
         await stop_stack(stack)

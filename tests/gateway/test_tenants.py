@@ -67,6 +67,10 @@ def test_ensure_tenant_rekeys_but_never_revives_a_revoked_key(tmp_path) -> None:
     assert find_by_key(engine, "second-key-0123456789") is not None
     with pytest.raises(ValueError, match="at least 16"):
         create_tenant(engine, "weak", api_key="short")
+    with pytest.raises(ValueError, match="needs a name"):  # "" is the shared model's scope
+        create_tenant(engine, " ")
+    with pytest.raises(ValueError, match="trains one of nothing, shared, own"):
+        create_tenant(engine, "unsure", trains="everything")
 
 
 async def test_lookups_are_cached_for_the_ttl(tmp_path) -> None:

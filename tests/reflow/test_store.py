@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import column, insert, inspect, select, table
+from sqlalchemy import column, insert, inspect, select, table, text
 
 from reflow.store.database import downgrade, migrate, open_engine, require_current_schema, schema_is_current
 from reflow.store.tables import Base, Inference, utcnow
@@ -58,3 +58,35 @@ def test_inferences_stored_before_chat_have_an_empty_conversation(database_url: 
     with engine.connect() as connection:
         assert connection.scalar(select(Inference.messages)) == []
     engine.dispose()
+
+
+def test_tenants_own_experiments_end_when_the_store_goes_back_before_them(database_url: str) -> None:
+    """Downgrading past 0010 with a shared and a tenant's experiment running on one model, and a
+    decision recorded (its foreign key points at `experiments`): the tenant's experiment ends, the
+    shared one runs on."""
+    engine = open_engine(database_url)
+    migrate(engine)
+    with engine.begin() as connection:
+        for tenant in ("", "acme"):
+            connection.execute(
+                text(
+                    "INSERT INTO experiments (model, tenant, champion_version, challenger_version, traffic, "
+                    "status, reason, started_at) VALUES ('m', :tenant, '1', '2', 0.5, 'running', '', :now)"
+                ),
+                {"tenant": tenant, "now": utcnow()},
+            )
+        connection.execute(
+            text(
+                "INSERT INTO experiment_decisions (experiment_id, outcome, reason, champion, challenger, "
+                "likelihood_ratio, difference, srm_p, decided_at) "
+                "VALUES (1, 'continue', '', '{}', '{}', 1, 0, 1, :now)"
+            ),
+            {"now": utcnow()},
+        )
+    downgrade(engine, "0009")
+    with engine.connect() as connection:
+        statuses = connection.execute(text("SELECT id, status FROM experiments ORDER BY id")).all()
+    assert [tuple(row) for row in statuses] == [(1, "running"), (2, "ended")]
+    assert "tenant" not in {c["name"] for c in inspect(engine).get_columns("experiments")}
+    migrate(engine)
+    assert schema_is_current(engine)

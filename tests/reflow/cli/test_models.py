@@ -153,20 +153,26 @@ def test_a_tenant_says_what_its_feedback_trains_and_is_served_its_own_champion(r
         assert result.returncode == 0, result.stderr
         return dict(json.loads(result.stdout))
 
-    assert tenants("create", "acme").returncode == 0
+    created = tenants("create", "acme")
+    assert created.returncode == 0 and "pinned to arith v1" in created.stderr, created.stderr
     assert {k: shown()[k] for k in ("trains", "served_version", "served_champion", "experiment")} == {
-        "trains": "own", "served_version": "1", "served_champion": "the shared model's", "experiment": None,
+        "trains": "own", "served_version": "1", "served_champion": "pinned", "experiment": None,
     }  # fmt: skip
     promoted = models(registry, "promote", MODEL, "3", "--tenant", "acme")
     assert promoted.returncode == 0, promoted.stderr
     assert promoted.stdout.startswith(f"{MODEL}@tenant-1-champion -> version 3")
-    assert (shown()["served_version"], shown()["served_champion"]) == ("3", "its own")
+    assert (shown()["served_version"], shown()["served_champion"]) == ("3", "pinned")
     assert registry.resolve(MODEL, alias="champion").version == "1"  # the shared champion stays
+    registry.client.set_model_version_tag(MODEL, "2", "reflow.tenant", "globex")
+    refused = models(registry, "promote", MODEL, "2", "--tenant", "acme")  # another tenant's own
+    assert refused.returncode == 1 and "tenant globex's own" in refused.stderr
 
     updated = tenants("update", "acme", "--trains", "nothing", "--rpm", "7")
     assert updated.returncode == 0, updated.stderr
     assert "trains nothing" in updated.stdout and "7 rpm" in updated.stdout
     assert "trains nothing" in tenants("list").stdout
+    assert tenants("update", "acme", "--trains", "shared").returncode == 0  # its own aliases go
+    assert (shown()["served_version"], shown()["served_champion"]) == ("1", "the shared model's")
     missing = tenants("update", "ghost", "--trains", "own")
     assert missing.returncode == 1 and "no tenant named 'ghost'" in missing.stderr
     wrong = tenants("create", "bad", "--trains", "everything")
