@@ -67,17 +67,18 @@ def learning_scopes(engine: Engine) -> list[Scope]:
 def scope_of(engine: Engine, tenant: str) -> Scope:
     """The scope of tenant `tenant` ("" = the shared model's); LookupError when there is no such
     tenant or it trains no versions of its own."""
-    scope = scope_named(engine, tenant)
     if not tenant:
-        return scope
+        return SHARED
     with Session(engine) as session:
-        trains = session.scalar(select(Tenant.trains).where(Tenant.name == tenant))
-        if trains != TRAINS_OWN:
-            raise LookupError(
-                f"tenant {tenant!r} trains {trains!r}, not its own versions; "
-                f"`reflow tenants update {tenant} --trains own` gives it some"
-            )
-    return scope
+        found = session.execute(select(Tenant.id, Tenant.trains).where(Tenant.name == tenant)).first()
+    if found is None:
+        raise LookupError(f"there is no tenant named {tenant!r}")
+    if found.trains != TRAINS_OWN:
+        raise LookupError(
+            f"tenant {tenant!r} trains {found.trains!r}, not its own versions; "
+            f"`reflow tenants update {tenant} --trains own` gives it some"
+        )
+    return Scope(tenant, found.id)
 
 
 def scope_named(engine: Engine, tenant: str) -> Scope:
