@@ -175,6 +175,13 @@ class Settings(BaseSettings):
     gateway_metrics_port: int = Field(
         0, ge=0, le=65535, description="Port of the gateway's Prometheus endpoint; 0 = a free port."
     )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description=(
+            "Interface the gateway's and workers' Prometheus endpoints bind (loopback by default: "
+            "set it to scrape from another host). Each serves at most 16 connections at once."
+        ),
+    )
     worker_poll_s: float = Field(
         1.0, gt=0, description="How often the gateway refreshes worker status and the running experiments."
     )
@@ -197,6 +204,43 @@ class Settings(BaseSettings):
     )
     consumer_batch_size: int = Field(
         1000, ge=1, description="Most records the consumer writes to the store in one transaction."
+    )
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT",
+        description=(
+            "How every Kafka client of reflow talks to the brokers: `SSL` (TLS), `SASL_SSL` (TLS and a "
+            "SASL login), `SASL_PLAINTEXT`, or `PLAINTEXT` (the embedded broker's)."
+        ),
+    )
+    kafka_ssl_ca_file: str = Field(
+        "", description="CA certificate (PEM) the Kafka clients trust for the brokers' certificates."
+    )
+    kafka_ssl_cert_file: str = Field(
+        "", description="Client certificate (PEM) for brokers that require mutual TLS."
+    )
+    kafka_ssl_key_file: str = Field("", description="Private key (PEM) of that client certificate.")
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        "SCRAM-SHA-512", description="SASL mechanism with `SASL_SSL` or `SASL_PLAINTEXT`."
+    )
+    kafka_sasl_username: str = Field("", description="SASL user name.")
+    kafka_sasl_password: SecretStr | None = Field(None, description="SASL password.")
+    max_event_bytes: int = Field(
+        900_000,
+        ge=4096,
+        description=(
+            "Largest Kafka record a gateway publishes, in bytes; keep it under the brokers' "
+            "`message.max.bytes` (about 1 MiB by default). An inference event over it has its "
+            "conversation and completion cut to fit and says so (`truncated`); a record Kafka still "
+            "refuses for good goes to the dead letters, never in front of the others."
+        ),
+    )
+    event_queue_max: int = Field(
+        10_000,
+        ge=1,
+        description=(
+            "Inference events a gateway holds in memory while Kafka is slow; past it they go to the "
+            "outbox on disk, as acknowledged feedback does."
+        ),
     )
 
     finetune_interval_s: float = Field(
@@ -439,6 +483,38 @@ class Settings(BaseSettings):
     auth_cache_ttl_s: float = Field(
         10.0, ge=0, description="How long a gateway keeps a key's lookup (found or not) in its own L1 cache."
     )
+    auth_failures_per_minute: int = Field(
+        60,
+        ge=1,
+        description=(
+            "Unknown or revoked API keys one client address may present per minute; past it that "
+            "address gets RESOURCE_EXHAUSTED (HTTP 429) without a store lookup until the minute ends."
+        ),
+    )
+    max_request_bytes: int = Field(
+        1024 * 1024,
+        ge=64 * 1024,
+        description=(
+            "Largest request body (HTTP) or message (gRPC) a gateway reads, only once the caller's key "
+            "is checked; a larger one gets HTTP 413 / RESOURCE_EXHAUSTED."
+        ),
+    )
+    max_concurrent_requests: int = Field(
+        1024,
+        ge=1,
+        description=(
+            "Requests each public face (gRPC, HTTP) holds at once; past it a new one is refused "
+            "(HTTP 503, gRPC RESOURCE_EXHAUSTED) rather than held in memory."
+        ),
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "Seconds an HTTP client has to send a request's headers before the gateway closes its "
+            "connection (slow clients hold no connection for long)."
+        ),
+    )
     redis_url: str = Field(
         "",
         description=(
@@ -553,7 +629,8 @@ class Settings(BaseSettings):
 
     @field_validator(
         "tls_ca_file", "tls_cert_file", "tls_key_file", "gateway_tls_cert_file", "gateway_tls_key_file",
-        "gateway_ca_file", "general_prompts_file",
+        "gateway_ca_file", "general_prompts_file", "kafka_ssl_ca_file", "kafka_ssl_cert_file",
+        "kafka_ssl_key_file",
     )  # fmt: skip
     @classmethod
     def _check_file(cls, value: str) -> str:
