@@ -35,6 +35,7 @@ from feedback.bus.publisher import Publisher
 from feedback.intake.ingest import ingest
 from gateway.tenants import create_tenant
 from reflow.cli.supervisor import Supervisor, wait_serving
+from reflow.kafka_settings import PLAINTEXT, PublisherConfig
 from reflow.request_ids import RequestIds
 from reflow.serving import free_port
 from reflow.settings import Settings
@@ -62,12 +63,12 @@ def wait_rows(engine: Engine, count: int, timeout_s: float = 300) -> float:
 
 def raw_consume_rate(bootstrap: str, items: int, value: bytes, group: str) -> float:
     """Records/s of a consumer group reading `items` records, first record to last."""
-    producer = new_producer(bootstrap)
+    producer = new_producer(bootstrap, security=PLAINTEXT)  # the embedded broker's
     for i in range(items):
         producer.send(RAW_TOPIC, key=str(i % 997).encode(), value=value)
     producer.flush()
     producer.close()
-    consumer = new_consumer(bootstrap, RAW_TOPIC, group_id=group, max_poll_records=1000)
+    consumer = new_consumer(bootstrap, RAW_TOPIC, security=PLAINTEXT, group_id=group, max_poll_records=1000)
     seen, first = 0, None
     while seen < items:
         for records in consumer.poll(timeout_ms=200, max_records=1000).values():
@@ -92,7 +93,7 @@ def main() -> None:
         settings = Settings(data_dir=Path(tmp), database_url=args.database_url)
         supervisor = Supervisor(settings)
         bootstrap = supervisor.spawn_broker()
-        ensure_topics(bootstrap, settings.kafka_partitions)
+        ensure_topics(bootstrap, settings.kafka_partitions, security=PLAINTEXT)
         engine = open_engine(settings.resolved_database_url)
         migrate(engine)
         _, key = create_tenant(engine, "bench")
@@ -138,7 +139,8 @@ def main() -> None:
                 )  # fmt: skip
                 path.write_text("\n".join(lines) + "\n")
                 before = stored(engine)
-                publisher = Publisher(bootstrap, Path(tmp) / "ingest-outbox.db", 5.0)
+                outbox = Path(tmp) / "ingest-outbox.db"
+                publisher = Publisher(bootstrap, outbox, PublisherConfig.from_settings(settings))
                 start = time.perf_counter()
                 with path.open() as source:
                     report = ingest(source, "bench", request_ids, publisher)

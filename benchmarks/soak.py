@@ -12,14 +12,24 @@ concurrent clients then send, to either gateway and either face, a mix of:
   * ratings of finished completions in batches of up to 50, each batch sent twice (a client's
     retry: the second must store nothing new);
 and, on the way, a worker is killed (`reflow up` starts it again) at a third of the run and Redis is
-restarted at two thirds. Every 10 s the RSS of each of up's children (with its own children) is
-sampled. At the end, once the consumer has stored what Kafka holds, the store is read:
+restarted at two thirds. Each minute (from half a minute in) the pipeline also gets what it must
+keep out of the store without holding anything else up:
+  * a record Kafka refuses for good (2 MB, over the producer's limit), put at the head of the
+    gateways' outbox as a long completion once was: it must become a dead letter, and the ratings
+    queued behind it must still arrive;
+  * a forged rating and a forged inference event (a request id never served to the tenant),
+    written straight to the topics: the consumer must send them to the DLQ, not store them.
+Every 10 s the RSS of each of up's children (with its own children) is sampled. At the end, once
+the consumer has stored what Kafka holds, the store is read:
   * lost: finished completions without an inference row, acknowledged ratings without a row;
   * duplicated: rows stored more than once (request ids and feedback ids are unique keys, so
     this counts ids stored under a second row id, which would be a bug in the keys);
   * RSS growth per process from the end of warm-up (a fifth of the run) to the end; a restarted
-    worker from its own warm-up.
-Targets (issue 16): RSS growth ≤ 5% per process after warm-up; 0 lost, 0 duplicated.
+    worker from its own warm-up;
+  * the oversized records among the dead letters (`reflow feedback dead-letters`), the forged
+    events in the DLQ and none of them stored.
+Targets (issue 16): RSS growth ≤ 5% per process after warm-up; 0 lost, 0 duplicated; every
+oversized record a dead letter, every forged event in the DLQ, none stored.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import signal
 import sqlite3
 import statistics
@@ -48,13 +59,23 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
+from feedback.bus.kafka import new_producer
+from feedback.bus.outbox import Outbox
+from feedback.events import FeedbackEvent, InferenceEvent, Latency, TokenUsage
+from feedback.intake.stats import kafka_stats
 from reflow.endpoints import read_endpoints
+from reflow.kafka_settings import PLAINTEXT
+from reflow.store.tables import utcnow
 from reflow.v1 import inference_pb2, inference_pb2_grpc
+from tests.support.cli import reflow
 from tests.support.redis import RedisServer, SharedRedis
 from tests.support.up import descendants
 
 KEY = "rf_soak_key_0123456789"
+TENANT = "default"  # the tenant `reflow up` makes for KEY
 SAMPLE_EVERY_S = 10.0
+INJECT_EVERY_S = 60.0
+OVERSIZED_BYTES = 2_000_000  # over REFLOW_MAX_EVENT_BYTES, so over the gateways' producer limit
 
 
 @dataclass
@@ -226,6 +247,58 @@ async def client(clients: Clients, seed: int, until: float, tally: Tally) -> Non
             await rate(clients, rng, tally)
 
 
+@dataclass
+class Injected:
+    """What the soak slipped into the pipeline: records Kafka refuses for good, and forged events."""
+
+    oversized: int = 0
+    forged_ratings: set[str] = field(default_factory=set)  # feedback ids
+    forged_requests: set[str] = field(default_factory=set)  # request ids of forged inference events
+
+
+def inference_event(request_id: str, completion: str) -> InferenceEvent:
+    """An inference event of `TENANT`'s, as a gateway would publish it."""
+    return InferenceEvent(
+        request_id=request_id, tenant=TENANT, model="arith", version="1", prompt="1+1=",
+        completion=completion, finish_reason="LENGTH", time=utcnow(),
+        usage=TokenUsage(prompt_tokens=4, completion_tokens=len(completion), reasoning_tokens=0),
+        latency=Latency(first_token_ms=1.0, total_ms=2.0),
+    )  # fmt: skip
+
+
+def inject_once(data_dir: Path, kafka: str, injected: Injected) -> None:
+    """An oversized record at the head of the gateways' outbox (the one the gateways of `reflow
+    up` share), and a forged rating and inference event straight onto the topics."""
+    n = injected.oversized
+    oversized = inference_event(f"soak-oversized-{n}", "9" * OVERSIZED_BYTES).to_record()
+    outbox = Outbox(data_dir / "outbox.db")
+    outbox.append([oversized])
+    outbox.close()
+    injected.oversized += 1
+    forged_request = secrets.token_hex(24)  # the shape of a request id, signed by nobody
+    forged = [
+        FeedbackEvent(
+            feedback_id=f"forged-{n}", request_id=forged_request, tenant=TENANT, rating=1, time=utcnow()
+        ).to_record(),
+        inference_event(forged_request, "2").to_record(),
+    ]
+    producer = new_producer(kafka, security=PLAINTEXT)  # the embedded broker's
+    for record in forged:
+        producer.send(record.topic, key=record.key, value=record.value)
+    producer.flush()
+    producer.close()
+    injected.forged_ratings.add(f"forged-{n}")
+    injected.forged_requests.add(forged_request)
+
+
+async def inject(data_dir: Path, kafka: str, until: float, injected: Injected) -> None:
+    """`inject_once` each INJECT_EVERY_S, the first half of it into the run."""
+    await asyncio.sleep(INJECT_EVERY_S / 2)
+    while time.monotonic() < until:
+        await asyncio.to_thread(inject_once, data_dir, kafka, injected)
+        await asyncio.sleep(INJECT_EVERY_S)
+
+
 def children_of(up_pid: int) -> dict[str, int]:
     """`reflow up`'s direct children by the name it gave them (their ready file, or their command)."""
     named = {}
@@ -305,6 +378,16 @@ def stored(data_dir: Path, tally: Tally, timeout_s: float = 120) -> tuple[Counte
         time.sleep(1)
 
 
+def forged_rows(data_dir: Path, injected: Injected) -> int:
+    """Rows the store holds of the forged events (the target is none)."""
+    with contextlib.closing(sqlite3.connect(data_dir / "reflow.db")) as db:
+        ratings = db.execute("SELECT count(*) FROM feedback WHERE feedback_id LIKE 'forged-%'").fetchone()[0]
+        requests = list(injected.forged_requests)
+        marks = ",".join("?" * len(requests))
+        inferences = db.execute(f"SELECT count(*) FROM inferences WHERE request_id IN ({marks})", requests)
+        return int(ratings) + int(inferences.fetchone()[0])
+
+
 def report(samples: dict[str, list[tuple[float, float]]], duration_s: float) -> None:
     warm = duration_s / 5
     print(f"\nRSS (MiB) from the end of warm-up ({warm:.0f} s into each process's life) to the end:")
@@ -321,7 +404,12 @@ def report(samples: dict[str, list[tuple[float, float]]], duration_s: float) -> 
 
 
 async def soak(
-    endpoints: dict[str, Any], up_pid: int, redis_server: RedisServer, args: argparse.Namespace
+    endpoints: dict[str, Any],
+    up_pid: int,
+    redis_server: RedisServer,
+    args: argparse.Namespace,
+    data_dir: Path,
+    injected: Injected,
 ) -> Tally:
     duration_s = args.minutes * 60
     clients = Clients(endpoints["gateways"])
@@ -332,6 +420,7 @@ async def soak(
     await asyncio.gather(
         *(client(clients, seed, until, tally) for seed in range(args.clients)),
         sample_memory(up_pid, until, samples),
+        inject(data_dir, endpoints["kafka"], until, injected),
         *([] if args.calm else [disturb(up_pid, redis_server, duration_s, log)]),
     )
     while tally.unrated:  # rate what is left, so every finished completion's rating is checked
@@ -373,8 +462,11 @@ def main() -> None:
                 if up.poll() is not None:
                     sys.exit("reflow up did not start:\n" + (Path(tmp) / "up.log").read_text()[-3000:])
                 time.sleep(0.5)
-            tally = asyncio.run(soak(endpoints, up.pid, redis_server, args))
+            injected = Injected()
+            tally = asyncio.run(soak(endpoints, up.pid, redis_server, args, data, injected))
             inferences, ratings = stored(data, tally)
+            in_dlq = kafka_stats(endpoints["kafka"], security=PLAINTEXT)["dlq_messages"]
+            forged_stored = forged_rows(data, injected)
         finally:
             up.send_signal(signal.SIGTERM)
             up.wait(120)
@@ -391,6 +483,13 @@ def main() -> None:
         for what, ids in (("inference", lost_inferences), ("rating", lost_ratings)):
             for missing in sorted(ids)[:5]:
                 print(f"  lost {what}: {missing}")
+        shown = reflow("feedback", "dead-letters", "--json", env={"REFLOW_DATA_DIR": str(data)})
+        dead = [d for d in json.loads(shown.stdout) if d["key"].startswith("soak-oversized-")]
+        print(f"oversized records put in front of the outbox {injected.oversized}: dead letters {len(dead)}")
+        forged = len(injected.forged_ratings) + len(injected.forged_requests)
+        print(
+            f"forged events {forged} (ratings, inference events): stored {forged_stored}, in the DLQ {in_dlq}"
+        )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import to_json
 
 from feedback.bus.kafka import FEEDBACK_TOPIC, INFERENCES_TOPIC, Record
 
@@ -131,9 +132,59 @@ class InferenceEvent(_Event):
     # None (left out of the record) for a failed request, which was never placed
     routing: Routing | None = None
     time: AwareDatetime
+    # True when its texts were cut to fit the largest record the gateway publishes; None = whole
+    truncated: bool | None = None
 
     def to_record(self) -> Record:
         return self.record(INFERENCES_TOPIC, self.request_id)
+
+    def within(self, max_bytes: int) -> InferenceEvent:
+        """This event if its record's value fits in `max_bytes`; else a copy marked `truncated`
+        whose texts (prompt, conversation, reasoning, completion) are cut to fit: each longer than
+        a common length is cut to it, keeping its beginning, and shorter ones are left whole. One
+        that cannot fit even with no text left is returned with none (Kafka refuses it)."""
+        if len(self.to_record().value) <= max_bytes:
+            return self
+        texts: dict[str | int, str] = {
+            "prompt": self.prompt, "reasoning": self.reasoning, "completion": self.completion
+        }  # fmt: skip
+        texts |= {i: m.content for i, m in enumerate(self.messages or ())}
+        sizes = {name: len(to_json(text)) for name, text in texts.items()}  # bytes of JSON
+        rest = len(self._with(texts).to_record().value) - sum(sizes.values())  # all but the texts
+        level = _level(sorted(sizes.values()), max_bytes - rest)
+        return self._with({name: _cut(text, sizes[name] - level) for name, text in texts.items()})
+
+    def _with(self, texts: dict[str | int, str]) -> InferenceEvent:
+        """A copy with these texts (messages by index), marked truncated."""
+        messages = [m.model_copy(update={"content": texts[i]}) for i, m in enumerate(self.messages or ())]
+        return self.model_copy(
+            update={
+                "prompt": texts["prompt"], "reasoning": texts["reasoning"], "completion": texts["completion"],
+                "messages": messages if self.messages is not None else None, "truncated": True,
+            }
+        )  # fmt: skip
+
+
+def _level(sizes: list[int], budget: int) -> int:
+    """The largest level such that `sizes` (ascending), each cut to it, add up to `budget` at most."""
+    for i, size in enumerate(sizes):
+        share = budget // (len(sizes) - i)
+        if size > share:
+            return share
+        budget -= size
+    return sizes[-1]
+
+
+def _cut(text: str, over: int) -> str:
+    """The longest beginning of `text` whose JSON is at least `over` bytes shorter than its own."""
+    if over <= 0:
+        return text
+    target = len(to_json(text)) - over
+    kept, too_long = 0, len(text) + 1  # found by bisection: escapes make bytes per character vary
+    while too_long - kept > 1:
+        middle = (kept + too_long) // 2
+        kept, too_long = (middle, too_long) if len(to_json(text[:middle])) <= target else (kept, middle)
+    return text[:kept]
 
 
 def stars_rating(stars: int) -> int:

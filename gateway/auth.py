@@ -1,6 +1,7 @@
 """Authenticates calls: the bearer key of the `authorization` header (gRPC metadata or HTTP), looked
-up through a two-level cache (this process, then Redis shared by every replica) in front of the
-store; revocations are announced to every replica."""
+up through a two-level cache (this process, then Redis shared by every replica, its values signed)
+in front of the store, with unknown keys throttled per client address; revocations are announced
+to every replica."""
 
 from __future__ import annotations
 
@@ -13,21 +14,26 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from math import ceil
+from typing import Generic, NoReturn, TypeVar
 
 import grpc
 import redis as sync_redis
 from sqlalchemy import Engine
 
-from gateway.shared_level import OUTAGE, RedisConfig, SharedLevel, safe_url, shared_key
+from gateway.failed_keys import FailedKeys
+from gateway.shared_level import OUTAGE, RedisConfig, SharedLevel, safe_url, shared_key, trouble
+from gateway.signed_values import SECRET_NAME, Signer
 from gateway.tenants import TenantInfo, find_by_key
 from reflow.api_keys import hash_key
 from reflow.errors import Unauthenticated
+from reflow.store.secrets import shared_secret
 
 logger = logging.getLogger(__name__)
-# L2: apikey2:<sha256 of the key> -> the tenant, as JSON, or REVOKED. "2" since tenants say what
-# their feedback trains: an entry of an older gateway lacks it, and would read as "shared"
-KEY_ENTRY = "apikey2"
-REVOKED = b"revoked"
+# L2: apikey3:<sha256 of the key> -> the tenant as signed JSON (gateway/signed_values.py), or
+# REVOKED. "3" since values are signed: an older gateway's entry would read as forged, and it
+# could not read this one
+KEY_ENTRY = "apikey3"
+REVOKED = b"revoked"  # unsigned: it only keeps replicas from caching the key again, never refuses it
 REVOCATIONS = "revocations"  # the channel key hashes to forget are published on
 
 
@@ -48,18 +54,55 @@ def bearer_key(authorization: str | None) -> str:
     raise Unauthenticated("send your API key as the header `authorization: Bearer <key>`")
 
 
+V = TypeVar("V")
+
+
+class KeyCache(Generic[V]):
+    """Answers by key hash, each kept `ttl_s`, the least recently used dropped past `max_entries`."""
+
+    def __init__(self, ttl_s: float, max_entries: int):
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, tuple[float, V]] = OrderedDict()  # digest -> (expiry, answer)
+
+    def get(self, digest: str, now: float) -> tuple[V, bool] | None:
+        """The answer for `digest` and whether it is fresh; None if there is none. An expired answer
+        stays until it is replaced or dropped: what it said is still a hint."""
+        entry = self._entries.get(digest)
+        if entry is None:
+            return None
+        self._entries.move_to_end(digest)
+        return entry[1], entry[0] > now
+
+    def put(self, digest: str, answer: V, now: float) -> None:
+        self._entries[digest] = (now + self.ttl_s, answer)
+        self._entries.move_to_end(digest)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def pop(self, digest: str) -> None:
+        self._entries.pop(digest, None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
 class Authenticator:
-    """Maps keys to tenants through two levels: L1, this process's LRU of answers (found or not)
-    kept `ttl_s`; L2, the shared level in Redis (found keys only, kept REFLOW_REDIS_KEY_TTL_S);
-    then the store.
+    """Maps keys to tenants through two levels: L1, this process's LRU of found keys kept `ttl_s`
+    (and, apart, of unknown ones, so that no number of bad keys evicts a tenant); L2, the shared
+    level in Redis (found keys only, signed, kept REFLOW_REDIS_KEY_TTL_S); then the store.
 
     So a request costs no database round trip. A revocation announced through Redis (every
     `reflow tenants revoke` with REFLOW_REDIS_URL set) drops the key from both levels of every
     replica within moments; one that is not, or that a replica missed while Redis was down, takes
     effect within `ttl_s` on that replica (and L2's TTL where L2 still holds it).
+
+    A client address that presented `failures_per_minute` unknown keys within a minute gets
+    ResourceExhausted, without a lookup, for any key L1 has not known valid, until the minute
+    ends: a tenant behind the same address as a key scanner keeps its service.
     """
 
-    max_entries = 10_000  # bounds memory under a flood of distinct bad keys
+    max_entries = 10_000  # of each of L1's two caches
 
     def __init__(
         self,
@@ -67,58 +110,65 @@ class Authenticator:
         ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedLevel | None = None,
+        failures_per_minute: int = 60,
     ):
         self.engine = engine
-        self.ttl_s = ttl_s
         self.clock = clock
         self.shared = shared
-        # key hash -> (expiry, tenant), least recently used first
-        self._cache: OrderedDict[str, tuple[float, TenantInfo | None]] = OrderedDict()
+        self.signer = None if shared is None else Signer(shared_secret(engine, SECRET_NAME))
+        self.failures = FailedKeys(failures_per_minute, clock)
+        self._known: KeyCache[TenantInfo] = KeyCache(ttl_s, self.max_entries)
+        self._unknown: KeyCache[None] = KeyCache(ttl_s, self.max_entries)
         self._listener: asyncio.Task[None] | None = None
         if shared is not None:
-            shared.on_recovery.append(self._cache.clear)  # revocations may have been missed meanwhile
+            shared.on_recovery.append(self._known.clear)  # revocations may have been missed meanwhile
 
-    async def authenticate(self, authorization: str | None) -> TenantInfo:
+    async def authenticate(self, authorization: str | None, client: str = "") -> TenantInfo:
         """The tenant whose key `authorization` (the header's value) bears; Unauthenticated for a
-        missing, unknown or revoked key."""
+        missing, unknown or revoked key, ResourceExhausted while `client` (the caller's address)
+        is past its unknown keys."""
         api_key = bearer_key(authorization)
         digest = hash_key(api_key)
         now = self.clock()
-        cached = self._cache.get(digest)
-        if cached is not None and cached[0] > now:
-            self._cache.move_to_end(digest)
-            tenant = cached[1]
-        else:
-            tenant = await self._look_up(api_key, digest)
-            self._cache[digest] = (now + self.ttl_s, tenant)
-            self._cache.move_to_end(digest)
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
+        known = self._known.get(digest, now)
+        if known is not None and known[1]:
+            return known[0]
+        if known is None:  # a key L1 never knew valid: past the limit, no lookup
+            self.failures.check(client)
+            if (unknown := self._unknown.get(digest, now)) is not None and unknown[1]:
+                self._refuse(digest, client, now)
+        tenant = await self._look_up(api_key, digest)
         if tenant is None:
-            raise Unauthenticated("unknown or revoked API key; create one with `reflow tenants create`")
+            self._refuse(digest, client, now)
+        self._unknown.pop(digest)
+        self._known.put(digest, tenant, now)
         return tenant
 
+    def _refuse(self, digest: str, client: str, now: float) -> NoReturn:
+        self._known.pop(digest)
+        self._unknown.put(digest, None, now)
+        self.failures.failed(client)
+        raise Unauthenticated("unknown or revoked API key; create one with `reflow tenants create`")
+
     async def _look_up(self, api_key: str, digest: str) -> TenantInfo | None:
-        """L2, then the store (whose answer for a known key L2 keeps); None for an unknown key."""
-        shared = self.shared if self.shared is not None and self.shared.available else None
-        if shared is not None:
-            try:
-                entry = await shared.client.get(shared.key(KEY_ENTRY, digest))
-            except OUTAGE as error:
-                shared.failed(error)
-                shared = None
-            else:
-                if entry == REVOKED:
-                    return None
-                if entry is not None:
-                    return TenantInfo(**json.loads(entry))
+        """L2 (a value a gateway signed), then the store, whose answer for a known key L2 keeps; None
+        for an unknown or revoked key."""
+        shared, signer = self.shared, self.signer
+        if shared is None or signer is None or not shared.available:
+            return await asyncio.to_thread(find_by_key, self.engine, api_key)
+        key = shared.key(KEY_ENTRY, digest)
+        try:
+            entry = await shared.client.get(key)
+        except OUTAGE as error:
+            shared.failed(error)
+            return await asyncio.to_thread(find_by_key, self.engine, api_key)
+        if isinstance(entry, bytes) and entry != REVOKED and (value := signer.open(key, entry)) is not None:
+            return TenantInfo(**json.loads(value))
         tenant = await asyncio.to_thread(find_by_key, self.engine, api_key)
-        if shared is not None and tenant is not None:
-            value = json.dumps(dataclasses.asdict(tenant))
+        if tenant is not None:
+            signed = signer.sign(key, json.dumps(dataclasses.asdict(tenant)).encode())
             try:  # nx: never over a revocation's tombstone written since the store answered
-                await shared.client.set(
-                    shared.key(KEY_ENTRY, digest), value, ex=ceil(shared.config.key_ttl_s), nx=True
-                )
+                await shared.client.set(key, signed, ex=ceil(shared.config.key_ttl_s), nx=True)
             except OUTAGE as error:
                 shared.failed(error)
         return tenant
@@ -135,12 +185,13 @@ class Authenticator:
                 async with shared.client.pubsub() as pubsub:
                     await pubsub.subscribe(shared.key(REVOCATIONS))
                     if missed:  # revocations announced while it was not listening: forget them all
-                        self._cache.clear()
+                        self._known.clear()
                     missed = False
                     while True:
                         message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                        if message is not None:
-                            self._cache.pop(message["data"].decode(), None)
+                        if message is not None:  # a key revoked, changed or made: ask again
+                            self._known.pop(message["data"].decode())
+                            self._unknown.pop(message["data"].decode())
             except OUTAGE as error:
                 shared.failed(error)
                 missed = True
@@ -173,7 +224,7 @@ def announce_key_change(config: RedisConfig | None, digest: str, *, revoked: boo
             client.publish(shared_key(config.prefix, REVOCATIONS), digest)
     except OUTAGE as error:
         logger.warning(
-            "could not tell the gateways through Redis at %s (%s)", safe_url(config.url), type(error).__name__
+            "could not tell the gateways through Redis: Redis at %s %s", safe_url(config.url), trouble(error)
         )
         return False
     return True

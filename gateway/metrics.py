@@ -68,6 +68,11 @@ class GatewayMetrics:
             "Events and feedback waiting in the outbox for Kafka.",
             registry=r,
         )
+        self.dead_letters = Gauge(
+            "reflow_gateway_dead_letters",
+            "Records Kafka refused for good (too large, not authorized), kept in the outbox's dead letters.",
+            registry=r,
+        )
         self.http_requests = Counter(
             "reflow_gateway_http_requests",
             "Requests to the OpenAI-compatible HTTP API by path and HTTP status.",

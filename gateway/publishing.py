@@ -1,5 +1,6 @@
 """Inference events: what the gateway publishes of every finished completion, and of every failed
-request of an experiment (for its error-rate guardrail), off the request path."""
+request of an experiment (for its error-rate guardrail), off the request path, each within
+REFLOW_MAX_EVENT_BYTES."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ logger = logging.getLogger(__name__)
 class InferenceLog:
     """Hands inference events to the publisher; a completion never fails because of its event."""
 
-    def __init__(self, publisher: Publisher):
+    def __init__(self, publisher: Publisher, max_event_bytes: int):
         self.publisher = publisher
+        self.max_event_bytes = max_event_bytes  # an event over it has its texts cut to fit
 
     def finished(
         self,
@@ -91,7 +93,13 @@ class InferenceLog:
         except ValidationError:
             logger.exception("request_id=%s: no inference event could be made", header.request_id)
             return
-        self.publisher.enqueue(event.to_record())
+        fitted = event.within(self.max_event_bytes)
+        if fitted is not event:
+            logger.warning(
+                "request_id=%s: the inference event's texts were cut to fit REFLOW_MAX_EVENT_BYTES=%d",
+                header.request_id, self.max_event_bytes,
+            )  # fmt: skip
+        self.publisher.enqueue(fitted.to_record())
 
 
 def _messages(request: inference_pb2.GenerateRequest) -> list[ChatMessage] | None:

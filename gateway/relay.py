@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -36,6 +37,9 @@ from reflow.v1 import inference_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
+CACHE_SALT_KEY = "cache_salt_key"  # the store's secret (reflow/store/secrets.py) cache salts are keyed with
+SALT_HEX = 32  # 128 bits of HMAC-SHA256
+
 # header, last message, answer text, reasoning text: called once the last message is ready
 OnFinish = Callable[[inference_pb2.GenerateResponse, inference_pb2.GenerateResponse, str, str], None]
 
@@ -55,11 +59,20 @@ class Generation:
 class Relay:
     """Relays completions from the workers of a pool."""
 
-    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, limits: RequestLimits, placer: Placer):
+    def __init__(
+        self, pool: WorkerPool, metrics: GatewayMetrics, limits: RequestLimits, placer: Placer, key: bytes
+    ):
         self.pool = pool
         self.metrics = metrics
         self.limits = limits
         self.placer = placer
+        self.salt_key = key  # CACHE_SALT_KEY, shared by every replica: a tenant's salt is the same on each
+
+    def cache_salt(self, tenant: TenantInfo) -> str:
+        """The tenant's prefix-cache salt: its blocks are reused for its requests only, on whichever
+        replica they come in, and whoever reaches a worker cannot name it to probe the tenant's
+        prompts (`cached_tokens`) without the key."""
+        return hmac.digest(self.salt_key, f"tenant {tenant.id}".encode(), "sha256").hex()[:SALT_HEX]
 
     async def stream(
         self, generation: Generation, on_finish: OnFinish
@@ -98,7 +111,7 @@ class Relay:
             call_request = worker_request(
                 generation.request, self.limits, request_id=generation.request_id, loaded=loaded,
                 variant=placement.option.name, reasoning_budget=placement.reasoning_budget,
-                cache_salt=f"tenant {generation.tenant.id}",  # tenants never share cached blocks
+                cache_salt=self.cache_salt(generation.tenant),  # tenants never share cached blocks
             )  # fmt: skip
             header = inference_pb2.GenerateResponse(
                 request_id=generation.request_id,

@@ -19,7 +19,9 @@ from feedback.bus.kafka import ensure_topics, resolve_bootstrap
 from feedback.bus.publisher import Publisher
 from feedback.events import FEEDBACK_FIELDS
 from gateway.assignment import ASSIGNMENT_KEY, ExperimentView
-from gateway.auth import Authenticator, authorization_metadata
+from gateway.auth import Authenticator
+from gateway.edge import EdgeLimits
+from gateway.grpc_keys import KeyCheck, caller
 from gateway.http.app import create_app
 from gateway.http.server import HttpServer
 from gateway.intake import FeedbackIntake
@@ -28,7 +30,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.placement import Placer
 from gateway.publishing import InferenceLog
 from gateway.quotas import LocalQuotas, Quotas
-from gateway.relay import Relay
+from gateway.relay import CACHE_SALT_KEY, Relay
 from gateway.routing import ModelSpec, WorkerPool
 from gateway.service import InferenceService
 from gateway.shared_level import RedisConfig, SharedLevel
@@ -37,7 +39,9 @@ from gateway.validation import RequestLimits
 from reflow.cgroups import join_gateway_group
 from reflow.errors import ReflowError
 from reflow.gateway_tls import GatewayTls
+from reflow.kafka_settings import PublisherConfig
 from reflow.mtls import TlsFiles, channel_credentials
+from reflow.private_files import private_dir
 from reflow.request_ids import RequestIds
 from reflow.serving import (
     bind,
@@ -58,7 +62,8 @@ SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    """The gRPC face: streams completions, takes feedback on them, lists models."""
+    """The gRPC face: streams completions, takes feedback on them, lists models, for the caller
+    whose key KeyCheck checked."""
 
     def __init__(self, service: InferenceService):
         self.service = service
@@ -67,8 +72,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         received = time.perf_counter()
-        tenant = await self.service.authenticate(authorization_metadata(context))
-        generation = self.service.start(tenant, request, context.time_remaining(), received)
+        generation = self.service.start(caller(), request, context.time_remaining(), received)
         await context.send_initial_metadata((("x-request-id", generation.request_id),))
         async with contextlib.aclosing(self.service.stream(generation)) as stream:
             async for message in stream:
@@ -77,9 +81,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def SubmitFeedback(
         self, request_iterator: AsyncIterator[inference_pb2.Feedback], context: grpc.aio.ServicerContext
     ) -> inference_pb2.FeedbackAck:
-        tenant = await self.service.authenticate(authorization_metadata(context))
         items = (_fields(item) async for item in request_iterator)
-        result = await self.service.submit_feedback(tenant, items)
+        result = await self.service.submit_feedback(caller(), items)
         ack = inference_pb2.FeedbackAck(accepted=result.accepted, rejected=result.rejected)
         for e in result.errors:
             ack.errors.add(index=e.index, feedback_id=e.feedback_id, reason=e.reason, code=e.code)
@@ -88,9 +91,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
-        tenant = await self.service.authenticate(authorization_metadata(context))
         response = inference_pb2.ListModelsResponse()
-        for name, versions in self.service.served_models(tenant):
+        for name, versions in self.service.served_models(caller()):
             model = response.models.add(name=name)
             for v in versions:
                 served = model.versions.add(
@@ -108,6 +110,21 @@ def _fields(item: inference_pb2.Feedback) -> dict[str, object]:
 def request_limits(settings: Settings) -> RequestLimits:
     """What the gateway accepts of a request, from REFLOW_MAX_PROMPT_CHARS and its neighbours."""
     return RequestLimits(settings.max_prompt_chars, settings.default_max_tokens, settings.max_stop_strings)
+
+
+def edge_limits(settings: Settings) -> EdgeLimits:
+    """What each public face grants a caller, from REFLOW_MAX_REQUEST_BYTES and its neighbours."""
+    return EdgeLimits(
+        settings.max_request_bytes, settings.max_concurrent_requests, settings.header_timeout_s,
+        settings.auth_failures_per_minute,
+    )  # fmt: skip
+
+
+def grpc_bounds(edge: EdgeLimits) -> list[tuple[str, int]]:
+    """The gRPC port's channel arguments for `edge`: messages up to its bound, and HTTP/2 windows
+    that grow only as a call reads (no bandwidth-delay probe), so that the message of a call whose
+    key is refused is never received past the first 64 KiB."""
+    return [("grpc.max_receive_message_length", edge.max_request_bytes), ("grpc.http2.bdp_probe", 0)]
 
 
 def redis_config(settings: Settings) -> RedisConfig | None:
@@ -163,27 +180,34 @@ async def create_server(
     require_current_schema(engine)
     config = redis_config(settings)
     shared = None if config is None else SharedLevel(config)
-    auth = Authenticator(engine, settings.auth_cache_ttl_s, shared=shared)
+    edge = edge_limits(settings)
+    auth = Authenticator(
+        engine, settings.auth_cache_ttl_s, shared=shared, failures_per_minute=edge.auth_failures_per_minute
+    )
     quotas = quotas_of(settings, shared, metrics)
     request_ids = RequestIds.from_store(engine)
     experiments = ExperimentView(engine, settings.worker_poll_s, shared_secret(engine, ASSIGNMENT_KEY))
     await experiments.refresh()
     limits = request_limits(settings)
     placer = Placer(pool, LatencyModel(), limits, settings.reasoning_budget_floor)
-    relay = Relay(pool, metrics, limits, placer)
+    relay = Relay(pool, metrics, limits, placer, shared_secret(engine, CACHE_SALT_KEY))
     service = InferenceService(
-        auth, quotas, limits, pool, experiments, relay, InferenceLog(publisher),
+        auth, quotas, limits, pool, experiments, relay, InferenceLog(publisher, settings.max_event_bytes),
         FeedbackIntake(request_ids, publisher, metrics, settings.max_feedback_items), request_ids,
         ModelSpec(settings.model_name, alias=settings.model_alias),
     )  # fmt: skip
     metrics.outbox.set_function(lambda: publisher.pending)
-    server, health_servicer = new_server([SERVICE], on_done=metrics.count_request)
+    metrics.dead_letters.set_function(lambda: publisher.dead_letters)
+    server, health_servicer = new_server(
+        [SERVICE], on_done=metrics.count_request, gates=[KeyCheck(SERVICE, service.authenticate)],
+        options=grpc_bounds(edge), max_concurrent_rpcs=edge.max_concurrent_requests,
+    )  # fmt: skip
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(service), server)
     tls = GatewayTls.from_settings(settings)
     credentials = None if tls is None else tls.server_credentials()
     port = bind(server, settings.gateway_host, settings.gateway_port, credentials)
-    app = create_app(service, metrics)
-    http = HttpServer(app, settings.gateway_host, settings.http_port, settings.shutdown_grace_s, tls)
+    app = create_app(service, metrics, edge)
+    http = HttpServer(app, settings.gateway_host, settings.http_port, settings.shutdown_grace_s, edge, tls)
     await pool.start()
     await server.start()
     await http.start()
@@ -199,19 +223,21 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
     # first, so every socket it makes is the gateway's
     if settings.isolation != "none" and join_gateway_group(settings.data_dir):
         logger.info("gateway in the cgroup isolated workers admit")
+    private_dir(settings.data_dir)  # the outbox's, and an embedded store's
     bootstrap = resolve_bootstrap(settings.kafka_bootstrap, settings.data_dir)
+    kafka = PublisherConfig.from_settings(settings)
     try:
-        await asyncio.to_thread(ensure_topics, bootstrap, settings.kafka_partitions)
+        await asyncio.to_thread(ensure_topics, bootstrap, settings.kafka_partitions, security=kafka.security)
     except KafkaError as error:  # serve anyway: events wait in the outbox until Kafka answers
         logger.warning("could not reach Kafka at %s (%s); events go to the outbox for now", bootstrap, error)
-    publisher = Publisher(bootstrap, settings.outbox_path, settings.kafka_handover_timeout_s)
+    publisher = Publisher(bootstrap, settings.outbox_path, kafka)
     pool = WorkerPool(
         settings.workers, settings.worker_poll_s, channel_credentials(TlsFiles.from_settings(settings))
     )
     metrics = GatewayMetrics(settings.metrics_max_tenants)
     gateway = await create_server(settings, pool, metrics, publisher)
     metrics_server, metrics_url = start_metrics_server(
-        metrics.registry, settings.gateway_host, settings.gateway_metrics_port
+        metrics.registry, settings.metrics_host, settings.gateway_metrics_port
     )
     address = host_port(settings.gateway_host, gateway.port)
     http_url = f"{gateway.http.scheme}://{host_port(settings.gateway_host, gateway.http_port)}"

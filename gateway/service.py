@@ -52,9 +52,11 @@ class InferenceService:
         self.request_ids = request_ids
         self.default_model = default_model  # what a request that names no model gets
 
-    async def authenticate(self, authorization: str | None) -> TenantInfo:
-        """The tenant whose key the `authorization` header bears; Unauthenticated otherwise."""
-        return await self.auth.authenticate(authorization)
+    async def authenticate(self, authorization: str | None, client: str) -> TenantInfo:
+        """The tenant whose key the `authorization` header bears; Unauthenticated otherwise, or
+        ResourceExhausted while `client` (the caller's address) presented too many unknown keys.
+        Each face calls it before it reads a request's body."""
+        return await self.auth.authenticate(authorization, client)
 
     def start(
         self,

@@ -1,9 +1,10 @@
-"""The shared level of the gateway's caches: one Redis (REFLOW_REDIS_URL) that every replica's key
-cache and quotas use, and whether it answers now.
+"""The shared level of the gateway's caches: one Redis (REFLOW_REDIS_URL: `redis://`, or `rediss://`
+for TLS, with an ACL user as `rediss://user:password@host:port/0`) that every replica's key cache
+and quotas use, and whether it answers now.
 
-Redis is never a single point of failure: a call that fails marks it down (logged once), callers
-then serve from their own level (the key cache from L1 and the store, quotas per replica), and a
-probe brings it back by itself when it answers again."""
+Redis is never a single point of failure: a call that fails marks it down (logged once, saying
+why, the URL's password never), callers then serve from their own level (the key cache from L1
+and the store, quotas per replica), and a probe brings it back by itself when it answers again."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 logger = logging.getLogger(__name__)
 OUTAGE = (RedisError, OSError)  # what a call to an unreachable, restarting or failing Redis raises
@@ -31,16 +32,25 @@ def shared_key(prefix: str, *parts: object) -> str:
 class RedisConfig:
     """Where the shared level is (REFLOW_REDIS_URL and its neighbours)."""
 
-    url: str
+    url: str = field(repr=False)  # may hold a password
     prefix: str
     timeout_s: float  # the longest wait for a reply
     key_ttl_s: float  # how long L2 keeps a found key
 
 
 def safe_url(url: str) -> str:
-    """`url` without its password, for logs."""
+    """`url` without its user, password and query (which redis-py reads a password from too), for logs."""
     scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+    return f"{scheme}{sep}{rest.rpartition('@')[2].partition('?')[0]}"  # the last @: a password may hold one
+
+
+def trouble(error: BaseException) -> str:
+    """What a failed call says of the shared level, for a person to act on."""
+    if isinstance(error, AuthenticationError):
+        return "refuses the user name or password of REFLOW_REDIS_URL"
+    if isinstance(error, NoPermissionError):
+        return "denies the ACL user of REFLOW_REDIS_URL a key or channel under REFLOW_REDIS_PREFIX"
+    return f"is unreachable ({type(error).__name__})"
 
 
 class SharedLevel:
@@ -72,9 +82,9 @@ class SharedLevel:
             return
         self.available = False
         logger.warning(
-            "Redis at %s is unreachable (%s): serving from this gateway's own cache, quotas per "
-            "replica, until it answers again",
-            safe_url(self.config.url), type(error).__name__,
+            "Redis at %s %s: serving from this gateway's own cache, quotas per replica, until it "
+            "answers again",
+            safe_url(self.config.url), trouble(error),
         )  # fmt: skip
         self._probe = asyncio.get_running_loop().create_task(self._wait_for_recovery())
 

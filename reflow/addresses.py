@@ -22,3 +22,15 @@ def parse_destination(entry: str) -> tuple[Network, int]:
     if not 0 <= number <= 65535:
         raise ValueError(f"{entry!r}: port {number} is out of range")
     return network, number
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a port on this machine: `localhost`, 127.0.0.0/8 or ::1
+    (`[::1]` too). Any other name or address, `0.0.0.0` and `::` among them, may be reached from
+    elsewhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:  # a host name: where it resolves is not known here
+        return False

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from reflow.private_files import private_dir
+
 if TYPE_CHECKING:
     from reflow.settings import Settings
 
@@ -81,7 +83,10 @@ class Registry:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Registry:
-        """The registry REFLOW_MLFLOW_TRACKING_URI (and artifact root) name."""
+        """The registry REFLOW_MLFLOW_TRACKING_URI (and artifact root) name; the embedded one's data
+        dir is created private, before MLflow would create it readable by all."""
+        if not settings.mlflow_tracking_uri:
+            private_dir(settings.data_dir)
         return cls(settings.resolved_tracking_uri, settings.resolved_artifact_root)
 
     def resolve(self, name: str, *, version: str = "", alias: str = "") -> VersionRef:

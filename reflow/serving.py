@@ -1,4 +1,5 @@
-"""What every reflow gRPC server shares: health, reflection, error mapping, ready files, signals."""
+"""What every reflow gRPC server shares: health, reflection, error mapping, ready files, signals,
+and the Prometheus endpoint beside it (bounded to 16 connections)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from reflow.errors import ErrorInterceptor, OnDone
 
@@ -23,12 +27,22 @@ logger = logging.getLogger(__name__)
 
 
 def new_server(
-    service_names: Iterable[str], on_done: OnDone | None = None
+    service_names: Iterable[str],
+    on_done: OnDone | None = None,
+    *,
+    gates: Sequence[grpc.aio.ServerInterceptor] = (),
+    options: Sequence[tuple[str, int]] = (),
+    max_concurrent_rpcs: int | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """An aio server with the error interceptor, health checking and reflection for `service_names`."""
+    """An aio server with the error interceptor, health checking and reflection for `service_names`.
+    `gates` run before the error interceptor, around the handlers it makes (so that what they
+    refuse is mapped and counted there); `options` are grpc channel arguments (e.g.
+    `grpc.max_receive_message_length`); a call past `max_concurrent_rpcs` at once is refused
+    RESOURCE_EXHAUSTED (no limit when None)."""
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(on_done)],
-        options=[("grpc.so_reuseport", 0)],
+        interceptors=[*gates, ErrorInterceptor(on_done)],
+        options=[("grpc.so_reuseport", 0), *options],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -65,10 +79,61 @@ def bind(
     return bound
 
 
+MAX_METRICS_CONNECTIONS = 16  # a scrape takes one; more at once are closed as they come
+METRICS_IDLE_TIMEOUT_S = 30.0  # a connection that sends no request for this long is closed
+
+
+class _MetricsRequestHandler(WSGIRequestHandler):
+    """One connection to a metrics server: silent, and closed once idle for METRICS_IDLE_TIMEOUT_S."""
+
+    timeout = METRICS_IDLE_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class MetricsServer(ThreadingMixIn, WSGIServer):
+    """prometheus_client's threaded WSGI server with a bound: a thread per connection, at most
+    MAX_METRICS_CONNECTIONS of them; a connection beyond them is closed at once, so a flood of
+    connections costs neither threads nor memory."""
+
+    daemon_threads = True
+    block_on_close = False  # stopping never waits for a connection that sends nothing
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry):
+        self.address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # IPv4 or 6
+        self._slots = threading.BoundedSemaphore(MAX_METRICS_CONNECTIONS)
+        super().__init__((host, port), _MetricsRequestHandler)
+        self.set_app(make_wsgi_app(registry))
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        """Takes a slot for the connection; none free closes it."""
+        return self._slots.acquire(blocking=False)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread to give the slot back
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed (timed out idle, reset) is closed without a traceback."""
+        logger.debug("metrics connection from %s failed", client_address, exc_info=True)
+
+
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[WSGIServer, str]:
-    """Serves `registry` for Prometheus on host:port (0 = free); returns the server and its URL."""
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server, f"http://{host}:{server.server_port}/metrics"
+    """Serves `registry` for Prometheus on host:port (0 = free) in a thread of its own, to at most
+    MAX_METRICS_CONNECTIONS connections at once; returns the server and its URL."""
+    server = MetricsServer(host, port, registry)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server, f"http://{host_port(host, server.server_port)}/metrics"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

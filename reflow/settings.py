@@ -164,7 +164,13 @@ class Settings(BaseSettings):
         le=65535,
         description="Port of the gateway's OpenAI-compatible HTTP API; 0 = a free port.",
     )
-    worker_host: str = Field("127.0.0.1", description="Interface a worker binds.")
+    worker_host: str = Field(
+        "127.0.0.1",
+        description=(
+            "Interface a worker binds. Off loopback a worker needs mTLS (`REFLOW_TLS_*`): its port "
+            "trusts whoever calls it, so it refuses to start without."
+        ),
+    )
     worker_port: int = Field(0, ge=0, le=65535, description="Worker port; 0 = a free port.")
     workers: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="`host:port,host:port` a standalone gateway routes to."

@@ -14,8 +14,10 @@ import grpc
 import torch
 from grpc_health.v1 import health
 
-from reflow.errors import FailedPrecondition, InvalidArgument
+from reflow.addresses import is_loopback
+from reflow.errors import FailedPrecondition, InvalidArgument, ReflowError
 from reflow.mtls import TlsFiles, server_credentials
+from reflow.private_files import private_dir
 from reflow.registry import Registry
 from reflow.serving import (
     bind,
@@ -34,7 +36,6 @@ from workers.isolation import Isolation, IsolationConfig, NoIsolation, isolate
 from workers.isolation.host import DEFAULT_OBJECT
 from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
-from workers.models.interface import Tokenizer
 from workers.models.loader import resolve_device, resolve_dtype
 from workers.models.prompts import prompt_ids
 from workers.sampling import SamplingParams
@@ -60,10 +61,19 @@ def params_from_pb(request: worker_pb2.WorkerGenerateRequest) -> GenerationParam
     )
 
 
-def prompt_ids_of(request: worker_pb2.WorkerGenerateRequest, tokenizer: Tokenizer) -> list[int]:
-    """The prompt's token ids: as sent, else the conversation rendered with the model's chat
-    template (which carries its own bos token), else the prompt text."""
+def prompt_ids_of(request: worker_pb2.WorkerGenerateRequest, loaded: LoadedModel) -> list[int]:
+    """The prompt's token ids: as sent (each within the model's vocabulary), else the conversation
+    rendered with the model's chat template (which carries its own bos token), else the prompt text."""
+    tokenizer = loaded.tokenizer
     if request.prompt_token_ids:
+        vocab_size = loaded.model.vocab_size
+        bad = next((i for i in request.prompt_token_ids if i >= vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(
+                f"prompt_token_ids holds {bad}, past the vocabulary of {request.model}/{request.version} "
+                f"(ids 0 to {vocab_size - 1})",
+                param="prompt_token_ids",
+            )
         return list(request.prompt_token_ids)
     if not request.messages:
         return tokenizer.encode(request.prompt)
@@ -165,7 +175,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         loaded.last_request = time.monotonic()
         variant = "" if request.variant == variant_name(loaded) else request.variant
         params = params_from_pb(request)
-        prompt_ids = prompt_ids_of(request, loaded.tokenizer)
+        prompt_ids = prompt_ids_of(request, loaded)
         stream = self.engine.generate(
             request.model, request.version, prompt_ids, params, variant, cache_salt=request.cache_salt
         )
@@ -262,8 +272,24 @@ def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
     )
 
 
+def check_exposure(settings: Settings) -> None:
+    """Refuses a worker port other hosts may reach without mTLS: the port trusts whoever calls it
+    (no API key, no quota, load and unload), so off loopback a caller must prove itself with a
+    certificate the CA signed."""
+    if settings.tls or is_loopback(settings.worker_host):
+        return
+    raise ReflowError(
+        f"REFLOW_WORKER_HOST={settings.worker_host} lets other hosts reach the worker port, which "
+        "trusts every caller (no API key, no quota); set REFLOW_TLS_CA_FILE, REFLOW_TLS_CERT_FILE and "
+        "REFLOW_TLS_KEY_FILE so only gateways with a certificate your CA signed get in, or bind "
+        "REFLOW_WORKER_HOST=127.0.0.1"
+    )
+
+
 async def serve(settings: Settings, *, version: str = "", ready_file: Path | None = None) -> None:
-    """`reflow worker`: isolate, load the configured version, serve until SIGINT/SIGTERM, drain."""
+    """`reflow worker`: refuse an unauthenticated port off loopback, isolate, load the configured
+    version, serve until SIGINT/SIGTERM, drain."""
+    check_exposure(settings)
     # before the first socket: a socket keeps the cgroup it was made in
     isolation = isolate(isolation_config(settings))
     try:
@@ -278,6 +304,7 @@ async def _serve_isolated(
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     device = resolve_device(settings.device)
+    private_dir(settings.data_dir)  # the model cache's
     metrics = WorkerMetrics()
     engine = Engine(engine_config(settings, device), metrics)
     dtype = resolve_dtype(settings.dtype)
@@ -303,7 +330,7 @@ async def _serve_isolated(
         server_credentials(TlsFiles.from_settings(settings)),
     )
     metrics_server, metrics_url = start_metrics_server(
-        metrics.registry, settings.worker_host, settings.worker_metrics_port
+        metrics.registry, settings.metrics_host, settings.worker_metrics_port
     )
     isolation.open_port(metrics_server.server_port)  # Prometheus may scrape from anywhere
     address = host_port(settings.worker_host, port)

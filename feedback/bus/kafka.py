@@ -1,5 +1,6 @@
 """Kafka clients as reflow uses them: the topic names, client settings that work against both
-Apache Kafka and the embedded Tansu broker, and topic creation."""
+Apache Kafka and the embedded Tansu broker, and topic creation. Every client is made here, with the
+connection's security (TLS, SASL) applied."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kafka.errors import TopicAlreadyExistsError
 
 from reflow.endpoints import read_endpoints
 from reflow.errors import Unavailable
+from reflow.kafka_settings import KafkaSecurity
 
 
 class Record(NamedTuple):
@@ -53,7 +55,7 @@ def resolve_bootstrap(configured: str, data_dir: Path) -> str:
     )
 
 
-def new_producer(bootstrap: str, **overrides: Any) -> KafkaProducer:
+def new_producer(bootstrap: str, *, security: KafkaSecurity, **overrides: Any) -> KafkaProducer:
     """A producer that reports a record sent only once every in-sync replica has it (acks=all).
 
     Idempotence is off: its producer ids do not survive a restart of the memory-only embedded
@@ -61,6 +63,7 @@ def new_producer(bootstrap: str, **overrides: Any) -> KafkaProducer:
     """
     config: dict[str, Any] = {
         "bootstrap_servers": bootstrap,
+        **security.client_options(),
         "api_version": API_VERSION,
         "acks": "all",
         "enable_idempotence": False,
@@ -75,10 +78,13 @@ def new_producer(bootstrap: str, **overrides: Any) -> KafkaProducer:
     return KafkaProducer(**config)
 
 
-def new_consumer(bootstrap: str, *topics: str, group_id: str | None, **overrides: Any) -> KafkaConsumer:
+def new_consumer(
+    bootstrap: str, *topics: str, security: KafkaSecurity, group_id: str | None, **overrides: Any
+) -> KafkaConsumer:
     """A consumer that commits offsets only when told to, starting from the earliest record."""
     config: dict[str, Any] = {
         "bootstrap_servers": bootstrap,
+        **security.client_options(),
         "api_version": API_VERSION,
         "group_id": group_id,
         "enable_auto_commit": False,
@@ -91,14 +97,21 @@ def new_consumer(bootstrap: str, *topics: str, group_id: str | None, **overrides
     return KafkaConsumer(*topics, **config)
 
 
-def new_admin(bootstrap: str) -> KafkaAdminClient:
-    """An admin client for topics and consumer-group offsets."""
-    return KafkaAdminClient(bootstrap_servers=bootstrap, api_version=API_VERSION, request_timeout_ms=5_000)
+def new_admin(bootstrap: str, *, security: KafkaSecurity) -> KafkaAdminClient:
+    """An admin client for topics and consumer-group offsets; it gives up on brokers that do not
+    answer (or speak another protocol) within 5 s, as its callers are commands that say so."""
+    return KafkaAdminClient(
+        bootstrap_servers=bootstrap,
+        **security.client_options(),
+        api_version=API_VERSION,
+        request_timeout_ms=5_000,
+        bootstrap_timeout_ms=5_000,
+    )
 
 
-def ensure_topics(bootstrap: str, partitions: int) -> None:
+def ensure_topics(bootstrap: str, partitions: int, *, security: KafkaSecurity) -> None:
     """Creates reflow's topics with `partitions` partitions each; existing ones are left as they are."""
-    admin = new_admin(bootstrap)
+    admin = new_admin(bootstrap, security=security)
     try:
         for topic in TOPICS:
             with contextlib.suppress(TopicAlreadyExistsError):

@@ -3,8 +3,10 @@
 `publish` returns once every record is durable in one of the two, which is when the gateway may
 acknowledge feedback. While the outbox holds anything, new records go behind it (so they keep
 their order), and a background thread sends the outbox to Kafka, oldest first, as soon as Kafka
-is back. `enqueue` is the fire-and-forget form for inference events: the same thread hands them
-over in batches, off the request path.
+is back. A record Kafka refuses for good (too large, not authorized for its topic) is no outage:
+it goes to the outbox's dead letters with the reason, and the records behind it go on.
+`enqueue` is the fire-and-forget form for inference events: the same thread hands them over in
+batches, off the request path; past `queue_max` of them in memory, they go to the outbox at once.
 """
 
 from __future__ import annotations
@@ -15,30 +17,75 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaError
-from kafka.producer.future import FutureRecordMetadata
+from kafka.errors import (
+    IllegalSaslStateError,
+    IllegalStateError,
+    KafkaConfigurationError,
+    KafkaError,
+    SaslAuthenticationFailedError,
+    UnrecognizedBrokerVersion,
+    UnsupportedVersionError,
+)
 
 from feedback.bus.kafka import Record, new_producer
 from feedback.bus.outbox import Outbox
+from reflow.kafka_settings import PublisherConfig
 
 logger = logging.getLogger(__name__)
 FLUSH_BATCH = 1000  # outbox records sent per round
 RETRY_S = 1.0  # pause between rounds while Kafka is unreachable
+RECORD_FRAMING_BYTES = 1024  # what a produce request holds beyond a record's value: key, batch header
+# Errors Kafka does not retry that are about this client or its connection, not about a record:
+# every record would meet them, so records wait for them to be fixed, as for an outage.
+CLIENT_ERRORS = (
+    IllegalStateError,
+    KafkaConfigurationError,
+    SaslAuthenticationFailedError,
+    IllegalSaslStateError,
+    UnsupportedVersionError,
+    UnrecognizedBrokerVersion,
+)
+
+
+def refused_for_good(error: Exception) -> bool:
+    """Whether sending a record again would fail again: Kafka refused the record itself (too large,
+    an invalid record or topic, not authorized for its topic), not just for now (down, slow,
+    electing a leader). kafka-python raises ValueError or TypeError for a record it cannot send."""
+    if isinstance(error, KafkaError):
+        return not error.retriable and not isinstance(error, CLIENT_ERRORS)
+    return isinstance(error, ValueError | TypeError)
+
+
+@dataclass
+class Handover:
+    """What Kafka made of a list of records, by index: those it failed to ack for now, and those it
+    refused for good with why; the others it acked."""
+
+    failed: list[int] = field(default_factory=list)
+    refused: list[tuple[int, str]] = field(default_factory=list)
 
 
 class Publisher:
     """Kafka first, the outbox as the fallback; thread-safe."""
 
-    def __init__(self, bootstrap: str, outbox_path: Path, handover_timeout_s: float):
-        self.handover_timeout_s = handover_timeout_s
-        self.producer: KafkaProducer = new_producer(bootstrap, max_block_ms=int(handover_timeout_s * 1000))
+    def __init__(self, bootstrap: str, outbox_path: Path, config: PublisherConfig):
+        self.handover_timeout_s = config.handover_timeout_s
+        self.queue_max = config.queue_max
+        self.producer: KafkaProducer = new_producer(
+            bootstrap,
+            security=config.security,
+            max_block_ms=int(config.handover_timeout_s * 1000),
+            max_request_size=config.max_record_bytes + RECORD_FRAMING_BYTES,  # larger: refused for good
+        )
         self.outbox = Outbox(outbox_path)
         self._lock = threading.Lock()  # orders "is the outbox in use?" against appends and draining
         self._behind = len(self.outbox) > 0  # records wait in the outbox: new ones queue behind them
         self._queue: queue.SimpleQueue[Record | None] = queue.SimpleQueue()
+        self._held = 0  # enqueued records in memory: queued, or being handed over
         self._closed = threading.Event()
         self._close_by = float("inf")
         self._kafka_answered = True  # whether the last outbox round was acked
@@ -50,13 +97,22 @@ class Publisher:
         """Records in the outbox, waiting for Kafka."""
         return len(self.outbox)
 
+    @property
+    def dead_letters(self) -> int:
+        """Records Kafka refused for good, kept in the outbox's dead letters."""
+        return self.outbox.dead_letter_count()
+
     def publish(self, records: Sequence[Record]) -> None:
-        """Returns once every record is acked by Kafka or stored in the outbox."""
+        """Returns once every record is acked by Kafka or stored in the outbox (or, refused by Kafka
+        for good, in its dead letters)."""
         with self._lock:
             if self._behind:
                 self.outbox.append(records)
                 return
-        failed = self._send(records)
+        handover = self._send(records)
+        if handover.refused:
+            self.outbox.bury([(records[i], reason) for i, reason in handover.refused])
+        failed = [records[i] for i in handover.failed]
         if failed:
             with self._lock:
                 self.outbox.append(failed)
@@ -67,27 +123,48 @@ class Publisher:
                 self._behind = True
 
     def enqueue(self, record: Record) -> None:
-        """Publishes `record` in the background; `close` waits for it."""
-        self._queue.put(record)
+        """Publishes `record` in the background; `close` waits for it. Past `queue_max` records
+        held in memory, it goes to the outbox instead (one fsynced write, on the caller's thread)."""
+        with self._lock:
+            if self._held < self.queue_max:
+                self._held += 1
+                self._queue.put(record)
+                return
+            self.outbox.append([record])
+            if not self._behind:
+                logger.warning(
+                    "%d records wait in memory for Kafka (REFLOW_EVENT_QUEUE_MAX); more go to the outbox %s",
+                    self._held, self.outbox.path,
+                )  # fmt: skip
+            self._behind = True
 
-    def _send(self, records: Sequence[Record]) -> list[Record]:
-        """Sends `records` and waits for their acks; returns the ones Kafka did not ack in time."""
+    def _send(self, records: Sequence[Record]) -> Handover:
+        """Sends `records` and waits for their acks until the handover timeout."""
         deadline = time.monotonic() + self.handover_timeout_s
+        handover = Handover()
         futures = []
-        unsent: list[Record] = []
         for i, record in enumerate(records):
             try:
-                futures.append(self.producer.send(record.topic, key=record.key, value=record.value))
-            except KafkaError as error:  # no metadata within max_block_ms: the broker is down
-                logger.debug("send failed: %s", error)
-                unsent = list(records[i:])
-                break
+                futures.append((i, self.producer.send(record.topic, key=record.key, value=record.value)))
+            except Exception as error:
+                if not refused_for_good(error):  # no metadata within max_block_ms: the broker is down
+                    logger.debug("send failed: %s", error)
+                    handover.failed += range(i, len(records))
+                    break
+                handover.refused.append((i, _refusal(record, error)))
         with contextlib.suppress(KafkaError):
             self.producer.flush(timeout=max(deadline - time.monotonic(), 0.0))
-        failed = [
-            record for record, future in zip(records, futures, strict=False) if not _acked(future, deadline)
-        ]
-        return failed + unsent
+        for i, future in futures:
+            try:
+                future.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except KafkaError as error:
+                if not refused_for_good(error):
+                    logger.debug("record not acked: %s", error)
+                    handover.failed.append(i)
+                else:
+                    handover.refused.append((i, _refusal(records[i], error)))
+        handover.failed.sort()
+        return handover
 
     def _run(self) -> None:
         """Hands queued records over and drains the outbox; after `close`, until its deadline.
@@ -104,7 +181,11 @@ class Publisher:
             try:
                 batch = _take(self._queue, FLUSH_BATCH, timeout_s=0.0 if closing else 0.5)
                 if batch:
-                    self.publish(batch)
+                    try:
+                        self.publish(batch)
+                    finally:
+                        with self._lock:
+                            self._held -= len(batch)
                 if time.monotonic() >= next_look:
                     next_look = time.monotonic() + RETRY_S
                     with self._lock:
@@ -122,10 +203,14 @@ class Publisher:
         next round sends just the oldest record, so a dead broker is probed with one record, not
         a thousand copies piling up in the producer's buffer."""
         rows = self.outbox.oldest(FLUSH_BATCH if self._kafka_answered else 1)
-        self._kafka_answered = not (rows and self._send([record for _, record in rows]))
+        handover = self._send([record for _, record in rows])
+        if handover.refused:
+            self.outbox.move_to_dead_letters([(rows[i][0], reason) for i, reason in handover.refused])
+        self._kafka_answered = not handover.failed
         if not self._kafka_answered:
             return False
-        self.outbox.remove([row_id for row_id, _ in rows])
+        refused = {i for i, _ in handover.refused}
+        self.outbox.remove([row_id for i, (row_id, _) in enumerate(rows) if i not in refused])
         with self._lock:
             if len(self.outbox) == 0 and self._behind:
                 self._behind = False
@@ -149,13 +234,11 @@ class Publisher:
         return left
 
 
-def _acked(future: FutureRecordMetadata, deadline: float) -> bool:
-    try:
-        future.get(timeout=max(deadline - time.monotonic(), 0.0))
-        return True
-    except KafkaError as error:
-        logger.debug("record not acked: %s", error)
-        return False
+def _refusal(record: Record, error: Exception) -> str:
+    """Why Kafka refused `record` for good, logged as it goes to the dead letters."""
+    reason = f"Kafka refused the record ({len(record.value)} bytes) for good: {error}"
+    logger.error("record on %s key=%r to the dead letters: %s", record.topic, record.key, reason)
+    return reason
 
 
 def _take(source: queue.SimpleQueue[Record | None], limit: int, timeout_s: float) -> list[Record]:

@@ -1,9 +1,11 @@
 """`reflow feedback consume`: the consumer group that writes inference events and feedback to the store.
 
 Each batch is decoded (a malformed record goes to the dead-letter topic with the reason, and the
-partition moves on), written in one database transaction that skips rows already stored (same
-request_id or feedback_id), and only then are the offsets committed. A crash at any point
-therefore redelivers records rather than losing them, and a redelivered record stores nothing twice.
+partition moves on), checked (a record naming a request that was not served to its tenant is
+forged, since request ids are signed for their tenant: it goes to the dead-letter topic too),
+written in one database transaction that skips rows already stored (same request_id or
+feedback_id), and only then are the offsets committed. A crash at any point therefore redelivers
+records rather than losing them, and a redelivered record stores nothing twice.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from feedback.bus.kafka import (
     new_consumer,
     new_producer,
 )
-from feedback.events import FeedbackEvent, InferenceEvent, Routing, decode
+from feedback.events import FeedbackEvent, InferenceEvent, NotYourRequest, Routing, decode, require_served
+from reflow.kafka_settings import KafkaSecurity
+from reflow.request_ids import RequestIds
 from reflow.store.tables import FeedbackItem, Inference, utcnow
 
 logger = logging.getLogger(__name__)
@@ -52,7 +56,8 @@ def inference_row(event: InferenceEvent, stored_at: datetime) -> dict[str, Any]:
         "completion_tokens": event.usage.completion_tokens,
         "reasoning_tokens": event.usage.reasoning_tokens,
         "first_token_ms": event.latency.first_token_ms, "total_ms": event.latency.total_ms,
-        "created_at": event.time, "stored_at": stored_at, **routing_columns(event.routing),
+        "created_at": event.time, "stored_at": stored_at, "truncated": bool(event.truncated),
+        **routing_columns(event.routing),
     }  # fmt: skip
 
 
@@ -98,18 +103,43 @@ def store_events(connection: Connection, events: Iterable[InferenceEvent | Feedb
     insert_new(connection, FeedbackItem.__table__, feedback.values())
 
 
+def forgery(event: InferenceEvent | FeedbackEvent, request_ids: RequestIds) -> str | None:
+    """Why `event` is forged: it names a request that was not served to its tenant; None when
+    every request it names was."""
+    if isinstance(event, FeedbackEvent):
+        try:
+            require_served(event, request_ids.served_to)
+        except NotYourRequest as error:
+            return f"forged: {error}"
+        return None
+    if not request_ids.served_to(event.request_id, event.tenant):
+        return f"forged: request {event.request_id!r} was not served to tenant {event.tenant!r}"
+    return None
+
+
 class StoreConsumer:
     """Moves records from reflow.inferences and reflow.feedback into the store, exactly once."""
 
-    def __init__(self, bootstrap: str, engine: Engine, batch_size: int, group_id: str = STORE_GROUP):
+    def __init__(
+        self,
+        bootstrap: str,
+        engine: Engine,
+        batch_size: int,
+        group_id: str = STORE_GROUP,
+        *,
+        security: KafkaSecurity,
+    ):
         self.engine = engine
         self.batch_size = batch_size
+        self.request_ids = RequestIds.from_store(engine)  # what tells a forged record
         self.consumer: KafkaConsumer = new_consumer(
-            bootstrap, INFERENCES_TOPIC, FEEDBACK_TOPIC, group_id=group_id, max_poll_records=batch_size
-        )
-        self.dlq: KafkaProducer = new_producer(bootstrap)
+            bootstrap, INFERENCES_TOPIC, FEEDBACK_TOPIC, security=security, group_id=group_id,
+            max_poll_records=batch_size,
+        )  # fmt: skip
+        self.dlq: KafkaProducer = new_producer(bootstrap, security=security)
         self.records = 0  # records this process stored or dead-lettered
         self.dead = 0  # records it sent to the DLQ
+        self.forged = 0  # of those, records naming a request not served to their tenant
 
     def run(self, stop: threading.Event, drain_s: float = 0.0) -> None:
         """Polls and stores until `stop` is set; then, for up to `drain_s`, until caught up (so
@@ -132,12 +162,19 @@ class StoreConsumer:
         """Stores one polled batch and commits its offsets; False (and rewound) when it must be retried."""
         decoded: list[tuple[ConsumerRecord, InferenceEvent | FeedbackEvent]] = []
         dead: list[tuple[ConsumerRecord, str]] = []
+        forged = 0
         for records in batch.values():
             for record in records:
                 try:
-                    decoded.append((record, decode(record.topic, record.value)))
+                    event = decode(record.topic, record.value)
                 except ValueError as error:
                     dead.append((record, str(error)))
+                    continue
+                if (reason := forgery(event, self.request_ids)) is not None:
+                    dead.append((record, reason))
+                    forged += 1
+                else:
+                    decoded.append((record, event))
         try:
             try:
                 with self.engine.begin() as connection:
@@ -153,6 +190,7 @@ class StoreConsumer:
         count = sum(len(records) for records in batch.values())
         self.records += count
         self.dead += len(dead)
+        self.forged += forged
         try:
             self.consumer.commit()
         except (CommitFailedError, KafkaError) as error:  # a rebalance: the next owner redelivers
@@ -174,7 +212,7 @@ class StoreConsumer:
         return refused
 
     def _dead_letter(self, dead: list[tuple[ConsumerRecord, str]]) -> None:
-        """Sends malformed records to the DLQ with why and where from; returns once acked."""
+        """Sends malformed and forged records to the DLQ with why and where from; returns once acked."""
         futures = []
         for record, reason in dead:
             logger.warning(
@@ -192,15 +230,24 @@ class StoreConsumer:
 
 
 def consume(
-    bootstrap: str, engine: Engine, batch_size: int, stop: threading.Event, drain_s: float
+    bootstrap: str,
+    engine: Engine,
+    batch_size: int,
+    stop: threading.Event,
+    drain_s: float,
+    *,
+    security: KafkaSecurity,
 ) -> StoreConsumer:
     """Runs a store consumer until `stop` and drained; returns it (with its counts) once it left the group."""
     started = time.monotonic()
-    consumer = StoreConsumer(bootstrap, engine, batch_size)
-    logger.info("consuming %s and %s from %s into the store", INFERENCES_TOPIC, FEEDBACK_TOPIC, bootstrap)
+    consumer = StoreConsumer(bootstrap, engine, batch_size, security=security)
+    logger.info(
+        "consuming %s and %s from %s (%s) into the store",
+        INFERENCES_TOPIC, FEEDBACK_TOPIC, bootstrap, security.protocol,
+    )  # fmt: skip
     consumer.run(stop, drain_s)
     logger.info(
-        "consumer stopped after %.0fs: %d records stored, %d of them to the DLQ",
-        time.monotonic() - started, consumer.records, consumer.dead,
+        "consumer stopped after %.0fs: %d records stored, %d of them to the DLQ (%d forged)",
+        time.monotonic() - started, consumer.records, consumer.dead, consumer.forged,
     )  # fmt: skip
     return consumer

@@ -18,6 +18,7 @@ from feedback.bus.kafka import (
     new_admin,
     new_consumer,
 )
+from reflow.kafka_settings import KafkaSecurity
 from reflow.store.tables import RATES, FeedbackItem, Inference
 
 
@@ -32,10 +33,10 @@ def store_counts(engine: Engine) -> dict[str, int]:
         }
 
 
-def kafka_stats(bootstrap: str, group_id: str = STORE_GROUP) -> dict[str, Any]:
+def kafka_stats(bootstrap: str, group_id: str = STORE_GROUP, *, security: KafkaSecurity) -> dict[str, Any]:
     """Records in the DLQ and, per partition, how many records the store consumer has yet to commit."""
-    consumer = new_consumer(bootstrap, group_id=None)
-    admin = new_admin(bootstrap)
+    consumer = new_consumer(bootstrap, security=security, group_id=None)
+    admin = new_admin(bootstrap, security=security)
     try:
         partitions = {
             topic: [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]

@@ -108,6 +108,7 @@ def _unused_labelled(model: str, scope: Scope, max_per_user: int) -> Select[tupl
             FeedbackItem.finetune_run_id.is_(None),
             Inference.model == model,
             Inference.finish_reason != "ERROR",  # a failed request has no completion to learn from
+            Inference.truncated.is_(False),  # cut to fit Kafka: not the texts the user rated
             or_(FeedbackItem.rating != 0, FeedbackItem.correction != "", FeedbackItem.preferred_over != ""),
             *whose,
         )
@@ -146,7 +147,7 @@ def load_new(
     items = []
     for fb, inf in rows:
         loser = losers.get((fb.preferred_over, fb.tenant))
-        paired = loser is not None and loser.finish_reason != "ERROR" and (
+        paired = loser is not None and loser.finish_reason != "ERROR" and not loser.truncated and (
             (loser.prompt, loser.messages) == (inf.prompt, inf.messages)
         )  # fmt: skip
         items.append(

@@ -1,9 +1,11 @@
 """The OpenAI-compatible routes: chat and text completions (streamed as server-sent events or
 whole), models, feedback, health, each a few lines over the InferenceService the gRPC face uses.
 
-A completion's first message is awaited before the response starts, so every error before the
-first token (a bad key, a quota, an unknown model, no worker) is an HTTP status with OpenAI's
-error body; an error after it is an `error` event in the stream, as OpenAI's SDKs expect.
+The key of every `/v1/` request is checked before its body is read (gateway/http/middleware.py);
+a route reads the caller with `caller(request)`. A completion's first message is awaited before
+the response starts, so every error before the first token (a bad key, a quota, an unknown model,
+no worker) is an HTTP status with OpenAI's error body; an error after it is an `error` event in
+the stream, as OpenAI's SDKs expect.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from gateway.edge import EdgeLimits
 from gateway.http import errors, translation
 from gateway.http.feedback_body import NDJSON, feedback_items
-from gateway.http.middleware import BodyLimit
+from gateway.http.middleware import Edge, caller
 from gateway.http.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -55,10 +58,13 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for status, description in [
         (400, "Invalid or unsupported parameters"), (401, "No valid API key"),
         (403, "Another tenant's completion"), (404, "No such model is served"),
-        (429, "A quota or the queues are full; see Retry-After"), (503, "No worker can take it"),
+        (413, "The body is over REFLOW_MAX_REQUEST_BYTES"),
+        (429, "A quota or the queues are full, or too many unknown keys; see Retry-After"),
+        (503, "No worker can take it, or the gateway holds REFLOW_MAX_CONCURRENT_REQUESTS"),
         (504, "The latency budget ran out"),
     ]
 }  # fmt: skip
+TOO_MUCH_FEEDBACK = "Too many items, or a JSON body or NDJSON line over REFLOW_MAX_REQUEST_BYTES"
 
 
 def _streamed(chunk_model: type[Any]) -> dict[int | str, dict[str, Any]]:
@@ -92,8 +98,8 @@ class EventStream(StreamingResponse):
             await self.events.aclose()
 
 
-def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
-    """The HTTP face's app over `service`."""
+def create_app(service: InferenceService, metrics: GatewayMetrics, limits: EdgeLimits) -> FastAPI:
+    """The HTTP face's app over `service`, within `limits`."""
     app = FastAPI(
         title="reflow",
         summary="OpenAI-compatible HTTP API of a reflow gateway",
@@ -101,7 +107,9 @@ def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
         docs_url=None,  # the interactive pages load scripts from a CDN; /openapi.json is the document
         redoc_url=None,
     )
-    app.add_middleware(BodyLimit, metrics=metrics)
+    app.add_middleware(
+        Edge, authenticate=service.authenticate, metrics=metrics, max_body_bytes=limits.max_request_bytes
+    )
     app.add_exception_handler(ReflowError, errors.on_reflow_error)
     app.add_exception_handler(RequestValidationError, errors.on_invalid_body)
     app.add_exception_handler(HTTPException, errors.on_http_error)
@@ -112,8 +120,7 @@ def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
         request: Request, body: ChatCompletionRequest | CompletionRequest, shape: Shape
     ) -> Response:
         received = time.perf_counter()
-        tenant = await service.authenticate(request.headers.get("authorization"))
-        generation = service.start(tenant, translation.generate_request(body), received=received)
+        generation = service.start(caller(request), translation.generate_request(body), received=received)
         stream = service.stream(generation)
         try:  # a client that leaves while its request waits for a worker frees its place at once
             first = await _unless_disconnected(request, anext(stream))
@@ -153,21 +160,19 @@ def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["models"])
     async def list_models(request: Request) -> dict[str, Any]:
         """Every model id the workers serve now: `NAME`, `NAME/VERSION` and `NAME@ALIAS`."""
-        tenant = await service.authenticate(request.headers.get("authorization"))
-        return {"object": "list", "data": _model_cards(service, tenant)}
+        return {"object": "list", "data": _model_cards(service, caller(request))}
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS, tags=["models"])
     async def retrieve_model(request: Request, model: str) -> dict[str, Any]:
         """One served model id."""
-        tenant = await service.authenticate(request.headers.get("authorization"))
-        for card in _model_cards(service, tenant):
+        for card in _model_cards(service, caller(request)):
             if card["id"] == model:
                 return card
         raise NotFound(f"no worker serves model {model!r}; GET /v1/models lists what is served")
 
     @app.post(
         "/v1/feedback", response_model=FeedbackAck, tags=["feedback"],
-        responses=_ERRORS | {413: {"model": ErrorResponse, "description": "Too many items for one request"}},
+        responses=_ERRORS | {413: {"model": ErrorResponse, "description": TOO_MUCH_FEEDBACK}},
         openapi_extra={"requestBody": {"required": True, "content": {
             "application/json": {"schema": {"oneOf": [
                 {"$ref": "#/components/schemas/FeedbackItem"},
@@ -180,9 +185,10 @@ def create_app(service: InferenceService, metrics: GatewayMetrics) -> FastAPI:
         """Ratings of and corrections to completions: one item, a JSON array of them, or NDJSON
         (read as it arrives). Items with the same `feedback_id` are stored once; each rejected
         item is listed with why. When every item is rejected, the status is the first one's. Past
-        REFLOW_MAX_FEEDBACK_ITEMS items, 413 once the items before the bound were taken."""
-        tenant = await service.authenticate(request.headers.get("authorization"))
-        result = await service.submit_feedback(tenant, feedback_items(request))
+        REFLOW_MAX_FEEDBACK_ITEMS items, 413 once the items before the bound were taken. A JSON
+        body, and each NDJSON line, may be REFLOW_MAX_REQUEST_BYTES at most."""
+        items = feedback_items(request, limits.max_request_bytes)
+        result = await service.submit_feedback(caller(request), items)
         return {
             "accepted": result.accepted,
             "rejected": result.rejected,

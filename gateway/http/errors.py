@@ -25,6 +25,7 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "internal_error",
     503: "service_unavailable",
     504: "timeout",

@@ -1,5 +1,6 @@
 """The body of `POST /v1/feedback` as feedback items: one JSON object, a JSON array of them, or
-NDJSON (one object per line, read as it arrives, so a large backfill never sits in memory)."""
+NDJSON (one object per line, read as it arrives, so a large backfill never sits in memory). A JSON
+body, and each NDJSON line, may be REFLOW_MAX_REQUEST_BYTES at most."""
 
 from __future__ import annotations
 
@@ -10,23 +11,22 @@ from fastapi import Request
 
 from feedback.events import InvalidFeedback
 from gateway.intake import Item
-from reflow.errors import InvalidArgument
+from reflow.errors import InvalidArgument, RequestTooLarge
 
 NDJSON = "application/x-ndjson"
 NDJSON_TYPES = (NDJSON, "application/jsonl", "application/x-jsonlines")
-MAX_JSON_BYTES = 32 * 2**20  # a JSON body is parsed whole; larger batches go as NDJSON
-MAX_LINE_BYTES = 2**20  # an NDJSON line; a valid item is a few KiB at most
 
 
-async def feedback_items(request: Request) -> AsyncIterator[Item]:
+async def feedback_items(request: Request, max_bytes: int) -> AsyncIterator[Item]:
     """The items of the body, by its content type (and a JSON body that turns out to be lines of
-    objects is taken as NDJSON); InvalidArgument for a body that is neither."""
+    objects is taken as NDJSON); InvalidArgument for a body that is neither, RequestTooLarge (413)
+    for a JSON body or line over `max_bytes`."""
     content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if content_type in NDJSON_TYPES:
-        async for line in _lines(request):
+        async for line in _lines(request, max_bytes):
             yield _item(line)
         return
-    body = await _whole(request)
+    body = await _whole(request, max_bytes)
     try:
         data = json.loads(body)
     except RecursionError:
@@ -47,19 +47,19 @@ async def feedback_items(request: Request) -> AsyncIterator[Item]:
         yield item if isinstance(item, dict) else _not_an_object(item)
 
 
-async def _whole(request: Request) -> bytes:
+async def _whole(request: Request, max_bytes: int) -> bytes:
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_JSON_BYTES:
-            raise InvalidArgument(
-                f"a JSON feedback body may be {MAX_JSON_BYTES // 2**20} MiB at most; send larger batches "
-                f"as {NDJSON}, which is read as it arrives"
+        if len(body) > max_bytes:
+            raise RequestTooLarge(
+                f"a JSON feedback body may be {max_bytes:,} bytes at most (REFLOW_MAX_REQUEST_BYTES); "
+                f"send larger batches as {NDJSON}, which is read as it arrives"
             )
     return bytes(body)
 
 
-async def _lines(request: Request) -> AsyncIterator[bytes]:
+async def _lines(request: Request, max_bytes: int) -> AsyncIterator[bytes]:
     """The non-blank lines of a streamed body."""
     pending = b""
     async for chunk in request.stream():
@@ -68,8 +68,10 @@ async def _lines(request: Request) -> AsyncIterator[bytes]:
         for line in lines:
             if line.strip():
                 yield line
-        if len(pending) > MAX_LINE_BYTES:
-            raise InvalidArgument(f"a line of the {NDJSON} body is over {MAX_LINE_BYTES // 2**20} MiB")
+        if len(pending) > max_bytes:
+            raise RequestTooLarge(
+                f"a line of the {NDJSON} body is over {max_bytes:,} bytes (REFLOW_MAX_REQUEST_BYTES)"
+            )
     if pending.strip():
         yield pending
 

@@ -1,35 +1,51 @@
-"""What every HTTP request passes through first: a bound on the body a route may read (feedback,
-which bounds its own, excepted), and a count of requests by path and status."""
+"""What every HTTP request passes through before a route: a count by path and status; on a `/v1/`
+route, the check of its API key before any of its body is read (401, or 429 for an address past its
+unknown keys), the tenant left in the request's state; and a bound on the body a route may read
+(413), by its Content-Length or as it arrives (feedback, which bounds its own, excepted)."""
 
 from __future__ import annotations
 
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.http.errors import error_body
+from gateway.edge import Authenticate
+from gateway.http.errors import error_body, error_response
 from gateway.metrics import GatewayMetrics
+from gateway.tenants import TenantInfo
+from reflow.errors import ReflowError
 
-MAX_BODY_BYTES = 16 * 2**20  # a request body; prompts are bounded far below by REFLOW_MAX_PROMPT_CHARS
-TOO_LARGE = f"the request body is over {MAX_BODY_BYTES // 2**20} MiB"
-FEEDBACK = "/v1/feedback"  # reads its body itself: JSON to 32 MiB, NDJSON line by line, unbounded
+FEEDBACK = "/v1/feedback"  # reads its body itself: JSON whole, NDJSON line by line, each bounded
 PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", FEEDBACK, "/health", "/openapi.json"}
 
 
-class BodyLimit:
-    """Refuses (413) a body larger than MAX_BODY_BYTES, by its Content-Length or as it arrives,
-    and counts requests in `reflow_gateway_http_requests`."""
+def caller(request: Request) -> TenantInfo:
+    """The tenant whose key a `/v1/` request bears, checked before its route ran."""
+    tenant: TenantInfo = request.state.tenant
+    return tenant
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics):
+
+class Edge:
+    """Counts requests in `reflow_gateway_http_requests`, checks the key of a request to every
+    `/v1/` route with `authenticate` before its body is read, and refuses a body over
+    `max_body_bytes`."""
+
+    def __init__(
+        self, app: ASGIApp, authenticate: Authenticate, metrics: GatewayMetrics, max_body_bytes: int
+    ):
         self.app = app
+        self.authenticate = authenticate
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        path = path if path in PATHS else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        label = path if path in PATHS else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
         status = 500  # what a request that never answers counts as
 
         async def counted(message: Message) -> None:
@@ -38,32 +54,46 @@ class BodyLimit:
                 status = message["status"]
             await send(message)
 
-        declared = dict(scope["headers"]).get(b"content-length", b"")
         try:
-            if path == FEEDBACK:
-                await self.app(scope, receive, counted)
-            elif declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-                await JSONResponse(error_body(413, TOO_LARGE, "invalid_argument"), 413)(
-                    scope, receive, counted
-                )
-            else:
-                await self.app(scope, _bounded(receive), counted)
+            await self._admit(scope, receive, counted, keyed=label.startswith("/v1/"))
         finally:
-            self.metrics.http_requests.labels(path, str(status)).inc()
+            self.metrics.http_requests.labels(label, str(status)).inc()
 
+    async def _admit(self, scope: Scope, receive: Receive, send: Send, keyed: bool) -> None:
+        headers = Headers(scope=scope)
+        if keyed:
+            client = scope.get("client")
+            try:
+                tenant = await self.authenticate(headers.get("authorization"), client[0] if client else "")
+            except ReflowError as error:
+                await error_response(error)(scope, receive, send)
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
+        declared = headers.get("content-length", "")
+        if scope["path"] == FEEDBACK:
+            await self.app(scope, receive, send)
+        elif declared.isdigit() and int(declared) > self.max_body_bytes:
+            await JSONResponse(error_body(413, self._too_large(), "invalid_argument"), 413)(
+                scope, receive, send
+            )
+        else:
+            await self.app(scope, self._bounded(receive), send)
 
-def _bounded(receive: Receive) -> Receive:
-    """`receive`, raising 413 (in the route, whose handlers answer it) once the body passes
-    MAX_BODY_BYTES."""
-    seen = 0
+    def _bounded(self, receive: Receive) -> Receive:
+        """`receive`, raising 413 (in the route, whose handlers answer it) once the body passes
+        the bound."""
+        seen = 0
 
-    async def bounded() -> Message:
-        nonlocal seen
-        message = await receive()
-        if message["type"] == "http.request":
-            seen += len(message.get("body", b""))
-            if seen > MAX_BODY_BYTES:
-                raise HTTPException(413, TOO_LARGE)
-        return message
+        async def bounded() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise HTTPException(413, self._too_large())
+            return message
 
-    return bounded
+        return bounded
+
+    def _too_large(self) -> str:
+        return f"the request body is over {self.max_body_bytes:,} bytes (REFLOW_MAX_REQUEST_BYTES)"

@@ -1,5 +1,6 @@
 """uvicorn serving the HTTP face on the gateway's running event loop, beside the gRPC server, so
-both faces share one process, one worker pool and one set of quotas."""
+both faces share one process, one worker pool and one set of quotas; its connections bounded in
+number (REFLOW_MAX_CONCURRENT_REQUESTS) and in the time and size of their headers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from gateway.edge import EdgeLimits
+from gateway.http.protocol import GuardedHttp
 from reflow.gateway_tls import GatewayTls
 
 
@@ -24,9 +27,18 @@ class _InLoopServer(uvicorn.Server):
 
 
 class HttpServer:
-    """An ASGI app served on host:port (0 = a free one) until `stop`, over HTTPS with `tls`."""
+    """An ASGI app served on host:port (0 = a free one) until `stop`, within `limits`, over HTTPS
+    with `tls`."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float, tls: GatewayTls | None = None):
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        grace_s: float,
+        limits: EdgeLimits,
+        tls: GatewayTls | None = None,
+    ):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets of that protocol, and
         # without it Nagle holds a response's second write for the client's delayed ACK (~40 ms)
@@ -51,6 +63,9 @@ class HttpServer:
             log_config=None,  # reflow's logging, as configured
             access_log=False,  # the relay logs every completion
             timeout_graceful_shutdown=math.ceil(grace_s),
+            http=GuardedHttp.with_timeout(limits.header_timeout_s),
+            # 503 once this many connections are open (uvicorn counts the one asking among them)
+            limit_concurrency=limits.max_concurrent_requests + 1,
         )
         self._server = _InLoopServer(config)
         self._task: asyncio.Task[None] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -19,9 +19,25 @@ from reflow.cli.common import (
     stop_on_signal,
 )
 
+if TYPE_CHECKING:
+    from reflow.kafka_settings import PublisherConfig
+    from reflow.settings import Settings
+
 app = typer.Typer(
     help="The feedback pipeline: consume it into the store, ingest files, inspect it.", no_args_is_help=True
 )
+
+
+def kafka_config(settings: Settings) -> PublisherConfig:
+    """How the Kafka clients connect (TLS, SASL) and publish; incomplete settings end the command,
+    exit status 2."""
+    from reflow.errors import ReflowError
+    from reflow.kafka_settings import PublisherConfig
+
+    try:
+        return PublisherConfig.from_settings(settings)
+    except ReflowError as error:
+        fail(f"{error}", 2, label="bad settings")
 
 
 @app.command("consume")
@@ -36,13 +52,21 @@ def feedback_consume(ready_file: ReadyFile = None) -> None:
     settings = load_settings()
     engine = current_engine(settings)
     bootstrap = kafka_bootstrap(settings)
+    security = kafka_config(settings).security
     try:
-        ensure_topics(bootstrap, settings.kafka_partitions)
+        ensure_topics(bootstrap, settings.kafka_partitions, security=security)
     except KafkaError as error:
-        fail(f"cannot reach Kafka at {bootstrap}: {error}", 2)
+        fail(
+            f"cannot reach Kafka at {bootstrap} over {security.protocol} (REFLOW_KAFKA_SECURITY_PROTOCOL; "
+            f"is that what its listener speaks?): {error}",
+            2,
+        )
     stop = stop_on_signal()
     write_ready_file(ready_file, kafka=bootstrap)
-    consume(bootstrap, engine, settings.consumer_batch_size, stop, drain_s=settings.shutdown_grace_s)
+    consume(
+        bootstrap, engine, settings.consumer_batch_size, stop, drain_s=settings.shutdown_grace_s,
+        security=security,
+    )  # fmt: skip
 
 
 @app.command("ingest")
@@ -64,7 +88,8 @@ def feedback_ingest(
         fail(f"no active tenant named {tenant!r} (see `reflow tenants list`)", 2)
     source = sys.stdin if file == "-" else Path(file).open(encoding="utf-8")  # noqa: SIM115
     total = None if file == "-" else Path(file).stat().st_size
-    publisher = Publisher(kafka_bootstrap(settings), settings.outbox_path, settings.kafka_handover_timeout_s)
+    config = kafka_config(settings)  # incomplete settings end the command before the file is read
+    publisher = Publisher(kafka_bootstrap(settings), settings.outbox_path, config)
     columns = (TextColumn("ingesting"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
     try:
         with source, Progress(*columns, console=err_console) as progress:
@@ -96,9 +121,11 @@ def feedback_stats(
     from reflow.errors import Unavailable
 
     settings = load_settings()
+    security = kafka_config(settings).security
     stats: dict[str, Any] = store_counts(current_engine(settings))
     try:
-        stats.update(kafka_stats(resolve_bootstrap(settings.kafka_bootstrap, settings.data_dir)))
+        bootstrap = resolve_bootstrap(settings.kafka_bootstrap, settings.data_dir)
+        stats.update(kafka_stats(bootstrap, security=security))
     except (KafkaError, Unavailable) as error:  # the store's counts are still worth showing
         stats.update(dlq_messages=None, consumer_lag=None, kafka_error=str(error))
     if as_json:
@@ -108,3 +135,34 @@ def feedback_stats(
         if isinstance(value, dict):
             value = ", ".join(f"{k}: {v}" for k, v in value.items()) or "-"
         print(f"{key}\t{value}")
+
+
+@app.command("dead-letters")
+def feedback_dead_letters(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON list.")] = False,
+) -> None:
+    """Records Kafka refused for good (too large, not authorized), kept in the data dir's outbox with why."""
+    from feedback.bus.outbox import Outbox
+
+    settings = load_settings()
+    path = settings.outbox_path
+    letters = []
+    if path.exists():
+        outbox = Outbox(path)
+        letters = outbox.dead_letters()
+        outbox.close()
+    rows = [
+        {
+            "time": letter.time, "topic": letter.record.topic,
+            "key": (letter.record.key or b"").decode(errors="replace"), "bytes": len(letter.record.value),
+            "reason": letter.reason,
+        }
+        for letter in letters
+    ]  # fmt: skip
+    if as_json:
+        print(json.dumps(rows))
+        return
+    if not rows:
+        err_console.print(f"no dead letters in {path}", highlight=False, markup=False, soft_wrap=True)
+    for row in rows:
+        print("\t".join(str(value) for value in row.values()))

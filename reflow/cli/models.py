@@ -38,6 +38,7 @@ def import_checkpoint(settings: Settings, path: Path, name: str, alias: str) -> 
     and whether it is new (the same files import once). Ends the command on a refused checkpoint."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from reflow.private_files import private_dir
     from reflow.registry import IMPORTED, SOURCE_SHA256_TAG, SOURCE_TAG
     from workers.models import importing
 
@@ -54,7 +55,7 @@ def import_checkpoint(settings: Settings, path: Path, name: str, alias: str) -> 
             digest = importing.fingerprint(files, advance)
             if (present := registry.find_version(name, SOURCE_SHA256_TAG, digest)) is not None:
                 return present, False
-            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(settings.data_dir)
             with tempfile.TemporaryDirectory(dir=settings.data_dir) as tmp:
                 directory = importing.prepare(files, Path(tmp) / "checkpoint", advance)
                 ref = registry.register(

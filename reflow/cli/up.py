@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from reflow.cli.common import console, fail, load_settings, open_registry
-from reflow.endpoints import API_KEY_FILE, ENDPOINTS_FILE
+from reflow.endpoints import API_KEY_FILE, ENDPOINTS_FILE, write_endpoints
 from reflow.settings import Settings
 
 if TYPE_CHECKING:
@@ -117,6 +117,7 @@ def served_model(settings: Settings, model: str) -> Settings:
 def resolve_api_key(settings: Settings, console: Console) -> str:
     """The configured key, else the one saved in the data dir, else a new one; saved there 0600."""
     from reflow.api_keys import new_key
+    from reflow.private_files import private_file
 
     path = settings.data_dir / API_KEY_FILE
     if settings.api_key is not None:
@@ -126,9 +127,7 @@ def resolve_api_key(settings: Settings, console: Console) -> str:
     else:
         key = new_key()
         console.print(f"new API key for tenant [bold]default[/]: {key}", markup=True, highlight=False)
-    path.touch(mode=0o600)
-    path.chmod(0o600)  # also when an older file was readable by others
-    path.write_text(key + "\n")
+    private_file(path).write_text(key + "\n")  # also when an older file was readable by others
     return key
 
 
@@ -187,8 +186,11 @@ def run_up(
     from reflow.api_keys import hash_key
     from reflow.cgroups import remove_instance
     from reflow.cli.supervisor import Supervisor, wait_http, wait_serving
+    from reflow.kafka_settings import KafkaSecurity
+    from reflow.private_files import private_dir
+    from reflow.redaction import redact_url
     from reflow.registry import Registry
-    from reflow.serving import free_port, write_json_atomically
+    from reflow.serving import free_port
     from reflow.store.database import migrate, open_engine
     from workers.models.builtin import MODEL_TYPE as BUILTIN
     from workers.models.loader import model_type
@@ -201,9 +203,16 @@ def run_up(
             "REFLOW_GATEWAY_TLS_CERT_FILE (the certificate itself when self-signed)",
             2,
         )
+    if settings.kafka_security_protocol != "PLAINTEXT" and not settings.kafka_bootstrap:
+        # the embedded broker speaks neither TLS nor SASL: the children would never reach it
+        fail(
+            f"REFLOW_KAFKA_SECURITY_PROTOCOL={settings.kafka_security_protocol} needs your own brokers: "
+            "set REFLOW_KAFKA_BOOTSTRAP, or leave the protocol PLAINTEXT for the embedded broker",
+            2,
+        )
     signal.signal(signal.SIGINT, _raise_stopped)
     signal.signal(signal.SIGTERM, _raise_stopped)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(settings.data_dir)
     endpoints_path = settings.data_dir / ENDPOINTS_FILE
     endpoints_path.unlink(missing_ok=True)
     supervisor = Supervisor(settings)
@@ -234,7 +243,7 @@ def run_up(
         bootstrap = settings.kafka_bootstrap
         if not bootstrap:
             bootstrap = supervisor.spawn_broker(env)
-        ensure_topics(bootstrap, settings.kafka_partitions)
+        ensure_topics(bootstrap, settings.kafka_partitions, security=KafkaSecurity.from_settings(settings))
         env["REFLOW_KAFKA_BOOTSTRAP"] = bootstrap
         # Stopped after the gateway (children stop newest first), so it stores the last events.
         consumer = supervisor.spawn("consumer", ["feedback", "consume"], env)
@@ -278,7 +287,7 @@ def run_up(
             wait_serving(ready[name]["address"], ca_file=settings.gateway_ca_file)
         gateway_address = ready["gateway"]["address"]
         if mlflow_url.startswith("http") and not wait_http(f"{mlflow_url}/health"):
-            console.print(f"[yellow]the MLflow UI at {mlflow_url} is not answering yet[/]")
+            console.print(f"[yellow]the MLflow UI at {redact_url(mlflow_url)} is not answering yet[/]")
 
         endpoints: dict[str, Any] = {
             "gateway": gateway_address,
@@ -292,7 +301,7 @@ def run_up(
             "metrics": {name: r["metrics"] for name, r in ready.items()},
             "logs": str(supervisor.log_dir.resolve()),
         }
-        write_json_atomically(endpoints_path, endpoints)
+        endpoints = write_endpoints(settings.data_dir, endpoints)  # shown as written: no credentials
         if demo:
             supervisor.spawn("simulate", ["simulate", *DEMO_SIMULATION, "--target", gateway_address], env,
                              ready=False)  # fmt: skip

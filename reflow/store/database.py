@@ -11,17 +11,18 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 
+from reflow.private_files import private_file
 from reflow.store.urls import store_url
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
 
 def open_engine(url: str) -> Engine:
-    """An engine for `url` (normalised or refused by `store_url`); SQLite gets WAL, a busy timeout and
-    its parent directory."""
+    """An engine for `url` (normalised or refused by `store_url`); SQLite gets WAL, a busy timeout, and
+    its file 0600 in a directory created 0700."""
     parsed = store_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database:
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        private_file(Path(parsed.database))  # it holds the deployment's secrets and key hashes
     # hide_parameters: an error message never carries prompts, completions or corrections into logs
     engine = create_engine(parsed, pool_pre_ping=True, hide_parameters=True)
     if engine.dialect.name == "sqlite":

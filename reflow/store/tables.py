@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -17,6 +18,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     and_,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -91,6 +93,8 @@ class Inference(Base):
     latency_budget_ms: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     predicted_total_ms: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     reasoning_budget: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # its texts were cut to fit a Kafka record (REFLOW_MAX_EVENT_BYTES): kept out of training sets
+    truncated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class FeedbackItem(Base):

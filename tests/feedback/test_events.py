@@ -1,5 +1,5 @@
-"""Feedback validation (ratings, stars, corrections, preferences), derived feedback ids, and request
-ids signed for their tenant."""
+"""Feedback validation (ratings, stars, corrections, preferences), derived feedback ids, request
+ids signed for their tenant, and inference events cut to fit a record."""
 
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 
 from feedback.bus.kafka import INFERENCES_TOPIC
-from feedback.events import InvalidFeedback, NotYourRequest, decode, feedback_event, require_served
+from feedback.events import (
+    ChatMessage,
+    InferenceEvent,
+    InvalidFeedback,
+    Latency,
+    NotYourRequest,
+    TokenUsage,
+    decode,
+    feedback_event,
+    require_served,
+)
 from reflow.request_ids import RequestIds
 from reflow.store.database import migrate, open_engine
 from reflow.store.tables import utcnow
@@ -114,3 +124,42 @@ def test_request_ids_are_signed_for_their_tenant(tmp_path: Path) -> None:
     with pytest.raises(NotYourRequest, match=r"preferred_over: request .* was not served to this tenant"):
         require_served(event(request_id=request_id, preferred_over=ids.new("globex")), ids.served_to)
     assert not RequestIds(b"another key").served_to(request_id, "acme")
+
+
+def inference(**texts: object) -> InferenceEvent:
+    return InferenceEvent(
+        request_id="r1", tenant="acme", model="m", version="1", finish_reason="STOP",
+        usage=TokenUsage(prompt_tokens=1, completion_tokens=1, reasoning_tokens=0),
+        latency=Latency(first_token_ms=1.0, total_ms=2.0), time=utcnow(), **{"prompt": "", **texts},
+    )  # fmt: skip
+
+
+MAX_BYTES = 100_000
+
+
+def test_an_event_that_fits_is_left_whole() -> None:
+    whole = inference(prompt="12+30=", completion="42")
+    assert whole.within(MAX_BYTES) is whole
+    assert "truncated" not in json.loads(whole.to_record().value)  # older consumers read it as before
+
+
+@pytest.mark.parametrize("character", ["x", "é", "🙂", "\n"])  # 1 to 4 bytes of UTF-8; 2 of JSON
+def test_an_event_over_the_bound_has_its_long_texts_cut_to_fit_and_says_so(character: str) -> None:
+    prompt, reasoning, completion = character * 150_000, "r" * 20_000, "c" * 30_000
+    cut = inference(prompt=prompt, reasoning=reasoning, completion=completion).within(MAX_BYTES)
+    value = cut.to_record().value
+    assert MAX_BYTES - 4 < len(value) <= MAX_BYTES  # no more cut than needed (one character at most)
+    assert cut.truncated is True and json.loads(value)["truncated"] is True
+    assert prompt.startswith(cut.prompt) and len(cut.prompt) < len(prompt)  # its beginning kept
+    assert (cut.reasoning, cut.completion) == (reasoning, completion)  # short enough: left whole
+    assert decode(INFERENCES_TOPIC, value) == cut  # the consumer takes it
+
+
+def test_a_conversation_and_its_completion_are_cut_to_one_length() -> None:
+    messages = [ChatMessage(role="user", content=c * n) for c, n in (("a", 60_000), ("b", 70_000), ("c", 10))]
+    cut = inference(messages=messages, completion="d" * 60_000).within(MAX_BYTES)
+    assert MAX_BYTES - 3 < len(cut.to_record().value) <= MAX_BYTES and cut.truncated
+    assert cut.messages is not None
+    a, b, c = (m.content for m in cut.messages)  # every message kept, in order
+    assert a == "a" * len(a) and b == "b" * len(b) and c == "c" * 10
+    assert len(a) == len(b) == len(cut.completion) < 60_000

@@ -24,6 +24,8 @@ from gateway.publishing import InferenceLog
 from gateway.relay import Generation
 from gateway.routing import ModelSpec
 from gateway.tenants import TenantInfo, create_tenant
+from reflow.kafka_settings import PublisherConfig
+from reflow.request_ids import RequestIds
 from reflow.settings import Settings
 from reflow.store.database import open_engine
 from reflow.store.tables import Inference
@@ -246,19 +248,21 @@ def test_a_chat_completion_is_stored_with_its_whole_conversation(
         P.ChatMessage(role="system", content="Add."),
         P.ChatMessage(role="user", content="12+\x0030="),
     ]
+    request_id = RequestIds.from_store(store).new("acme")  # the consumer stores only what was served
     generation = Generation(
-        P.GenerateRequest(messages=conversation), TenantInfo(1, "acme", 32, 600), "r-chat",
+        P.GenerateRequest(messages=conversation), TenantInfo(1, "acme", 32, 600), request_id,
         Assignment(ModelSpec("arith", alias="champion"), "champion"), time.perf_counter(), None,
     )  # fmt: skip
-    header = P.GenerateResponse(request_id="r-chat", model="arith", model_version="1", arm="champion")
+    header = P.GenerateResponse(request_id=request_id, model="arith", model_version="1", arm="champion")
     last = P.GenerateResponse(finish_reason=P.FINISH_REASON_STOP, usage=P.Usage(prompt_tokens=20))
-    publisher = Publisher(kafka.bootstrap, tmp_path / "outbox", handover_timeout_s=1.0)
+    settings = Settings(data_dir=tmp_path, kafka_handover_timeout_s=1.0)
+    publisher = Publisher(kafka.bootstrap, settings.outbox_path, PublisherConfig.from_settings(settings))
     with consuming(kafka.bootstrap, store):
-        InferenceLog(publisher).finished(generation, header, last, "42", "")
+        InferenceLog(publisher, settings.max_event_bytes).finished(generation, header, last, "42", "")
         wait_for(lambda: count(store, Inference) == 1, what="the inference row")
     publisher.close(timeout_s=2.0)
     with Session(store) as session:
-        row = session.get(Inference, "r-chat")
+        row = session.get(Inference, request_id)
         assert row is not None
         assert (row.prompt, row.completion, row.finish_reason) == ("", "42", "STOP")
         assert row.messages == [

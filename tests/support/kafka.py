@@ -14,15 +14,18 @@ from sqlalchemy import Engine
 from feedback.bus.broker import tansu_command, wait_listening
 from feedback.bus.kafka import Record, ensure_topics, new_consumer, new_producer
 from feedback.intake.consumer import StoreConsumer
+from reflow.kafka_settings import PLAINTEXT, KafkaSecurity
 from reflow.serving import free_port
 
 
 class Broker:
-    """An embedded (Tansu) Kafka broker on a free loopback port that a test can stop and restart."""
+    """An embedded (Tansu) Kafka broker on a free loopback port that a test can stop and restart;
+    `advertised` (host:port) is where it tells clients to connect, e.g. a proxy in front of it."""
 
-    def __init__(self, partitions: int = 3):
+    def __init__(self, partitions: int = 3, advertised: str = ""):
         self.port = free_port()
         self.partitions = partitions
+        self.advertised = advertised
         self.process: subprocess.Popen[bytes] | None = None
         self.started = False  # once started, it keeps its port: clients reconnect there
 
@@ -35,10 +38,13 @@ class Broker:
         process may bind it before the broker does, which then exits: a first start draws another."""
         for _ in range(3):
             self.process = subprocess.Popen(
-                tansu_command(self.port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                tansu_command(self.port, advertised=self.advertised),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             wait_listening("127.0.0.1", self.port)
-            ensure_topics(self.bootstrap, self.partitions)  # by now a broker without the port exited
+            if not self.advertised:  # clients reach a broker behind a proxy through the proxy only
+                ensure_topics(self.bootstrap, self.partitions, security=PLAINTEXT)
             if self.process.poll() is None or self.started:
                 break
             self.port = free_port()
@@ -47,7 +53,7 @@ class Broker:
 
     def read(self, topic: str, count: int, timeout_s: float = 30.0) -> list[ConsumerRecord]:
         """The first `count` records of `topic` (all partitions); fewer if they do not come in time."""
-        consumer = new_consumer(self.bootstrap, topic, group_id=None)
+        consumer = new_consumer(self.bootstrap, topic, security=PLAINTEXT, group_id=None)
         records: list[ConsumerRecord] = []
         deadline = time.monotonic() + timeout_s
         while len(records) < count and time.monotonic() < deadline:
@@ -64,9 +70,9 @@ class Broker:
 
 
 @contextlib.contextmanager
-def consuming(bootstrap: str, engine: Engine) -> Iterator[StoreConsumer]:
+def consuming(bootstrap: str, engine: Engine, security: KafkaSecurity = PLAINTEXT) -> Iterator[StoreConsumer]:
     """A store consumer polling in a thread until the block ends (then it leaves its group)."""
-    consumer = StoreConsumer(bootstrap, engine, batch_size=100)
+    consumer = StoreConsumer(bootstrap, engine, batch_size=100, security=security)
     stop = threading.Event()
     thread = threading.Thread(target=consumer.run, args=(stop,))
     thread.start()
@@ -77,9 +83,9 @@ def consuming(bootstrap: str, engine: Engine) -> Iterator[StoreConsumer]:
         thread.join(30)
 
 
-def produce(bootstrap: str, records: list[Record]) -> None:
+def produce(bootstrap: str, records: list[Record], security: KafkaSecurity = PLAINTEXT) -> None:
     """Sends `records` straight to the broker, as a pipeline writing to the topics does."""
-    producer = new_producer(bootstrap)
+    producer = new_producer(bootstrap, security=security)
     for record in records:
         producer.send(record.topic, key=record.key, value=record.value)
     producer.flush()

@@ -19,6 +19,7 @@ from gateway.server import Gateway
 from gateway.server import create_server as create_gateway
 from gateway.tenants import Limits, create_tenant
 from reflow.gateway_tls import client_credentials
+from reflow.kafka_settings import PublisherConfig
 from reflow.mtls import open_channel
 from reflow.registry import Registry
 from reflow.settings import Settings
@@ -117,7 +118,9 @@ async def start_stack(
     _, api_key = create_tenant(engine, "acme", limits=Limits(**tenant), trains=TRAINS_SHARED)
     pool = WorkerPool([w.address for w in workers] + list(extra_addresses), settings.worker_poll_s)
     metrics = GatewayMetrics()
-    publisher = Publisher(settings.kafka_bootstrap, settings.outbox_path, settings.kafka_handover_timeout_s)
+    publisher = Publisher(
+        settings.kafka_bootstrap, settings.outbox_path, PublisherConfig.from_settings(settings)
+    )
     gateway = await create_gateway(settings, pool, metrics, publisher)
     address = f"127.0.0.1:{gateway.port}"
     channel = open_channel(address, client_credentials(settings.gateway_ca_file), grpc.aio)
@@ -131,7 +134,7 @@ async def start_replica(stack: Stack) -> Stack:
     pool = WorkerPool([w.address for w in stack.workers], settings.worker_poll_s)
     metrics = GatewayMetrics()
     outbox = settings.data_dir / f"outbox-{uuid.uuid4().hex[:8]}.db"  # each replica has its own disk
-    publisher = Publisher(settings.kafka_bootstrap, outbox, settings.kafka_handover_timeout_s)
+    publisher = Publisher(settings.kafka_bootstrap, outbox, PublisherConfig.from_settings(settings))
     gateway = await create_gateway(settings, pool, metrics, publisher)
     address = f"127.0.0.1:{gateway.port}"
     channel = open_channel(address, client_credentials(settings.gateway_ca_file), grpc.aio)

@@ -176,6 +176,12 @@ def isolate(config: IsolationConfig) -> Isolation:
         reason = str(error) if isinstance(error, IsolationUnavailable) else f"{error}; {OPT_OUT}"
         if config.mode == "ebpf":
             raise IsolationUnavailable(reason) from None
-        logger.warning("worker isolation off (REFLOW_ISOLATION=auto): %s", reason.splitlines()[0])
+        logger.warning(
+            "worker isolation off (REFLOW_ISOLATION=auto): %s. Whoever reaches the worker port (any "
+            "process on this machine, unless REFLOW_TLS_* are set) calls it without an API key or a "
+            "quota, and may load and unload versions; set REFLOW_ISOLATION=ebpf to require isolation, "
+            "or REFLOW_ISOLATION=none to accept this",
+            reason.splitlines()[0].removesuffix(f"; {OPT_OUT}"),
+        )
         return NoIsolation()
     return hook

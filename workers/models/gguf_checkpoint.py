@@ -93,7 +93,7 @@ def gguf_to_checkpoint(path: Path, directory: Path, progress: Callable[[int], No
     converted. ValueError, before anything is written, for a file that is not GGUF or describes an
     architecture or tokenizer this does not convert."""
     reader = _open(path)
-    metadata = {name: field.contents() for name, field in reader.fields.items()}
+    metadata = _Metadata(path, {name: field.contents() for name, field in reader.fields.items()})
     architecture = metadata["general.architecture"]
     if architecture not in _ARCHITECTURES:
         raise ValueError(
@@ -120,12 +120,29 @@ def gguf_to_checkpoint(path: Path, directory: Path, progress: Callable[[int], No
     _write_weights(reader, hf_names, config, directory / "model.safetensors", progress)
 
 
+class _Metadata(dict[str, Any]):
+    """A GGUF file's metadata; reading a key it lacks is a ValueError naming the key and the file."""
+
+    def __init__(self, path: Path, fields: dict[str, Any]):
+        super().__init__(fields)
+        self.path = path
+
+    def __missing__(self, key: str) -> Any:
+        raise ValueError(f"{self.path} lacks the GGUF metadata {key!r}; it may be damaged, or not a model")
+
+
 def _open(path: Path) -> GGUFReader:
-    """The file's reader; ValueError when it is not GGUF (rather than whatever gguf raises on it)."""
+    """The file's reader; ValueError when it is not GGUF, or not all of it (rather than whatever
+    gguf raises on it)."""
     with path.open("rb") as file:
         if file.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file: it does not start with the GGUF magic bytes")
-    return GGUFReader(path)
+    try:
+        return GGUFReader(path)
+    except Exception as error:  # what numpy raises reading past the end: IndexError, ValueError, ...
+        raise ValueError(
+            f"{path} is a damaged GGUF file (truncated or corrupt: {error}); download or convert it again"
+        ) from None
 
 
 def _hf_names(path: Path, tensors: list[ReaderTensor], architecture: str) -> dict[str, str]:

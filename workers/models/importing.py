@@ -3,21 +3,21 @@
 
 Nothing is unpickled: pickled weights are refused with how to convert them, and a checkpoint is
 loaded once (on the CPU) before it is accepted, so an architecture or tokenizer reflow does not
-implement is refused at import, not when a worker first loads it.
+implement is refused at import, not when a worker first loads it. Nothing outside the checkpoint is
+read: a link out of its directory, or a shard named with a path, is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from workers.models.gguf_checkpoint import gguf_tensor_bytes, gguf_to_checkpoint
 from workers.models.hf_tokenizer import TOKENIZER_FILES
-from workers.models.llama import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
-from workers.models.loader import check_checkpoint
+from workers.models.llama import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, shard_names
+from workers.models.loader import check_checkpoint, read_config
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 CONVERT_HINT = (
@@ -44,8 +44,7 @@ def source_files(path: Path) -> list[Path]:
     if not (path / CONFIG_FILE).is_file():
         raise ValueError(f"{path} has no {CONFIG_FILE}; a Hugging Face checkpoint directory has one")
     if (path / WEIGHTS_INDEX_FILE).is_file():
-        shards = sorted(set(json.loads((path / WEIGHTS_INDEX_FILE).read_text())["weight_map"].values()))
-        weights = [WEIGHTS_INDEX_FILE, *shards]
+        weights = [WEIGHTS_INDEX_FILE, *shard_names(path / WEIGHTS_INDEX_FILE)]
     elif (path / WEIGHTS_FILE).is_file():
         weights = [WEIGHTS_FILE]
     elif pickled := sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES):
@@ -61,7 +60,27 @@ def source_files(path: Path) -> list[Path]:
     missing = [n for n in names if not (path / n).is_file()]
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}, which its {WEIGHTS_INDEX_FILE} names")
-    return [path / n for n in names]
+    files = [path / n for n in names]
+    check_contained(path, files)
+    read_config(path)  # a broken config.json is refused by name before anything is hashed
+    return files
+
+
+def check_contained(checkpoint: Path, files: list[Path]) -> None:
+    """Refuses a file of `checkpoint` that is a link to somewhere outside it (a key, a password
+    file), which an import would upload to the registry and a chat template would show in every
+    prompt. A Hugging Face cache snapshot (`models--ORG--NAME/snapshots/REV/`) may link into its
+    repository's `blobs/`, where the cache keeps every file once."""
+    root = checkpoint.resolve()
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        root = root.parent.parent
+    for file in files:
+        target = file.resolve()
+        if not target.is_relative_to(root):
+            raise ValueError(
+                f"{file} links to {target}, outside the checkpoint {checkpoint}; reflow imports only "
+                "the checkpoint's own files: copy the file into the directory if it belongs to it"
+            )
 
 
 def total_bytes(files: list[Path]) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from workers.models.kv_cache import CacheView, PagedKVCache, paged_attention
@@ -400,14 +400,35 @@ def weight_files(directory: Path) -> list[Path]:
     """The checkpoint's safetensors files: the shards its index names, else `model.safetensors`."""
     index = directory / WEIGHTS_INDEX_FILE
     if index.is_file():
-        return [directory / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        return [directory / name for name in shard_names(index)]
     return [directory / WEIGHTS_FILE]
 
 
+def shard_names(index: Path) -> list[str]:
+    """The shard files `model.safetensors.index.json` maps tensors to, sorted; ValueError for an
+    index that is not one, or that names anything but a `*.safetensors` file beside it (a path, `..`)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # not JSON, no map, not a map
+        raise ValueError(f"{index} is not a weight index ({type(error).__name__}: {error})") from None
+    for name in names:
+        if not (isinstance(name, str) and name.endswith(".safetensors")) or ".." in name or "/" in name:
+            raise ValueError(
+                f"{index} maps tensors to {name!r}; a shard is a *.safetensors file in the checkpoint "
+                "directory, named without a path"
+            )
+    return names
+
+
 def _tensor_names(file: Path) -> list[str]:
-    """The tensors a safetensors file holds (its header only), less buffers older transformers saved."""
-    with safe_open(str(file), framework="pt") as f:
-        return [n for n in f.keys() if not n.endswith("rotary_emb.inv_freq")]  # noqa: SIM118
+    """The tensors a safetensors file holds (its header only), less buffers older transformers saved;
+    ValueError naming a file that is no safetensors file (truncated, or something else)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return [n for n in f.keys() if not n.endswith("rotary_emb.inv_freq")]  # noqa: SIM118
+    except SafetensorError as error:
+        raise ValueError(f"{file.name} is not a readable safetensors file ({error})") from None
 
 
 def read_weights(directory: Path, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:

@@ -52,7 +52,7 @@ def load_checkpoint(
     """The model and tokenizer saved in `directory`, the weights on `device` in `dtype` (None: the
     architecture's choice), its context capped at `max_len` (0: the model's own); ValueError naming
     what is not supported."""
-    config = json.loads((directory / builtin.CONFIG_FILE).read_text())
+    config = read_config(directory)
     kind = model_type(directory, config)
     if kind not in ARCHITECTURES:
         raise ValueError(
@@ -62,21 +62,42 @@ def load_checkpoint(
     return model, load_tokenizer(directory)
 
 
+def read_config(directory: Path) -> dict[str, Any]:
+    """The checkpoint's `config.json`; ValueError naming the file when it is no JSON object."""
+    path = directory / builtin.CONFIG_FILE
+    try:
+        config = json.loads(path.read_bytes())
+    except ValueError as error:  # not JSON, or not UTF-8
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not the object of a model's config")
+    return config
+
+
 def model_type(directory: Path, config: dict[str, Any] | None = None) -> str:
     """The architecture a checkpoint's `config.json` names (read unless given)."""
-    config = config if config is not None else json.loads((directory / builtin.CONFIG_FILE).read_text())
+    config = config if config is not None else read_config(directory)
     return str(config.get("model_type", builtin.MODEL_TYPE))  # the built-in's first configs had none
 
 
 def check_checkpoint(directory: Path) -> None:
     """Loads what a worker would load of `directory` without its weights (their names only, for a
-    Llama-family model; the small built-in model in full); ValueError naming what does not fit."""
-    config = json.loads((directory / builtin.CONFIG_FILE).read_text())
-    if config.get("model_type") in llama.MODEL_TYPES:
-        llama.LlamaForCausalLM.skeleton(directory, config)
+    Llama-family model; the small built-in model in full); ValueError naming what does not fit,
+    a config.json that lacks a field or gives one of the wrong type among it."""
+    config = read_config(directory)
+    llama_family = config.get("model_type") in llama.MODEL_TYPES
+    try:
+        if llama_family:
+            llama.LlamaForCausalLM.skeleton(directory, config)
+        else:
+            load_checkpoint(directory)
+    except (KeyError, TypeError, AttributeError) as error:  # a field missing, or of the wrong type
+        raise ValueError(
+            f"config.json does not describe a model reflow can build ({type(error).__name__}: {error}); "
+            "compare it with the config.json transformers writes for the architecture"
+        ) from None
+    if llama_family:
         load_tokenizer(directory)
-    else:
-        load_checkpoint(directory)
 
 
 def load_tokenizer(directory: Path) -> Tokenizer:

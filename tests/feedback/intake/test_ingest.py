@@ -12,6 +12,7 @@ from sqlalchemy import Engine
 
 from feedback.intake.stats import kafka_stats, store_counts
 from gateway.tenants import create_tenant
+from reflow.kafka_settings import PLAINTEXT
 from reflow.request_ids import RequestIds
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_engine
@@ -38,7 +39,10 @@ def ingest(settings: Settings, *args: str, stdin: str | None = None) -> subproce
 
 def settled(engine: Engine, kafka: Broker, feedback: int) -> None:
     """Waits until the consumer has committed everything and the store holds `feedback` rows."""
-    wait_for(lambda: sum(kafka_stats(kafka.bootstrap)["consumer_lag"].values()) == 0, what="no lag")
+    wait_for(
+        lambda: sum(kafka_stats(kafka.bootstrap, security=PLAINTEXT)["consumer_lag"].values()) == 0,
+        what="no lag",
+    )
     wait_for(lambda: store_counts(engine)["feedback"] == feedback, what=f"{feedback} rows")
 
 

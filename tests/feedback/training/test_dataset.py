@@ -145,3 +145,23 @@ def test_a_busy_user_gives_a_run_no_more_than_max_per_user_items(store: Engine) 
     assert [i.completion for i in taken if i.user_id == "busy"] == [f"busy {i}" for i in range(5)]
     assert sum(i.user_id != "busy" for i in taken) == 9
     assert count_new(store, "chat", SHARED) == 39  # uncapped, every item counts
+
+
+def test_completions_cut_to_fit_kafka_are_not_learned_from(store: Engine) -> None:
+    """An inference event cut to REFLOW_MAX_EVENT_BYTES holds texts the user never saw whole: its
+    feedback (and a preference over it) trains nothing, however it was rated."""
+    whole = inference("whole", "a whole answer")
+    cut = inference("cut", "a cut answ").model_copy(update={"truncated": True})
+    events: list[InferenceEvent | FeedbackEvent] = [
+        whole, cut,
+        feedback("fb-whole", "whole", "ann", rating=1),
+        feedback("fb-cut", "cut", "bob", rating=1),
+        feedback("fb-pair", "whole", "cy", preferred_over="cut"),
+    ]  # fmt: skip
+    with store.begin() as connection:
+        store_events(connection, events)
+
+    taken = load_new(store, "chat", 100, SHARED)
+    assert [i.feedback_id for i in taken] == ["fb-whole", "fb-pair"]
+    assert count_new(store, "chat", SHARED) == 2
+    assert taken[1].preferred_over is None  # the pair says nothing against a text cut short

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 import subprocess
 from pathlib import Path
 
@@ -137,6 +139,49 @@ def test_pickles_and_unknown_architectures_are_refused_with_what_to_do(tmp_path:
         not (tmp_path / "data" / "mlflow.db").exists()
         or not Registry(f"sqlite:///{tmp_path / 'data' / 'mlflow.db'}").client.search_registered_models()
     )  # nothing was registered
+
+
+def test_a_hugging_face_cache_snapshot_imports_through_its_links_into_blobs(tmp_path: Path) -> None:
+    written = tiny_checkpoint(tmp_path / "written")
+    repository = tmp_path / "hub" / "models--org--tiny-llama"  # huggingface_hub's cache layout
+    blobs, snapshot = repository / "blobs", repository / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(written.iterdir()):
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        file.rename(blobs / blob)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob))
+    imported = importing(tmp_path / "data", str(snapshot), "--name", "tiny")
+    assert imported.returncode == 0, imported.stderr
+    registry = Registry(f"sqlite:///{tmp_path / 'data' / 'mlflow.db'}")
+    files = registry.download(registry.resolve("tiny", alias="champion"), tmp_path / "cache")
+    assert sorted(p.name for p in files.iterdir()) == sorted(p.name for p in snapshot.iterdir())
+
+
+def test_links_out_of_a_checkpoint_and_broken_files_are_refused_in_one_line(tmp_path: Path) -> None:
+    key = tmp_path / "id_ed25519"
+    key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    leaky = tiny_checkpoint(tmp_path / "leaky")
+    (leaky / "chat_template.jinja").symlink_to(key)
+    unparsable = tiny_checkpoint(tmp_path / "unparsable")
+    (unparsable / "config.json").write_text('{"model_type": "llama",')
+    incomplete = tiny_checkpoint(tmp_path / "incomplete")
+    (incomplete / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 1))  # a tensor and a key promised, then nothing
+    for path, message in [
+        (leaky, f"chat_template.jinja links to {key}, outside the checkpoint {leaky}"),
+        (unparsable, "unparsable/config.json is not valid JSON"),
+        (incomplete, "config.json does not describe a model reflow can build (KeyError: 'num_attention"),
+        (truncated, "truncated.gguf is a damaged GGUF file (truncated or corrupt"),
+    ]:
+        refused = importing(tmp_path / "data", str(path), "--name", "refused")
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+        lines = [line for line in refused.stderr.splitlines() if line.strip()]
+        [error] = [line for line in lines if not line.startswith("20")]  # MLflow's log lines aside
+        assert error.startswith("error: ") and message in error, error
+    registry = Registry(f"sqlite:///{tmp_path / 'data' / 'mlflow.db'}")
+    assert not registry.client.search_registered_models()  # nothing was registered
 
 
 def test_a_tenant_says_what_its_feedback_trains_and_is_served_its_own_champion(registry: Registry) -> None:

@@ -29,6 +29,7 @@ from reflow.cgroups import IsolationUnavailable, current_group, remove_instance
 from reflow.client import Client
 from reflow.store.database import migrate, open_engine
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from tests.support.certificates import tls_files
 from tests.support.cli import REFLOW, reflow
 from tests.support.kafka import Broker
 from tests.support.models import MODEL, save_model, tiny_model
@@ -301,9 +302,12 @@ def two_hosts() -> Iterator[tuple[str, str]]:
 
 def test_across_hosts_the_address_allow_list_admits_the_gateway_only(tmp_path: Path) -> None:
     with two_hosts() as (host, peer):
+        files = tls_files(tmp_path / "tls", "reflow test CA")  # off loopback a worker serves mTLS only
         env = worker_env(
-            tmp_path, REFLOW_WORKER_HOST="10.213.0.1", REFLOW_ISOLATION_ALLOW_FROM="10.213.0.2/32"
-        )
+            tmp_path, REFLOW_WORKER_HOST="10.213.0.1", REFLOW_ISOLATION_ALLOW_FROM="10.213.0.2/32",
+            REFLOW_TLS_CA_FILE=str(files["ca"][0]), REFLOW_TLS_CERT_FILE=str(files["worker"][0]),
+            REFLOW_TLS_KEY_FILE=str(files["worker"][1]),
+        )  # fmt: skip
         worker = start(tmp_path, "worker", ["worker"], env, prefix=("ip", "netns", "exec", host))
         try:
 

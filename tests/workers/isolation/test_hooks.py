@@ -1,5 +1,6 @@
-"""Choosing the isolation hook: `none` and `auto` never stop a worker, `ebpf` on a host that cannot
-do it stops it with an error naming what is missing and the setting that opts out."""
+"""Choosing the isolation hook: `none` and `auto` never stop a worker (`auto` warns what falling back
+exposes), `ebpf` on a host that cannot do it stops it with an error naming what is missing and the
+setting that opts out."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def test_none_and_auto_fall_back_but_ebpf_refuses_with_the_reason(
             isolate(isolation_config(Settings(isolation="auto", bpf_object=missing))),
             NoIsolation,
         )
-    assert "isolation off" in caplog.text
+    [warning] = caplog.records
+    message = warning.getMessage()
+    assert message.startswith("worker isolation off (REFLOW_ISOLATION=auto): ")
+    assert "without an API key or a quota, and may load and unload versions" in message  # the exposure
+    assert "set REFLOW_ISOLATION=ebpf to require isolation" in message
     with pytest.raises(IsolationUnavailable) as refused:
         isolate(isolation_config(Settings(isolation="ebpf", bpf_object=missing)))
     message = str(refused.value)
