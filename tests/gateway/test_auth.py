@@ -4,6 +4,7 @@ minute ends, while tenants' keys keep working from it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from gateway import auth as auth_module
 from gateway.auth import Authenticator
 from gateway.tenants import TenantInfo, create_tenant, find_by_key
 from reflow.errors import ResourceExhausted, Unauthenticated
-from reflow.store.database import migrate, open_engine
+from tests.support.store import migrated_store
 
 
 class Clock:
@@ -25,10 +26,8 @@ class Clock:
 
 
 @pytest.fixture
-def engine(tmp_path: Path) -> Engine:
-    engine = open_engine(f"sqlite:///{tmp_path / 'store.db'}")
-    migrate(engine)
-    return engine
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    yield from migrated_store(f"sqlite:///{tmp_path / 'store.db'}")
 
 
 @pytest.fixture
