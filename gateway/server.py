@@ -205,7 +205,8 @@ async def create_server(
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(service), server)
     tls = GatewayTls.from_settings(settings)
     credentials = None if tls is None else tls.server_credentials()
-    port = bind(server, settings.gateway_host, settings.gateway_port, credentials)
+    moved_by = "REFLOW_GATEWAY_PORT (--port)"  # named when the port is taken
+    port = bind(server, settings.gateway_host, settings.gateway_port, credentials, setting=moved_by)
     app = create_app(service, metrics, edge)
     http = HttpServer(app, settings.gateway_host, settings.http_port, settings.shutdown_grace_s, edge, tls)
     await pool.start()
@@ -235,10 +236,11 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
         settings.workers, settings.worker_poll_s, channel_credentials(TlsFiles.from_settings(settings))
     )
     metrics = GatewayMetrics(settings.metrics_max_tenants)
+    metrics_server, metrics_url = start_metrics_server(  # first: a port taken leaves no gRPC server behind
+        metrics.registry, settings.metrics_host, settings.gateway_metrics_port,
+        setting="REFLOW_GATEWAY_METRICS_PORT",
+    )  # fmt: skip
     gateway = await create_server(settings, pool, metrics, publisher)
-    metrics_server, metrics_url = start_metrics_server(
-        metrics.registry, settings.metrics_host, settings.gateway_metrics_port
-    )
     address = host_port(settings.gateway_host, gateway.port)
     http_url = f"{gateway.http.scheme}://{host_port(settings.gateway_host, gateway.http_port)}"
     logger.info(

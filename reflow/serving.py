@@ -1,5 +1,6 @@
 """What every reflow gRPC server shares: health, reflection, error mapping, ready files, signals,
-and the Prometheus endpoint beside it (bounded to 16 connections)."""
+the Prometheus endpoint beside it (bounded to 16 connections), and the start-up failures they
+share (a port taken, a service out of reach), each a ReflowError whose one line says what to do."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
+from urllib.parse import urlsplit
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import grpc
@@ -21,7 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from reflow.errors import ErrorInterceptor, OnDone
+from reflow.errors import ErrorInterceptor, OnDone, ReflowError
+from reflow.redaction import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +67,57 @@ def host_port(host: str, port: int) -> str:
 
 
 def bind(
-    server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
+    *,
+    setting: str = "",
 ) -> int:
     """Binds a port, with TLS when `credentials` are given; returns the port actually bound
-    (useful with port 0)."""
+    (useful with port 0). A port it cannot bind is a ReflowError naming `setting`, which moves it."""
     address = host_port(host, port)
-    bound = (
-        server.add_insecure_port(address)
-        if credentials is None
-        else server.add_secure_port(address, credentials)
-    )
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}: is another process using it?")
+    try:
+        bound = (
+            server.add_insecure_port(address)
+            if credentials is None
+            else server.add_secure_port(address, credentials)
+        )
+    except RuntimeError:  # grpc says no more than "Failed to bind"
+        bound = 0
+    if bound == 0:  # what older grpc returns instead
+        raise port_taken("the gRPC port", host, port, setting)
     return bound
+
+
+def port_taken(what: str, host: str, port: int, setting: str, reason: str = "") -> ReflowError:
+    """The start-up failure of a port this process cannot bind, in one line naming the setting
+    that moves it."""
+    why = f" ({reason})" if reason else ""
+    move = f"set {setting} to a free port" if setting else "choose a free port"
+    return ReflowError(
+        f"cannot bind {what} {host_port(host, port)}{why}: is another process using it? {move}"
+    )
+
+
+def unreachable(what: str, url: str, setting: str, reason: object) -> ReflowError:
+    """The start-up failure of a service this process cannot reach, in one line naming the setting
+    that says where it is (credentials in `url` are not shown)."""
+    return ReflowError(f"cannot reach {what} at {redact_url(url)} ({reason}); start it, or set {setting}")
+
+
+def check_registry(tracking_uri: str, timeout_s: float = 5.0) -> None:
+    """Refuses, as `unreachable`, an MLflow server that accepts no connection within `timeout_s`:
+    its client would retry for minutes, then report the model missing. A local store passes."""
+    parts = urlsplit(tracking_uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as error:
+        reason = error.strerror or error
+        raise unreachable("the MLflow registry", tracking_uri, "REFLOW_MLFLOW_TRACKING_URI", reason) from None
 
 
 MAX_METRICS_CONNECTIONS = 16  # a scrape takes one; more at once are closed as they come
@@ -128,10 +169,16 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         logger.debug("metrics connection from %s failed", client_address, exc_info=True)
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[WSGIServer, str]:
+def start_metrics_server(
+    registry: CollectorRegistry, host: str, port: int, *, setting: str = ""
+) -> tuple[WSGIServer, str]:
     """Serves `registry` for Prometheus on host:port (0 = free) in a thread of its own, to at most
-    MAX_METRICS_CONNECTIONS connections at once; returns the server and its URL."""
-    server = MetricsServer(host, port, registry)
+    MAX_METRICS_CONNECTIONS connections at once; returns the server and its URL. A port it cannot
+    bind is a ReflowError naming `setting`."""
+    try:
+        server = MetricsServer(host, port, registry)
+    except OSError as error:
+        raise port_taken("the metrics port", host, port, setting, error.strerror or str(error)) from None
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server, f"http://{host_port(host, server.server_port)}/metrics"
 

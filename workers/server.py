@@ -15,12 +15,13 @@ import torch
 from grpc_health.v1 import health
 
 from reflow.addresses import is_loopback
-from reflow.errors import FailedPrecondition, InvalidArgument, ReflowError
+from reflow.errors import FailedPrecondition, InvalidArgument, NotFound, ReflowError
 from reflow.mtls import TlsFiles, server_credentials
 from reflow.private_files import private_dir
 from reflow.registry import Registry
 from reflow.serving import (
     bind,
+    check_registry,
     host_port,
     new_server,
     set_serving,
@@ -242,7 +243,7 @@ async def create_server(
     returns (server, port, health servicer)."""
     server, health_servicer = new_server([SERVICE])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    bound = bind(server, host, port, credentials)
+    bound = bind(server, host, port, credentials, setting="REFLOW_WORKER_PORT (--port)")
     await server.start()
     await set_serving(health_servicer, [SERVICE], True)
     return server, bound, health_servicer
@@ -286,14 +287,27 @@ def check_exposure(settings: Settings) -> None:
     )
 
 
+SERVE_A_REGISTERED_MODEL = (
+    "set REFLOW_MODEL_NAME and REFLOW_MODEL_ALIAS to a registered model (`reflow models list`), or "
+    "register one (`reflow models import PATH --name NAME`)"
+)
+
+
 async def serve(settings: Settings, *, version: str = "", ready_file: Path | None = None) -> None:
     """`reflow worker`: refuse an unauthenticated port off loopback, isolate, load the configured
     version, serve until SIGINT/SIGTERM, drain."""
     check_exposure(settings)
+    try:
+        resolve_device(settings.device)
+    except RuntimeError as error:  # a device torch cannot see: say so before anything starts
+        raise ReflowError(str(error)) from None
     # before the first socket: a socket keeps the cgroup it was made in
     isolation = isolate(isolation_config(settings))
     try:
+        await asyncio.to_thread(check_registry, settings.resolved_tracking_uri)
         await _serve_isolated(settings, isolation, version, ready_file)
+    except NotFound as error:  # here only from the start-up loads: the model it was told to serve
+        raise NotFound(f"{error}; {SERVE_A_REGISTERED_MODEL}") from None
     finally:
         isolation.teardown()
 
@@ -323,14 +337,15 @@ async def _serve_isolated(
             versions, settings.model_name, settings.worker_aliases, settings.registry_poll_s
         )
         await follower.sync(strict=True)  # every version it follows, or no start
+    metrics_server, metrics_url = start_metrics_server(  # first: a port taken leaves no gRPC server behind
+        metrics.registry, settings.metrics_host, settings.worker_metrics_port,
+        setting="REFLOW_WORKER_METRICS_PORT",
+    )  # fmt: skip
     server, port, health_servicer = await create_server(
         servicer,
         settings.worker_host,
         settings.worker_port,
         server_credentials(TlsFiles.from_settings(settings)),
-    )
-    metrics_server, metrics_url = start_metrics_server(
-        metrics.registry, settings.metrics_host, settings.worker_metrics_port
     )
     isolation.open_port(metrics_server.server_port)  # Prometheus may scrape from anywhere
     address = host_port(settings.worker_host, port)

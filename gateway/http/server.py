@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from gateway.edge import EdgeLimits
 from gateway.http.protocol import GuardedHttp
 from reflow.gateway_tls import GatewayTls
+from reflow.serving import port_taken
 
 
 class _InLoopServer(uvicorn.Server):
@@ -49,8 +50,8 @@ class HttpServer:
             self.socket.listen(socket.SOMAXCONN)
         except OSError as error:
             self.socket.close()
-            raise OSError(
-                f"cannot bind HTTP port {host}:{port} ({error.strerror}); set REFLOW_HTTP_PORT"
+            raise port_taken(
+                "the HTTP port", host, port, "REFLOW_HTTP_PORT (--http-port)", error.strerror or str(error)
             ) from None
         self.port: int = self.socket.getsockname()[1]
         self.scheme = "http" if tls is None else "https"

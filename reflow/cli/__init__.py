@@ -18,9 +18,12 @@ from reflow.cli import (
     up,
     workers,
 )
+from reflow.cli.common import Commands
 
 app = typer.Typer(
-    help="reflow: a streaming inference gateway that learns from its users.", no_args_is_help=True
+    cls=Commands,
+    help="reflow: a streaming inference gateway that learns from its users.",
+    no_args_is_help=True,
 )
 app.command()(up.up)
 app.command()(servers.gateway)

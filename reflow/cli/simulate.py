@@ -6,6 +6,7 @@ import asyncio
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from reflow.cli.common import GatewayCaFile, default_api_key, default_target, err_console, fail, settings_with
 
@@ -36,8 +37,7 @@ def simulate(
 ) -> None:
     """Simulated users: the task's prompts through the gateway, each answer rated by its oracle
     (accuracy is the share the oracle accepted, whatever --flip sent)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
+    # torch: 1.3 s off `reflow --help`
     from feedback.tasks import get_task
     from feedback.tasks.simulate import Behaviour
     from feedback.tasks.simulate import simulate as run_simulation

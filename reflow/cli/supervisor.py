@@ -11,14 +11,17 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from feedback.bus.broker import tansu_command, wait_listening
 from reflow.gateway_tls import client_credentials
 from reflow.mtls import open_channel
+from reflow.serving import free_port
 from reflow.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -27,6 +30,10 @@ STOP_MARGIN_S = 10.0  # beyond the children's own drain grace
 MAX_RESTARTS, RESTART_WINDOW_S = 3, 600.0  # a child that exits more often is broken, not unlucky
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen
+
+
+class ChildFailed(RuntimeError):
+    """A child exited, or did not become ready or serving in time; the message says which, and why."""
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -52,6 +59,17 @@ class Child:
         with contextlib.suppress(OSError):
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         return ""
+
+    def exited(self, code: int) -> str:
+        """Why it exited: the one line a reflow command prints when it cannot start (`error: ...`),
+        else the end of its log."""
+        tail = self.tail()
+        said = [line for line in tail.splitlines() if line.startswith("error: ")]
+        if said:
+            return (
+                f"{self.name} exited with status {code}: {said[-1].removeprefix('error: ')} (log: {self.log})"
+            )
+        return f"{self.name} exited with status {code}; its log ({self.log}) ends:\n{tail}"
 
 
 @dataclass
@@ -85,7 +103,7 @@ class Supervisor:
         child.restart_args = list(args)
 
     def wait_ready(self, child: Child, timeout_s: float = START_TIMEOUT_S) -> dict[str, str]:
-        """What a child wrote to its ready file (address, metrics); RuntimeError if it died or timed out."""
+        """What a child wrote to its ready file (address, metrics); ChildFailed if it died or timed out."""
         assert child.ready_file is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -93,22 +111,22 @@ class Supervisor:
             if child.ready_file.is_file():
                 return json.loads(child.ready_file.read_text())
             time.sleep(0.1)
-        raise RuntimeError(f"{child.name} did not become ready in {timeout_s:.0f}s:\n{child.tail()}")
+        raise ChildFailed(f"{child.name} did not become ready in {timeout_s:.0f}s:\n{child.tail()}")
 
     def spawn_broker(self, env: dict[str, str] | None = None) -> str:
         """Starts the embedded Kafka broker (memory-only Tansu) on a free loopback port; returns its
         bootstrap address once it accepts connections."""
-        from feedback.bus.broker import tansu_command, wait_listening
-        from reflow.serving import free_port
-
         port = free_port()
-        self.spawn("kafka", tansu_command(port), env or {}, ready=False)
-        wait_listening("127.0.0.1", port)
+        broker = self.spawn("kafka", tansu_command(port), env or {}, ready=False)
+        try:
+            wait_listening("127.0.0.1", port)
+        except TimeoutError as error:
+            raise ChildFailed(f"the embedded Kafka broker: {error}; see its log, {broker.log}") from None
         return f"127.0.0.1:{port}"
 
     def check_alive(self) -> None:
-        """Restarts a restartable child that exited; RuntimeError naming the first other child that
-        exited (or one that keeps exiting), with the end of its log."""
+        """Restarts a restartable child that exited; ChildFailed naming the first other child that
+        exited (or one that keeps exiting), and why."""
         for child in self.children:
             code = child.process.poll()
             if code is None:
@@ -116,9 +134,7 @@ class Supervisor:
             now = time.monotonic()
             child.restarts = [at for at in child.restarts if now - at < RESTART_WINDOW_S]
             if child.restart_args is None or len(child.restarts) >= MAX_RESTARTS:
-                raise RuntimeError(
-                    f"{child.name} exited with status {code}; its log ({child.log}) ends:\n{child.tail()}"
-                )
+                raise ChildFailed(child.exited(code))
             logger.warning("%s exited with status %s; starting it again", child.name, code)
             child.restarts.append(now)
             child.process = _start([*child.command, *child.restart_args], child.env, child.log)
@@ -167,13 +183,11 @@ def wait_serving(address: str, timeout_s: float = 60.0, ca_file: str | None = No
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             time.sleep(0.2)
-    raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f}s")
+    raise ChildFailed(f"{address} did not report SERVING within {timeout_s:.0f}s")
 
 
 def wait_http(url: str, timeout_s: float = 60.0) -> bool:
     """True once `url` answers HTTP 200 (the MLflow UI's health endpoint)."""
-    import urllib.request
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1.0) as reply:

@@ -17,7 +17,7 @@ def workers_status(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON array.")] = False,
 ) -> None:
     """Each worker: loaded versions, queue, memory, its isolation and the connections it refused."""
-    from reflow.v1 import worker_pb2
+    from reflow.v1 import worker_pb2  # grpc, protobuf: 60 ms off `reflow --help`
     from reflow.worker_calls import WorkerTargets, call_workers
 
     settings = load_settings()
