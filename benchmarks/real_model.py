@@ -38,10 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 
 from tests.support.smollm2 import smollm2_gguf
 from workers.engine import Engine, EngineConfig
-from workers.loading import LoadedModel, load_directory
+from workers.loading import load_directory
 from workers.models.gguf_checkpoint import gguf_to_checkpoint
 from workers.models.interface import Tokenizer
 from workers.models.kv_cache import BLOCK_SIZE
+from workers.residency import ResidentVersion
 from workers.sequence import GenerationParams
 
 LEVELS = (1, 8, 32)
@@ -111,7 +112,7 @@ def pct(values: list[float], q: int) -> float:
 
 
 async def reflow_run(
-    engine: Engine, arms: Sequence[LoadedModel], prompts: list[list[int]], c: int, n: int
+    engine: Engine, arms: Sequence[ResidentVersion], prompts: list[list[int]], c: int, n: int
 ) -> Run:
     """The prompts through the engine, at most `c` in flight, request i to version arms[i % len(arms)]."""
     run, semaphore, held = Run(), asyncio.Semaphore(c), {}

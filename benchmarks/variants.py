@@ -33,7 +33,6 @@ from tests.support.smollm2 import converted_smollm2
 from workers.engine import Engine, EngineConfig
 from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
-from workers.variants import variant_name
 from workers.versions import Versions
 
 PROMPT = "Please suggest a three-day itinerary for Lisbon, with a few restaurants and museums."
@@ -59,21 +58,21 @@ async def main(variants: list[str], tokens: int, repeats: int) -> None:
     cpu = torch.device("cpu")
     versions = Versions(engine, registry, root / "cache", cpu, torch.float32, tuple(["float32", *variants]))
     reference = await versions.load("smollm2", alias="champion")
-    held = [v for v, _ in engine.variants("smollm2", "1")]
+    held = [v for v, _ in engine.copies("smollm2", "1")]
     prompt = reference.tokenizer.encode(PROMPT)
     params = GenerationParams(max_tokens=tokens, sampling=SamplingParams(temperature=0.0))
     results: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for level in LEVELS:
         for _ in range(repeats):
             for v in held:  # alternating: the machine's noise falls on every variant alike
-                runs = await asyncio.gather(*(one(engine, v.variant, prompt, params) for _ in range(level)))
-                results.setdefault((variant_name(v), level), []).extend(runs)
+                runs = await asyncio.gather(*(one(engine, v.name, prompt, params) for _ in range(level)))
+                results.setdefault((v.name, level), []).extend(runs)
     base = {level: statistics.median(t for _, t in results[("float32", level)]) for level in LEVELS}
     print(f"SmolLM2-135M, {tokens} greedy tokens per request, {repeats} rounds, medians")
     print(f"{'variant':<9} {'agreement':>9} {'weights MiB':>11} {'C':>3} {'TTFT ms':>8} {'TPOT ms':>8} "
           f"{'total ms':>9} {'vs float32':>10}")  # fmt: skip
     for v in held:
-        name = variant_name(v)
+        name = v.name
         assert v.quality is not None
         for level in LEVELS:
             runs = results[(name, level)]

@@ -1,14 +1,15 @@
-"""The gateway's latency model: for each worker, version and variant, time to first token and time
-per output token as functions of the worker's load, fitted online to every stream it relays.
+"""The gateway's latency model: for each worker, version and copy (the reference or a variant),
+time to first token and time per output token as functions of the worker's load, fitted online to
+every stream it relays.
 
     TTFT ms ≈ θ · [1, tokens to prefill first (queued ahead of it + its prompt), sequences running]
     TPOT ms ≈ φ · [1, sequences running]
 
 Recursive least squares fits both, forgetting old streams at FORGETTING per stream, so a worker
 that slows down (another tenant's load, a noisy neighbour) is followed within tens of streams. A
-variant starts from what its worker measured when it loaded it (ms per prompt token and per token,
-one sequence alone: LoadedVariant), so its first prediction is already of the right size; a
-version without variants starts from generic priors that its first streams quickly correct. The
+copy starts from what its worker measured when it loaded it (ms per prompt token and per token,
+one sequence alone: LoadedVariant), so its first prediction is already of the right size; a copy
+its worker did not measure starts from generic priors that its first streams quickly correct. The
 load is the worker's own (its running sequences, over every variant: they share its engine
 thread) and what this gateway has sent it that has not reached its first token yet.
 
@@ -32,7 +33,7 @@ from reflow.v1 import inference_pb2, worker_pb2
 
 FORGETTING = 0.97  # weight of the past per stream: about 30 streams of memory
 LEARNING = 0.1  # weight of one stream in the per-model averages (chars per token, answer tokens)
-# Generic priors for a version its worker did not measure (no REFLOW_VARIANTS), of the order of
+# Generic priors for a copy its worker did not measure (decode_ms_per_token 0), of the order of
 # SmolLM2-135M on a CPU (about 45 ms per token alone, docs/benchmarks.md; a prompt token, prefilled
 # in chunks, a small share of that): wide, and corrected by the first streams.
 GENERIC_PREFILL_MS_PER_TOKEN = 2.0
@@ -150,7 +151,7 @@ class ModelShape:
             self.answer_tokens += LEARNING * (answer - self.answer_tokens)
 
 
-# (worker address, model, version, variant name; "" for a version without variants)
+# (worker address, model, version, copy name: the reference's dtype or a variant's name)
 Key = tuple[str, str, str, str]
 
 
@@ -178,11 +179,11 @@ class LatencyModel:
     def shape(self, model: str) -> ModelShape:
         return self.shapes.setdefault(model, ModelShape())
 
-    def variant(self, key: Key, measured: worker_pb2.LoadedVariant | None) -> VariantLatency:
+    def variant(self, key: Key, measured: worker_pb2.LoadedVariant) -> VariantLatency:
         """The fit for `key`, seeded from its worker's measurement (`measured`) the first time."""
         fit = self.variants.get(key)
         if fit is None:
-            if measured is not None and measured.decode_ms_per_token > 0:
+            if measured.decode_ms_per_token > 0:
                 fit = VariantLatency.seeded(measured.prefill_ms_per_token, measured.decode_ms_per_token)
             else:
                 fit = VariantLatency.seeded(GENERIC_PREFILL_MS_PER_TOKEN, GENERIC_DECODE_MS_PER_TOKEN)

@@ -1,10 +1,11 @@
-"""Where a request runs: the worker, the variant of its version, and the reasoning budget it gets,
-from the latency model's predictions (gateway/latency.py), the request's deadline and each
-worker's free KV blocks.
+"""Where a request runs: the worker, the copy of its version there (the reference, which is the
+version as loaded, or a variant), and the reasoning budget it gets, from the latency model's
+predictions (gateway/latency.py), the request's deadline and each worker's free KV blocks; and
+what this gateway runs on each worker meanwhile (WorkerLoad), which only placement changes.
 
-- Without a deadline, the version as loaded (the best variant), on the worker with the lowest cost.
+- Without a deadline, the reference copy (the best), on the worker with the lowest cost.
 - A request that names a variant (GenerateRequest.variant) runs on it, on its lowest-cost worker.
-- With one, the best-quality variant (token agreement, workers/quality.py) predicted to finish
+- With one, the best-quality copy (token agreement, workers/quality.py) predicted to finish
   within it, on its lowest-cost worker; when none is, the lowest-cost option of all. When even that
   one is predicted to miss, a version that reasons gets its reasoning budget lowered just enough to
   fit, never below the floor (REFLOW_REASONING_BUDGET_FLOOR) nor above what the request asked.
@@ -13,19 +14,19 @@ worker's free KV blocks.
   nearly full stops attracting long prompts first. An option whose pool has fewer free blocks than
   the request needs would queue behind it; it meets no deadline.
 
-A worker's variants take turns on its one engine thread, so a busy worker stays on the variant it
-runs and switches only as `choose` says (docs/latency.md#one-engine-thread).
+A worker's copies take turns on its one engine thread, so a busy worker stays on the copy it runs
+and switches only as `choose` says (docs/latency.md#one-engine-thread).
 
 The prediction assumes the completion runs to max_tokens (for a version that reasons: to its
 reasoning budget and a typical answer): a deadline is a promise, and an early stop only helps.
-Variant choice happens inside the arm the request was assigned, so experiments stay fair.
+The copy is chosen inside the arm the request was assigned, so experiments stay fair.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from gateway.latency import Key, LatencyModel, Load, Observation, Prediction, VariantLatency
 from gateway.quotas import prompt_chars
@@ -34,56 +35,76 @@ from gateway.validation import RequestLimits, max_tokens_for
 from reflow.errors import NotFound
 from reflow.v1 import inference_pb2, worker_pb2
 
-# A variant idle on a worker busy with another is taken (a new turn on its engine thread) when it
+# A copy idle on a worker busy with another is taken (a new turn on its engine thread) when it
 # would meet the deadline within this share of it once it ran alone: hysteresis against flapping.
 RETURN_SHARE = 0.6
+SMOOTHING = 0.2  # weight of the newest gap in a worker's arrival rate
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class Blocks:
+    """The KV blocks a request needs on a copy's pool, and those free there."""
+
+    needed: int
+    free: int
+
+    @property
+    def fit(self) -> bool:
+        return self.needed <= self.free
+
+    @property
+    def weight(self) -> float:
+        """What a prediction's cost is multiplied by: 1 + the share of the free blocks it takes."""
+        return 1 + self.needed / max(self.free, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Option:
-    """One way to serve a request: a worker, a variant there, and what it is predicted to take."""
+    """One way to serve a request: a worker, a copy of its version there, and what it is predicted
+    to take."""
 
     worker: WorkerHandle
     loaded: worker_pb2.LoadedVersion
-    variant: worker_pb2.LoadedVariant | None  # None: the version, which holds no variants
+    copy: worker_pb2.LoadedVariant  # the reference or a variant (LoadedVersion.variants)
     load: Load
-    prediction: Prediction  # beside the worker's other busy variants, as it is now
-    alone: Prediction  # with its worker's load on this variant alone (the other variants drained)
-    blocks_needed: int
-    blocks_free: int
-    mixes: bool = False  # its worker is busy, on another variant lately
+    prediction: Prediction  # beside the worker's other busy copies, as it is now
+    alone: Prediction  # with its worker's load on this copy alone (the other copies drained)
+    blocks: Blocks
+    mixes: bool = False  # its worker is busy, on another copy lately
     harms: bool = False  # its steps would push a stream on its worker past a deadline it would meet
 
     @property
     def name(self) -> str:
-        return self.variant.name if self.variant is not None else ""
+        return self.copy.name
+
+    @property
+    def variant(self) -> str:
+        """The copy as clients are told it (Routing.variant): its name, or "" where its worker holds
+        the reference alone (no REFLOW_VARIANTS), as ListModels lists no variants there."""
+        return self.name if len(self.loaded.variants) > 1 else ""
 
     @property
     def agreement(self) -> float:
-        return self.variant.token_agreement if self.variant is not None else 1.0
+        return self.copy.token_agreement
 
     @property
     def best(self) -> bool:
-        """The version as loaded, which its variants are measured against."""
-        return self.variant is None or self.variant.reference
-
-    @property
-    def fits(self) -> bool:
-        return self.blocks_needed <= self.blocks_free
+        """The reference copy, which the variants are measured against."""
+        return self.copy.reference
 
     @property
     def cost_ms(self) -> float:
-        return self.prediction.total_ms * (1 + self.blocks_needed / max(self.blocks_free, 1))
+        return self.prediction.total_ms * self.blocks.weight
 
     def meets(self, budget_ms: float | None) -> bool:
-        return budget_ms is None or (self.fits and self.prediction.total_ms <= budget_ms)
+        return budget_ms is None or (self.blocks.fit and self.prediction.total_ms <= budget_ms)
 
     def settled(self) -> Option:
-        """This option as predicted once its worker runs this variant alone."""
+        """This option as predicted once its worker runs this copy alone."""
         return replace(self, prediction=self.alone)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Placement:
     """The option chosen for a request, with what it was chosen for."""
 
@@ -100,22 +121,94 @@ class Placement:
     def routing(self) -> inference_pb2.Routing:
         o = self.option
         return inference_pb2.Routing(
-            variant=o.name, token_agreement=o.agreement,
+            variant=o.variant, token_agreement=o.agreement,
             predicted_time_to_first_token_ms=o.prediction.ttft_ms,
             predicted_total_ms=o.prediction.total_ms, reasoning_budget=self.reasoning_budget,
             predicted_to_meet_deadline=o.meets(self.budget_ms),
         )  # fmt: skip
 
 
+@dataclass
+class ArrivalRate:
+    """Requests per second sent to a worker lately: an exponentially weighted mean of the gaps
+    between them (SMOOTHING per arrival), and the silence since the last one when it is longer."""
+
+    mean_gap_s: float = math.inf
+    last: float | None = None
+
+    def arrived(self, now: float) -> None:
+        if self.last is not None:
+            gap = now - self.last
+            self.mean_gap_s = (
+                gap if math.isinf(self.mean_gap_s) else self.mean_gap_s + SMOOTHING * (gap - self.mean_gap_s)
+            )
+        self.last = now
+
+    def per_second(self, now: float) -> float:
+        if self.last is None:
+            return 0.0
+        return 1.0 / max(self.mean_gap_s, now - self.last, 1e-3)
+
+
+@dataclass
+class WorkerLoad:
+    """What this gateway runs and queues on one worker: its open streams, the copy it placed there
+    last, the prompt tokens still to reach a first token, and how fast it sends requests. Only the
+    streams the Placer starts change it (admitted, prefilled, released)."""
+
+    streams: dict[str, int] = field(default_factory=dict)  # open, by copy
+    in_flight: set[PlacedStream] = field(default_factory=set)  # the same streams, with their progress
+    active: str = ""  # the copy of the latest stream placed on it ("" before the first)
+    queued_tokens: int = 0  # of those streams, the estimated prompt tokens before the first token
+    arrivals: ArrivalRate = field(default_factory=ArrivalRate)
+
+    @property
+    def outstanding(self) -> int:
+        """Streams that have not ended."""
+        return sum(self.streams.values())
+
+    def busy(self, held: list[worker_pb2.LoadedVariant]) -> set[str]:
+        """The names of the copies in `held` with sequences running or waiting: by the worker's last
+        status (every gateway's), or open through this gateway since."""
+        return {c.name for c in held if c.running or c.waiting or self.streams.get(c.name)}
+
+    def pushes_past_deadline(self, copy: str, added_ms: float, now: float) -> bool:
+        """Whether `added_ms` more per token would make a stream here on another copy than `copy`
+        miss a deadline it is on course to meet."""
+        return any(s.copy != copy and s.pushed_past_deadline(added_ms, now) for s in self.in_flight)
+
+    def admitted(self, stream: PlacedStream) -> None:
+        self.arrivals.arrived(stream.placed)
+        self.active = stream.copy
+        self.streams[stream.copy] = self.streams.get(stream.copy, 0) + 1
+        self.queued_tokens += stream.placement.prompt_tokens
+        self.in_flight.add(stream)
+
+    def prefilled(self, stream: PlacedStream) -> None:
+        """Its first token came: its prompt no longer waits."""
+        self.queued_tokens -= stream.placement.prompt_tokens
+
+    def released(self, stream: PlacedStream) -> None:
+        self.streams[stream.copy] -= 1
+        self.in_flight.discard(stream)
+        if stream.first_at is None:
+            self.queued_tokens -= stream.placement.prompt_tokens
+
+
 class Placer:
-    """Chooses where each request runs, from a pool's workers and a latency model."""
+    """Chooses where each request runs, from a pool's workers and a latency model, and keeps the
+    load of the streams it starts on each worker."""
 
     def __init__(self, pool: WorkerPool, latency: LatencyModel, limits: RequestLimits, reasoning_floor: int):
         self.pool = pool
         self.latency = latency
         self.limits = limits
         self.reasoning_floor = reasoning_floor
-        self.inflight: dict[str, set[PlacedStream]] = {}  # by worker address
+        self.loads: dict[str, WorkerLoad] = {}  # by worker address
+
+    def load_of(self, worker: WorkerHandle) -> WorkerLoad:
+        """What this gateway runs on `worker`."""
+        return self.loads.setdefault(worker.address, WorkerLoad())
 
     def place(
         self,
@@ -136,8 +229,16 @@ class Placer:
         if not chosen.meets(budget_ms) and chosen.loaded.reasons and budget_ms is not None:
             chosen, reasoning = self._think_less(chosen, request, budget_ms)
         return Placement(
-            chosen, chars, self.latency.shape(spec.name).prompt_tokens(chars), reasoning, budget_ms
-        )
+            option=chosen, prompt_chars=chars,
+            prompt_tokens=self.latency.shape(spec.name).prompt_tokens(chars),
+            reasoning_budget=reasoning, budget_ms=budget_ms,
+        )  # fmt: skip
+
+    def start(self, placement: Placement) -> PlacedStream:
+        """The stream of `placement`, counted in its worker's load until it closes."""
+        stream = PlacedStream(placement, self.load_of(placement.option.worker), self.latency)
+        stream.load.admitted(stream)
+        return stream
 
     def options(
         self,
@@ -146,7 +247,7 @@ class Placer:
         exclude: frozenset[str] = frozenset(),
         chars: int | None = None,
     ) -> list[Option]:
-        """Every worker and variant that could serve `request` now, with its prediction (`chars`:
+        """Every worker and copy that could serve `request` now, with its prediction (`chars`:
         its prompt's characters, when the caller counted them)."""
         chars = prompt_chars(request) if chars is None else chars
         prompt_tokens = self.latency.shape(spec.name).prompt_tokens(chars)
@@ -165,48 +266,45 @@ class Placer:
     ) -> list[Option]:
         max_tokens = max_tokens_for(request, self.limits, loaded)
         output = self._output_tokens(loaded, max_tokens, request.reasoning_budget)
-        alone = Load(max(worker.reported_running, worker.outstanding), worker.queued_tokens)
+        load = self.load_of(worker)
+        alone = Load(max(worker.reported_running, load.outstanding), load.queued_tokens)
         block = max(loaded.kv_block_size, 1)
         needed = math.ceil((prompt_tokens + max_tokens) / block)
-        queued_blocks = math.ceil(worker.queued_tokens / block)
-        variants: list[worker_pb2.LoadedVariant | None] = [*loaded.variants] or [None]
-        fits = {
-            (name := v.name if v else ""): self.latency.variant(key_of(worker, loaded, name), v)
-            for v in variants
-        }
-        busy = {v.name for v in loaded.variants if v.running or v.waiting or worker.streams.get(v.name)}
-        active = worker.active_variant if busy else None  # None: the worker is idle
+        queued_blocks = math.ceil(load.queued_tokens / block)
+        held = list(loaded.variants)  # the reference first, never empty
+        fits = {c.name: self.latency.variant(key_of(worker, loaded, c.name), c) for c in held}
+        busy = load.busy(held)
         now = time.perf_counter()
-        running = self.inflight.get(worker.address, set())
+        rate = load.arrivals.per_second(now)
         options = []
-        for variant in variants:
-            name = variant.name if variant is not None else ""
-            pool = variant if variant is not None else loaded
-            free = max(pool.kv_blocks_total - pool.kv_blocks_used - queued_blocks, 0)
-            others = sum(fits[other].step_ms() for other in busy - {name})
-            load = replace(alone, others_ms=others)
-            fit = fits[name]
-            prediction = self._expected(fit, worker, prompt_tokens, output, load)
-            settled = self._expected(fit, worker, prompt_tokens, output, alone)
-            mixes = active is not None and name != active
-            step = fit.step_ms()
-            harms = mixes and any(
-                s.pushed_past_deadline(step, now) for s in running if s.placement.option.name != name
-            )
+        for copy in held:
+            fit = fits[copy.name]
+            beside = replace(alone, others_ms=sum(fits[other].step_ms() for other in busy - {copy.name}))
+            mixes = bool(busy) and copy.name != load.active
             options.append(
-                Option(worker, loaded, variant, load, prediction, settled, needed, free, mixes, harms)
-            )
+                Option(
+                    worker=worker, loaded=loaded, copy=copy, load=beside,
+                    prediction=self._expected(fit, rate, prompt_tokens, output, beside),
+                    alone=self._expected(fit, rate, prompt_tokens, output, alone),
+                    blocks=Blocks(
+                        needed=needed,
+                        free=max(copy.kv_blocks_total - copy.kv_blocks_used - queued_blocks, 0),
+                    ),
+                    mixes=mixes,
+                    harms=mixes and load.pushes_past_deadline(copy.name, fit.step_ms(), now),
+                )
+            )  # fmt: skip
         return options
 
     @staticmethod
     def _expected(
-        fit: VariantLatency, worker: WorkerHandle, prompt_tokens: int, output: int, load: Load
+        fit: VariantLatency, rate: float, prompt_tokens: int, output: int, load: Load
     ) -> Prediction:
         """The prediction with the load the request will meet over its life: the sequences running
-        now, or as many as the worker's recent arrival rate keeps running for that long (Little's
-        law), whichever is more; so a rising rate is met before the queue shows it."""
+        now, or as many as the worker's recent arrival rate (`rate` per second) keeps running for
+        that long (Little's law), whichever is more; so a rising rate is met before the queue
+        shows it."""
         prediction = fit.predict(prompt_tokens, output, load)
-        rate = worker.arrivals.per_second(time.perf_counter())
         kept = math.ceil(rate * prediction.total_ms / 1000)
         if kept <= load.running:
             return prediction
@@ -236,34 +334,35 @@ class Placer:
         return replace(option, prediction=replace(option.prediction, output_tokens=output)), lowered
 
 
-def key_of(worker: WorkerHandle, loaded: worker_pb2.LoadedVersion, variant: str) -> Key:
-    """The latency model's key of a variant on a worker ("" for a version without variants)."""
-    return (worker.address, loaded.model, loaded.version, variant)
+def key_of(worker: WorkerHandle, loaded: worker_pb2.LoadedVersion, copy: str) -> Key:
+    """The latency model's key of a copy of a version on a worker."""
+    return (worker.address, loaded.model, loaded.version, copy)
 
 
 def pinned(options: list[Option], variant: str, spec: ModelSpec) -> list[Option]:
-    """The options on `variant`, which the request named; NotFound, naming the variants there are,
-    when no worker serving `spec` holds it."""
+    """The options on `variant`, which the request named (a variant's name, or the reference's);
+    NotFound, naming the copies there are, when no worker serving `spec` holds it."""
     on = [o for o in options if o.name == variant]
     if not on:
-        held = sorted({o.name for o in options if o.name})
-        there = f"its variants are {', '.join(held)}" if held else "its workers hold no variants"
+        held = ", ".join(sorted({o.name for o in options}))
+        references_only = all(o.best for o in options)
+        there = "its workers hold no variants" if references_only else f"its variants are {held}"
         raise NotFound(f"no worker serving model {spec} holds variant {variant!r}; {there}")
     return on
 
 
 def choose(options: list[Option], budget_ms: float | None) -> Option:
-    """The best-quality option predicted to meet `budget_ms` (the version itself when there is no
+    """The best-quality option predicted to meet `budget_ms` (the reference copy when there is no
     deadline), the lowest-cost one among equals, in this order of preference:
 
-    1. on the variant its worker runs lately (any, on an idle worker): a busy engine thread takes
-       no new variant into its turns; or on another that would meet well within it (RETURN_SHARE
-       of it) once its worker ran it alone: the way back to a better variant when load falls;
-    2. on the variant that would meet it once its worker ran it alone: under sustained load the
-       worker switches variant (the old one drains) rather than mixing them.
+    1. on the copy its worker runs lately (any, on an idle worker): a busy engine thread takes no
+       new copy into its turns; or on another that would meet well within it (RETURN_SHARE of it)
+       once its worker ran it alone: the way back to a better copy when load falls;
+    2. on the copy that would meet it once its worker ran it alone: under sustained load the
+       worker switches copy (the old one drains) rather than mixing them.
 
-    Never on another variant than the one a worker runs when its steps would push a stream there
-    past a deadline it is on course to meet.
+    Never on another copy than the one a worker runs when its steps would push a stream there past
+    a deadline it is on course to meet.
 
     The lowest-cost option of all when none would."""
     if budget_ms is None:
@@ -280,24 +379,19 @@ def choose(options: list[Option], budget_ms: float | None) -> Option:
 
 
 class PlacedStream:
-    """A placed request while its stream runs: counted in its worker's load (its prompt as queued
-    until the first token), and learned from by the latency model when it ends, however it ends."""
+    """A placed request while its stream runs (Placer.start): counted in its worker's load (its
+    prompt as queued until the first token), and learned from by the latency model when it ends,
+    however it ends."""
 
-    def __init__(self, placement: Placement, placer: Placer):
+    def __init__(self, placement: Placement, load: WorkerLoad, latency: LatencyModel):
         self.placement = placement
-        self.latency = placer.latency
+        self.copy = placement.option.name
+        self.load = load
+        self.latency = latency
         self.placed = time.perf_counter()
         self.first_at: float | None = None
         self.last_at = self.placed
         self.tokens = 0
-        self.prompt_tokens = placement.prompt_tokens
-        worker, variant = placement.option.worker, placement.option.name
-        worker.arrivals.arrived(self.placed)
-        worker.active_variant = variant
-        worker.streams[variant] = worker.streams.get(variant, 0) + 1
-        worker.queued_tokens += placement.prompt_tokens
-        self.running = placer.inflight.setdefault(worker.address, set())
-        self.running.add(self)
 
     def pushed_past_deadline(self, added_ms: float, now: float) -> bool:
         """Whether `added_ms` more per token it has left would make it miss a deadline it is on
@@ -314,30 +408,26 @@ class PlacedStream:
     def tokens_arrived(self, n: int, now: float) -> None:
         if self.first_at is None:
             self.first_at = now
-            self.placement.option.worker.queued_tokens -= self.placement.prompt_tokens
+            self.load.prefilled(self)
         self.tokens += n
         self.last_at = now
 
-    def finished(self, usage: inference_pb2.Usage) -> None:
-        """The prompt tokens its worker prefilled (those its prefix cache held cost no prefill),
-        and what its usage says of its model's requests."""
-        if usage.prompt_tokens:
-            self.prompt_tokens = usage.prompt_tokens - usage.cached_tokens
-        shape = self.latency.shape(self.placement.option.loaded.model)
-        shape.learn(self.placement.prompt_chars, usage)
-
-    def close(self) -> None:
-        """Takes it out of its worker's load and teaches the latency model what it took."""
-        option = self.placement.option
-        worker = option.worker
-        worker.streams[option.name] -= 1
-        self.running.discard(self)
+    def close(self, usage: inference_pb2.Usage | None = None) -> None:
+        """Takes it out of its worker's load and teaches the latency model what it took; `usage`,
+        when it finished, says the prompt tokens its worker prefilled (those its prefix cache held
+        cost no prefill) and what its model's requests are like."""
+        self.load.released(self)
+        prompt_tokens = self.placement.prompt_tokens
+        if usage is not None:
+            self.latency.shape(self.placement.option.loaded.model).learn(self.placement.prompt_chars, usage)
+            if usage.prompt_tokens:
+                prompt_tokens = usage.prompt_tokens - usage.cached_tokens
         if self.first_at is None:
-            worker.queued_tokens -= self.placement.prompt_tokens
             return
         self.latency.observe(
             Observation(
-                self.placement.key, option.load, self.prompt_tokens, self.tokens,
-                (self.first_at - self.placed) * 1000, (self.last_at - self.placed) * 1000,
+                key=self.placement.key, load=self.placement.option.load, prompt_tokens=prompt_tokens,
+                tokens=self.tokens, ttft_ms=(self.first_at - self.placed) * 1000,
+                last_ms=(self.last_at - self.placed) * 1000,
             )
         )  # fmt: skip

@@ -19,7 +19,7 @@ import grpc
 
 from gateway.assignment import Assignment
 from gateway.metrics import GatewayMetrics
-from gateway.placement import PlacedStream, Placement, Placer
+from gateway.placement import Placement, Placer
 from gateway.routing import WorkerHandle, WorkerPool
 from gateway.tenants import TenantInfo
 from gateway.validation import RequestLimits, worker_request
@@ -104,13 +104,13 @@ class Relay:
                 if not tried:
                     raise
                 raise Unavailable(f"every worker serving {spec} failed; retry the request") from None
-            worker, loaded = placement.option.worker, placement.option.loaded
+            worker, loaded, copy = placement.option.worker, placement.option.loaded, placement.option.copy
             if loaded.tenant and loaded.tenant != generation.tenant.name:  # another tenant's own
                 raise self.pool.not_served(spec)
             tried.add(worker.address)
             call_request = worker_request(
                 generation.request, self.limits, request_id=generation.request_id, loaded=loaded,
-                variant=placement.option.name, reasoning_budget=placement.reasoning_budget,
+                variant=copy.name, reasoning_budget=placement.reasoning_budget,
                 cache_salt=self.cache_salt(generation.tenant),  # tenants never share cached blocks
             )  # fmt: skip
             header = inference_pb2.GenerateResponse(
@@ -120,7 +120,7 @@ class Relay:
                 arm=assignment.arm,
                 routing=placement.routing(),
             )
-            self.metrics.placed.labels(loaded.model, placement.option.name or "-").inc()
+            self.metrics.placed.labels(loaded.model, placement.option.variant or "-").inc()
             if placement.reasoning_budget != generation.request.reasoning_budget:
                 self.metrics.reasoning_lowered.labels(loaded.model).inc()
             try:
@@ -159,9 +159,10 @@ class Relay:
         """Relays one worker stream; when the client reads slower than the worker writes, the
         deltas that piled up go out as one message (in order; the first is never held back). The
         worker's load counts it while it runs, and the latency model learns from it when it ends
-        (PlacedStream)."""
+        (Placer.start)."""
         worker = placement.option.worker
-        tracked = PlacedStream(placement, self.placer)
+        tracked = self.placer.start(placement)
+        usage: inference_pb2.Usage | None = None  # once it finished
         call = worker.stub.Generate(call_request, timeout=remaining_s)
         mailbox: Mailbox[worker_pb2.WorkerGenerateResponse] = Mailbox(merge_worker_deltas)
         reader = asyncio.create_task(_pump(call, mailbox), name=f"relay-{header.request_id}")
@@ -208,12 +209,12 @@ class Relay:
                         inference_pb2.FinishReason.Name(delta.finish_reason),
                         delta.completion_tokens, message.usage.total_ms,
                     )  # fmt: skip
-                    tracked.finished(message.usage)
+                    usage = message.usage
                     yield message
                     return
                 yield message
         finally:
-            tracked.close()
+            tracked.close(usage)
             self.metrics.in_flight.dec()
             reader.cancel()
             call.cancel()  # no-op when finished; stops the worker when the client went away

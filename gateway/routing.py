@@ -1,11 +1,11 @@
-"""The worker pool: tracks what each worker serves, its load, and which workers can take a model."""
+"""The worker pool: each worker's health and last reported status, and which workers can take a
+model. What this gateway runs on each worker is placement's (gateway/placement.py, WorkerLoad)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import math
 from dataclasses import dataclass, field
 
 import grpc
@@ -16,7 +16,6 @@ from reflow.registry import TENANT_ALIAS
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
-SMOOTHING = 0.2  # weight of the newest gap in a worker's arrival rate
 
 
 @dataclass(frozen=True)
@@ -68,6 +67,8 @@ class ServedVersion:
         self.aliases = sorted({*self.aliases, *loaded.aliases})
         self.ready_workers += 1
         self.tenant = loaded.tenant
+        if len(loaded.variants) == 1:
+            return  # its reference alone, which is the version itself: listed beside variants only
         for v in loaded.variants:
             seen = self.variants.get(v.name)
             self.variants[v.name] = inference_pb2.ModelVariant(
@@ -85,46 +86,15 @@ def _lowest(variant: worker_pb2.LoadedVariant, seen: inference_pb2.ModelVariant 
 
 
 @dataclass
-class ArrivalRate:
-    """Requests per second sent to a worker lately: an exponentially weighted mean of the gaps
-    between them (SMOOTHING per arrival), and the silence since the last one when it is longer."""
-
-    mean_gap_s: float = math.inf
-    last: float | None = None
-
-    def arrived(self, now: float) -> None:
-        if self.last is not None:
-            gap = now - self.last
-            self.mean_gap_s = (
-                gap if math.isinf(self.mean_gap_s) else self.mean_gap_s + SMOOTHING * (gap - self.mean_gap_s)
-            )
-        self.last = now
-
-    def per_second(self, now: float) -> float:
-        if self.last is None:
-            return 0.0
-        return 1.0 / max(self.mean_gap_s, now - self.last, 1e-3)
-
-
-@dataclass
 class WorkerHandle:
-    """One worker: its channel, last reported status and requests in flight through us."""
+    """One worker: its channel, its health and its last reported status."""
 
     address: str
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
     loaded: list[worker_pb2.LoadedVersion] = field(default_factory=list)
     healthy: bool = False
-    streams: dict[str, int] = field(default_factory=dict)  # through this gateway, open, by variant
-    active_variant: str = ""  # the variant of the latest request placed on it ("" for none)
-    queued_tokens: int = 0  # of those streams, the estimated prompt tokens before the first token
     reported_running: int = 0  # sequences generating on it at its last status, from every gateway
-    arrivals: ArrivalRate = field(default_factory=ArrivalRate)  # of streams from this gateway
-
-    @property
-    def outstanding(self) -> int:
-        """Streams through this gateway that have not ended."""
-        return sum(self.streams.values())
 
     def serves(self, spec: ModelSpec) -> worker_pb2.LoadedVersion | None:
         """The loaded version matching `spec`, if this worker has one."""

@@ -276,7 +276,7 @@ class Settings(BaseSettings):
             "How the fine-tune job trains: `lora` trains a low-rank adapter over the champion's frozen "
             "weights (registered in PEFT's format, served over the champion in the same batches); "
             "`full` trains every weight of a copy; `auto` is `lora` for Llama-family models and `full` "
-            "for the built-in model, which takes no adapters."
+            "for the built-in demo model, small enough to train in full (`lora` works on it too)."
         ),
     )
     finetune_steps: int | None = Field(

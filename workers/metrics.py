@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from reflow.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
-from workers.loading import Quality
+from workers.residency import Quality
 from workers.scheduler import Output
 
 
@@ -104,13 +104,15 @@ class WorkerMetrics:
         )
         self._per_variant = (self.variant_agreement, self.variant_token_agreement, self.variant_task_score)
 
-    def observe_variant(self, model: str, version: str, variant: str, quality: Quality) -> None:
-        """When a version's variants are measured: what each one scored."""
+    def observe_variant(
+        self, model: str, version: str, variant: str, quality: Quality, task_score: float | None
+    ) -> None:
+        """When a version's copies are measured: what each one scored."""
         labels = (model, version, variant)
         self.variant_agreement.labels(*labels).set(quality.greedy_agreement)
         self.variant_token_agreement.labels(*labels).set(quality.token_agreement)
-        if quality.task_score is not None:
-            self.variant_task_score.labels(*labels).set(quality.task_score)
+        if task_score is not None:
+            self.variant_task_score.labels(*labels).set(task_score)
 
     def forget_version(self, model: str, version: str) -> None:
         """When a version is unloaded: its variants' series go, so no dashboard shows it served."""

@@ -1,5 +1,6 @@
-"""Measures a loaded version's variants when they load: how much of the reference's greedy output each
-reproduces on a fixed prompt set, and how fast each prefills and decodes one sequence alone.
+"""Measures a loaded version's copies when its variants load: how much of the reference copy's greedy
+output each variant reproduces on a fixed prompt set, and how fast each copy prefills and decodes
+one sequence alone.
 
 Two agreements: greedy agreement, the share of the reference's greedy tokens a variant's own
 greedy continuation reproduces before they first differ (strict: one early divergence into equally
@@ -21,7 +22,7 @@ import time
 import torch
 
 from workers.engine import Engine
-from workers.loading import LoadedModel, Quality
+from workers.residency import Copy, Quality, ResidentVersion
 from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
 from workers.variants import weight_bytes
@@ -37,53 +38,68 @@ TIMED_RUNS = 3  # the speeds are the median of this many runs: one run is noise 
 GREEDY = GenerationParams(max_tokens=QUALITY_TOKENS, sampling=SamplingParams(temperature=0.0))
 
 
-async def measure(engine: Engine, reference: LoadedModel, variants: list[LoadedModel]) -> None:
-    """Sets `quality` on the reference and on each of its variants (added to the engine already)."""
-    prompts = [reference.tokenizer.encode(p) for p in QUALITY_PROMPTS]
-    expected = await _greedy(engine, reference, prompts)
+async def measure(engine: Engine, version: ResidentVersion, variants: list[Copy]) -> None:
+    """Sets `quality` on a version's reference copy and on each of its variants (added to the engine
+    already)."""
+    reference = version.reference
+    prompts = [version.tokenizer.encode(p) for p in QUALITY_PROMPTS]
+    expected = await _greedy(engine, version, reference, prompts)
     # the speeds come from one longer prompt (all of them, ~60 tokens, a chat turn's size, within
     # half the context): a short one's time to first token is mostly its fixed cost, which spread
     # over its few tokens overstates what each token of a real prompt costs
     timing = [t for p in prompts for t in p][: reference.max_len // 2]
-    reference.quality = await _timed(engine, reference, timing, 1.0, 1.0)
+    reference.quality = await _timed(engine, version, reference, timing, 1.0, 1.0)
     for variant in variants:
-        got = await _greedy(engine, variant, prompts)
+        got = await _greedy(engine, version, variant, prompts)
         agreement = sum(_agreed(e, g) for e, g in zip(expected, got, strict=True)) / len(prompts)
-        token = await asyncio.to_thread(engine.run, lambda v=variant: _token_agreement(v, prompts, expected))
-        variant.quality = await _timed(engine, variant, timing, agreement, token)
+        token = await asyncio.to_thread(
+            engine.run, lambda v=variant: _token_agreement(v, version.device, prompts, expected)
+        )
+        variant.quality = await _timed(engine, version, variant, timing, agreement, token)
 
 
-async def _greedy(engine: Engine, loaded: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
-    return list(await asyncio.gather(*(_tokens(engine, loaded, p) for p in prompts)))
+async def _greedy(
+    engine: Engine, version: ResidentVersion, copy: Copy, prompts: list[list[int]]
+) -> list[list[int]]:
+    return list(await asyncio.gather(*(_tokens(engine, version, copy, p) for p in prompts)))
 
 
-async def _tokens(engine: Engine, loaded: LoadedModel, prompt: list[int]) -> list[int]:
-    stream = engine.generate(loaded.name, loaded.version, prompt, GREEDY, loaded.variant)
+async def _tokens(engine: Engine, version: ResidentVersion, copy: Copy, prompt: list[int]) -> list[int]:
+    stream = engine.generate(version.name, version.version, prompt, GREEDY, copy.name)
     return [t async for delta in stream for t in delta.token_ids]
 
 
 async def _timed(
-    engine: Engine, loaded: LoadedModel, prompt: list[int], agreement: float, token_agreement: float
+    engine: Engine,
+    version: ResidentVersion,
+    copy: Copy,
+    prompt: list[int],
+    agreement: float,
+    token_agreement: float,
 ) -> Quality:
-    """The variant's quality with its speeds: the medians of TIMED_RUNS runs of one prompt alone
-    (of what this worker runs)."""
-    runs = [await _speeds(engine, loaded, prompt, salt=f"speed run {run}") for run in range(TIMED_RUNS)]
+    """The copy's quality with its speeds: the medians of TIMED_RUNS runs of one prompt alone (of
+    what this worker runs)."""
+    runs = [
+        await _speeds(engine, version, copy, prompt, salt=f"speed run {run}") for run in range(TIMED_RUNS)
+    ]
     return Quality(
         greedy_agreement=agreement,
         token_agreement=token_agreement,
         prefill_ms_per_token=statistics.median(prefill for prefill, _ in runs),
         decode_ms_per_token=statistics.median(decode for _, decode in runs),
-        weight_bytes=weight_bytes(loaded.model),
+        weight_bytes=weight_bytes(copy.model),
     )
 
 
-async def _speeds(engine: Engine, loaded: LoadedModel, prompt: list[int], salt: str) -> tuple[float, float]:
+async def _speeds(
+    engine: Engine, version: ResidentVersion, copy: Copy, prompt: list[int], salt: str
+) -> tuple[float, float]:
     """Milliseconds per prompt token to the first token, and per later token, of one run (its own
     cache salt: no run reuses another's prompt blocks)."""
     started = time.perf_counter()
     first = last = started
     tokens = 0
-    stream = engine.generate(loaded.name, loaded.version, prompt, GREEDY, loaded.variant, cache_salt=salt)
+    stream = engine.generate(version.name, version.version, prompt, GREEDY, copy.name, cache_salt=salt)
     async for delta in stream:
         last = time.perf_counter()
         first = last if tokens == 0 else first
@@ -101,7 +117,9 @@ def _agreed(expected: list[int], got: list[int]) -> float:
     return same / max(len(expected), 1)
 
 
-def _token_agreement(variant: LoadedModel, prompts: list[list[int]], expected: list[list[int]]) -> float:
+def _token_agreement(
+    variant: Copy, device: torch.device, prompts: list[list[int]], expected: list[list[int]]
+) -> float:
     """Share of the reference's greedy tokens `expected` that `variant` predicts as its top token,
     each given the prompt and the reference's tokens before it: one causal pass per prompt."""
     agreed = total = 0
@@ -109,7 +127,7 @@ def _token_agreement(variant: LoadedModel, prompts: list[list[int]], expected: l
         for prompt, tokens in zip(prompts, expected, strict=True):
             if not tokens:
                 continue
-            row = torch.tensor([prompt + tokens[:-1]], device=variant.device)
+            row = torch.tensor([prompt + tokens[:-1]], device=device)
             predicted = variant.model(row)[0, len(prompt) - 1 :].argmax(-1).tolist()
             agreed += sum(p == t for p, t in zip(predicted, tokens, strict=True))
             total += len(tokens)

@@ -35,14 +35,14 @@ from workers.engine import Engine, EngineConfig
 from workers.follower import AliasFollower
 from workers.isolation import Isolation, IsolationConfig, NoIsolation, isolate
 from workers.isolation.host import DEFAULT_OBJECT
-from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
 from workers.models.loader import resolve_device, resolve_dtype
 from workers.models.prompts import prompt_ids
+from workers.residency import UNMEASURED_REFERENCE, Copy, Resident, ResidentAdapter
 from workers.sampling import SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import Delta, GenerationParams
-from workers.variants import check_variants, variant_name
+from workers.variants import check_variants
 from workers.versions import Versions
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def params_from_pb(request: worker_pb2.WorkerGenerateRequest) -> GenerationParam
     )
 
 
-def prompt_ids_of(request: worker_pb2.WorkerGenerateRequest, loaded: LoadedModel) -> list[int]:
+def prompt_ids_of(request: worker_pb2.WorkerGenerateRequest, loaded: Resident) -> list[int]:
     """The prompt's token ids: as sent (each within the model's vocabulary), else the conversation
     rendered with the model's chat template (which carries its own bos token), else the prompt text."""
     tokenizer = loaded.tokenizer
@@ -100,11 +100,13 @@ def delta_to_pb(delta: Delta) -> worker_pb2.WorkerGenerateResponse:
     return message
 
 
-def loaded_to_pb(loaded: LoadedModel, engine: Engine) -> worker_pb2.LoadedVersion:
-    """Wire form of a loaded version, with its measured variants."""
-    held = engine.variants(loaded.name, loaded.version)
-    pool = held[0][1]  # the version's own scheduler (an adapter's base's)
-    measured = [(v, s) for v, s in held if v.quality is not None]
+def loaded_to_pb(loaded: Resident, engine: Engine) -> worker_pb2.LoadedVersion:
+    """Wire form of a loaded version or adapter, with the copies it runs on: its reference first
+    (an adapter's is its base's), then its measured variants."""
+    held = engine.copies(loaded.name, loaded.version)
+    pool = held[0][1]  # the reference copy's scheduler (an adapter's base's)
+    listed = [(c, s) for c, s in held if c.reference or c.quality is not None]
+    adapter = loaded.adapter if isinstance(loaded, ResidentAdapter) else None
     return worker_pb2.LoadedVersion(
         model=loaded.name,
         version=loaded.version,
@@ -112,11 +114,11 @@ def loaded_to_pb(loaded: LoadedModel, engine: Engine) -> worker_pb2.LoadedVersio
         parameters=loaded.model.parameter_count(),
         device=str(loaded.device),
         max_sequence_length=loaded.max_len,
-        dtype=str(loaded.model.dtype).removeprefix("torch."),
+        dtype=loaded.reference.name,
         base_version=loaded.base_version,
         tenant=loaded.tenant,
-        adapter_parameters=loaded.adapter.parameter_count() if loaded.adapter is not None else 0,
-        variants=[variant_to_pb(v, scheduler) for v, scheduler in measured],
+        adapter_parameters=adapter.parameter_count() if adapter is not None else 0,
+        variants=[copy_to_pb(c, scheduler, loaded.task_scores.get(c.name)) for c, scheduler in listed],
         kv_blocks_used=pool.blocks_used,
         kv_blocks_total=pool.n_blocks,
         kv_block_size=pool.block_size,
@@ -126,22 +128,23 @@ def loaded_to_pb(loaded: LoadedModel, engine: Engine) -> worker_pb2.LoadedVersio
     )
 
 
-def variant_to_pb(variant: LoadedModel, scheduler: Scheduler) -> worker_pb2.LoadedVariant:
-    """Wire form of a measured variant and its load now."""
-    assert variant.quality is not None
+def copy_to_pb(copy: Copy, scheduler: Scheduler, task_score: float | None) -> worker_pb2.LoadedVariant:
+    """Wire form of a copy of a version's weights, as measured (a reference nobody measured: agreement
+    1, speeds 0), and its load now."""
+    quality = copy.quality or UNMEASURED_REFERENCE
     return worker_pb2.LoadedVariant(
-        name=variant_name(variant),
-        reference=not variant.variant,
-        greedy_agreement=variant.quality.greedy_agreement,
-        token_agreement=variant.quality.token_agreement,
-        prefill_ms_per_token=variant.quality.prefill_ms_per_token,
-        decode_ms_per_token=variant.quality.decode_ms_per_token,
+        name=copy.name,
+        reference=copy.reference,
+        greedy_agreement=quality.greedy_agreement,
+        token_agreement=quality.token_agreement,
+        prefill_ms_per_token=quality.prefill_ms_per_token,
+        decode_ms_per_token=quality.decode_ms_per_token,
         running=scheduler.running,
         waiting=scheduler.waiting,
         kv_blocks_used=scheduler.blocks_used,
         kv_blocks_total=scheduler.n_blocks,
-        weight_bytes=variant.quality.weight_bytes,
-        task_score=variant.quality.task_score,
+        weight_bytes=quality.weight_bytes,
+        task_score=task_score,
     )
 
 
@@ -174,11 +177,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         loaded = self.engine.get(request.model, request.version)
         loaded.last_request = time.monotonic()
-        variant = "" if request.variant == variant_name(loaded) else request.variant
         params = params_from_pb(request)
         prompt_ids = prompt_ids_of(request, loaded)
         stream = self.engine.generate(
-            request.model, request.version, prompt_ids, params, variant, cache_salt=request.cache_salt
+            request.model, request.version, prompt_ids, params, request.variant, cache_salt=request.cache_salt
         )
         async with contextlib.aclosing(stream):  # a cancelled call frees its slot at once
             async for delta in stream:

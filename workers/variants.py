@@ -1,6 +1,6 @@
 """The variants of a loaded version (REFLOW_VARIANTS): its weights again in another precision, a
-faster and less exact copy served beside it, with its own KV pool, and how close each comes to the
-version as loaded (the reference).
+faster and less exact copy served beside its reference copy (the version as loaded), with its own
+KV pool, and the task score its version's tags give each copy.
 
 How each is made is workers/models/precision.py.
 """
@@ -8,25 +8,26 @@ How each is made is workers/models/precision.py.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
+from collections.abc import Iterable
 
 import torch
 
 from reflow.registry import TASK_SCORE_TAG
-from workers.loading import LoadedModel
 from workers.models.interface import CausalLM
 from workers.models.precision import in_precision
+from workers.residency import Copy, ResidentVersion
 
 
-def variant_name(loaded: LoadedModel) -> str:
-    """What a variant is called on the wire: `int8`, or the dtype of a float one."""
-    return loaded.variant or str(loaded.model.dtype).removeprefix("torch.")
+def task_scores(tags: dict[str, str], copies: Iterable[Copy]) -> dict[str, float]:
+    """The task score of each copy its version's tags (TASK_SCORE_TAG) give one, by copy name."""
+    scores = {copy.name: task_score(tags, copy) for copy in copies}
+    return {name: score for name, score in scores.items() if score is not None}
 
 
-def task_score(tags: dict[str, str], variant: LoadedModel) -> float | None:
-    """A variant's task score from its version's tags (TASK_SCORE_TAG): its own, or for the version
-    as loaded the version's; None where the version has none (or a malformed one)."""
-    names = [f"{TASK_SCORE_TAG}.{variant_name(variant)}", *([] if variant.variant else [TASK_SCORE_TAG])]
+def task_score(tags: dict[str, str], copy: Copy) -> float | None:
+    """A copy's task score from its version's tags: its own, or for the reference the version's;
+    None where the version has none (or a malformed one)."""
+    names = [f"{TASK_SCORE_TAG}.{copy.name}", *([TASK_SCORE_TAG] if copy.reference else [])]
     for name in names:
         with contextlib.suppress(KeyError, ValueError):
             return float(tags[name])
@@ -41,16 +42,15 @@ def check_variants(names: tuple[str, ...], device: torch.device) -> None:
         )
 
 
-def wanted_variants(reference: LoadedModel, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The variants to build beside `reference`: the names that are not its own, in order."""
-    own = variant_name(reference)
+def wanted_variants(version: ResidentVersion, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The variants to build beside a version: the names that are not its reference's, in order."""
+    own = version.reference.name
     return tuple(dict.fromkeys(n for n in names if n != own))
 
 
-def make_variant(reference: LoadedModel, name: str) -> LoadedModel:
-    """A copy of `reference` with its weights in variant `name`, served as the same version."""
-    model = in_precision(reference.model, name)
-    return replace(reference, model=model, variant=name, quality=None, aliases=set())
+def make_variant(version: ResidentVersion, name: str) -> Copy:
+    """A copy of a version's reference weights in variant `name`."""
+    return Copy(name, in_precision(version.model, name), max_len=version.max_len)
 
 
 def weight_bytes(model: CausalLM) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -13,9 +12,10 @@ import torch
 from reflow.errors import NotFound
 from reflow.registry import BASE_VERSION_TAG, TENANT_TAG, Registry
 from workers.engine import Engine
-from workers.loading import LoadedModel, load_adapter, load_directory
+from workers.loading import load_adapter, load_directory
 from workers.quality import measure
-from workers.variants import make_variant, task_score, variant_name, wanted_variants
+from workers.residency import Copy, Resident, ResidentVersion
+from workers.variants import make_variant, task_scores, wanted_variants
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Versions:
         self.dtype = dtype  # None: each architecture's choice (REFLOW_DTYPE=auto)
         self.variants = variants  # REFLOW_VARIANTS: built beside each version with weights of its own
 
-    async def load(self, name: str, *, version: str = "", alias: str = "") -> LoadedModel:
+    async def load(self, name: str, *, version: str = "", alias: str = "") -> Resident:
         """Resolves, fetches and loads a version off the event loop, then makes it servable; an
         adapter version is served over its base version's weights, loaded first when missing."""
         if self.registry is None:
@@ -63,46 +63,55 @@ class Versions:
         tags = await asyncio.to_thread(registry.tags, ref)
         base_version = tags.get(BASE_VERSION_TAG, "")
         base = await self.load(name, version=base_version) if base_version else None
+        if base is not None and not isinstance(base, ResidentVersion):
+            raise NotFound(f"{name}/{base_version}, the base of adapter {ref.version}, is an adapter itself")
 
-        def build() -> LoadedModel:
+        def build() -> Resident:
+            resident: Resident
             if base is not None:  # a few MB of adapter: stacked beside the base's, nothing compiled
-                loaded = load_adapter(directory, ref.version, base, aliases)
+                resident = load_adapter(directory, ref.version, base, aliases)
             else:
-                loaded = load_directory(
+                resident = load_directory(
                     directory, name, ref.version, self.device, aliases, self.dtype, max_len
                 )
-            loaded.tenant = tags.get(TENANT_TAG, "")
-            self.engine.add(loaded)  # compiles and warms up first when enabled
-            return loaded
+            resident.tenant = tags.get(TENANT_TAG, "")
+            self.engine.add(resident)  # compiles and warms up first when enabled
+            return resident
 
-        loaded = await asyncio.to_thread(self.engine.run, build)
-        await self._add_variants(loaded, tags)
+        resident = await asyncio.to_thread(self.engine.run, build)
+        if isinstance(resident, ResidentVersion):
+            await self._add_variants(resident, tags)
+        else:  # an adapter's one copy is its base's reference, measured (or not) with it
+            resident.task_scores = task_scores(tags, resident.copies.values())
         logger.info("loaded model=%s version=%s alias=%s device=%s", name, ref.version, alias, self.device)
-        return loaded
+        return resident
 
-    async def _add_variants(self, loaded: LoadedModel, tags: dict[str, str]) -> None:
-        """Builds the variants of a version with weights of its own beside it (an adapter is served
-        over its base's reference only), then measures them all against it; without variants to
-        build, nothing is measured."""
-        names = () if loaded.adapter is not None else wanted_variants(loaded, self.variants)
-        if not names:
-            return
+    async def _add_variants(self, version: ResidentVersion, tags: dict[str, str]) -> None:
+        """Builds the variants of a version with weights of its own beside it, then measures its
+        copies against its reference (without variants to build, nothing is measured); each copy's
+        task score comes from the version's tags."""
 
-        def build(name: str) -> LoadedModel:
-            variant = make_variant(loaded, name)
-            self.engine.add(variant)
+        def build(name: str) -> Copy:
+            variant = make_variant(version, name)
+            self.engine.add_variant(version, variant)
             return variant
 
+        names = wanted_variants(version, self.variants)
         variants = [await asyncio.to_thread(self.engine.run, lambda n=name: build(n)) for name in names]
-        await measure(self.engine, loaded, variants)
-        for v in [loaded, *variants]:
-            assert v.quality is not None
-            v.quality = replace(v.quality, task_score=task_score(tags, v))
+        version.task_scores = task_scores(tags, version.copies.values())
+        if not variants:
+            return
+        await measure(self.engine, version, variants)
+        for copy in version.copies.values():
+            q = copy.quality
+            assert q is not None
             if self.engine.metrics is not None:
-                self.engine.metrics.observe_variant(v.name, v.version, variant_name(v), v.quality)
+                self.engine.metrics.observe_variant(
+                    version.name, version.version, copy.name, q, version.task_scores.get(copy.name)
+                )
             logger.info(
                 "variant model=%s version=%s variant=%s greedy_agreement=%.3f token_agreement=%.3f "
-                "prefill_ms_per_token=%.2f decode_ms_per_token=%.1f", v.name, v.version, variant_name(v),
-                v.quality.greedy_agreement, v.quality.token_agreement, v.quality.prefill_ms_per_token,
-                v.quality.decode_ms_per_token,
+                "prefill_ms_per_token=%.2f decode_ms_per_token=%.1f", version.name, version.version,
+                copy.name, q.greedy_agreement, q.token_agreement, q.prefill_ms_per_token,
+                q.decode_ms_per_token,
             )  # fmt: skip

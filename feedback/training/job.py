@@ -22,7 +22,6 @@ import torch
 from sqlalchemy import Engine, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
-from torch import nn
 
 from feedback.experiments.lifecycle import reconcile
 from feedback.experiments.promotion import push_to_workers
@@ -38,10 +37,10 @@ from reflow.scopes import SHARED, Scope, champion_of
 from reflow.store.experiments import running_experiment
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
 from reflow.worker_calls import WorkerTargets
-from workers.models.builtin import Transformer
+from workers.models.builtin import MODEL_TYPE as BUILTIN
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.loader import load_checkpoint, resolve_device, save_checkpoint
-from workers.models.lora import AdaptedModel, Adapter
+from workers.models.lora import Adapter
 
 logger = logging.getLogger(__name__)
 STALE_AFTER = timedelta(minutes=30)  # a `running` row older than this belongs to a killed job
@@ -80,7 +79,7 @@ class FinetuneJob:
     limits: gate.Limits
     recipe: FinetuneConfig  # a full fine-tune's; its seed is set per run
     lora_recipe: FinetuneConfig  # a LoRA fine-tune's
-    method: str  # METHODS: auto trains adapters for Llama-family champions, the built-in model in full
+    method: str  # METHODS: auto trains adapters for Llama-family champions, the small built-in one in full
     device: str
     cache_dir: Path  # local copies of downloaded versions
     traffic: float  # the challenger's share in the experiment it opens
@@ -188,7 +187,7 @@ def _train_and_judge(
         "trained_parameters": float(sum(p.numel() for p in candidate.parameters())),
     }  # fmt: skip
     # the adapter trained (a tenant's own champion's, trained further, keeps its own shape)
-    lora = candidate.adapter.config if isinstance(candidate, AdaptedModel) else None
+    lora = candidate.adapter.config if candidate.adapter is not None else None
     params = {
         **{k: v for k, v in asdict(config).items() if k != "lora"}, "parent_version": parent,
         "method": "lora" if lora else "full", "feedback_first_id": first_id, "feedback_last_id": last_id,
@@ -248,7 +247,7 @@ def task_of(job: FinetuneJob, champion: CausalLM) -> Task | None:
     problems, as everyday chat is noise to it."""
     if job.task:
         return get_task(job.task)
-    return get_task(BUILTIN_MODEL_TASK) if isinstance(champion, Transformer) else None
+    return get_task(BUILTIN_MODEL_TASK) if champion.model_type == BUILTIN else None
 
 
 def load_version(
@@ -264,19 +263,16 @@ def load_version(
         registry.download(registry.resolve(ref.name, version=base), cache_dir), device
     )
     adapter = Adapter.load(registry.download(ref, cache_dir), device, weights.dtype)
-    return AdaptedModel(cast(nn.Module, weights), adapter), tokenizer, base
+    return weights.adapted(adapter), tokenizer, base
 
 
 def recipe_for(job: FinetuneJob, champion: CausalLM) -> FinetuneConfig:
-    """The recipe REFLOW_FINETUNE_METHOD picks for this champion; ValueError for LoRA on the
-    built-in model, whose layers take no adapters. A champion that is an adapter is trained on as
-    one, whatever the method."""
-    if isinstance(champion, AdaptedModel):
+    """The recipe REFLOW_FINETUNE_METHOD picks for this champion (`auto`: LoRA, but a full
+    fine-tune for the built-in model). A champion that is an adapter is trained on as one, whatever
+    the method."""
+    if champion.adapter is not None:
         return job.lora_recipe
-    builtin = isinstance(champion, Transformer)
-    method = job.method if job.method != "auto" else ("full" if builtin else "lora")
-    if method == "lora" and builtin:
-        raise ValueError("the built-in model takes no LoRA adapters; set REFLOW_FINETUNE_METHOD=full or auto")
+    method = job.method if job.method != "auto" else ("full" if champion.model_type == BUILTIN else "lora")
     return job.lora_recipe if method == "lora" else job.recipe
 
 

@@ -33,7 +33,7 @@ from feedback.training.dataset import Dataset, Pair
 from feedback.training.examples import example_rows, learning_rate, pad_rows, training_example
 from feedback.training.losses import KtoResult, dpo_loss, kto_loss, sequence_logps
 from workers.models.interface import CausalLM, Tokenizer
-from workers.models.lora import AdaptedModel, Adapter, LoraConfig
+from workers.models.lora import Adapter, LoraConfig
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ def train_candidate(
     progress: Callable[[int, int, float], None] | None = None,
 ) -> tuple[CausalLM, list[StepLog]]:
     """The candidate and the per-step log; deterministic for a seed on CPU. The candidate is a
-    fine-tuned copy of `champion`, or with `config.lora` an `AdaptedModel`: the champion seen
-    through the trained adapter; a champion that is itself an adapter over some weights has a copy
+    fine-tuned copy of `champion`, or with `config.lora` the champion seen through the trained
+    adapter (`CausalLM.adapted`); a champion that is itself an adapter over some weights has a copy
     of its adapter trained further, over the same weights.
 
     `replay(rng)` draws one problem of the base distribution; `progress(step, total, loss)` is
@@ -101,11 +101,11 @@ def train_candidate(
     device = champion.device
     reference = champion.eval()
     policy: CausalLM
-    if isinstance(champion, AdaptedModel):  # a tenant's own adapter: trained on from where it is
-        policy = AdaptedModel(champion.base, champion.adapter.trainable_copy()).train()
+    if champion.adapter is not None:  # a tenant's own adapter: trained on from where it is
+        policy = champion.adapted(champion.adapter.trainable_copy()).train()
     elif config.lora is not None:  # the adapter's tensors are the only parameters
         base = cast(nn.Module, champion)  # every CausalLM reflow has is a torch module
-        policy = AdaptedModel(base, Adapter.new(base, config.lora, config.seed)).train()
+        policy = champion.adapted(Adapter.new(base, config.lora, config.seed)).train()
     else:
         policy = copy.deepcopy(champion).train()
     for parameter in reference.parameters():

@@ -58,8 +58,8 @@ async def measured_int8_four_times_faster(stack: Stack, spec: ModelSpec) -> None
     """States the speeds the worker measured when int8 loaded: four times float32's. Which of the two
     measures faster is what a budget turns on, and on a loaded machine that is luck (benchmarks/sla.py
     and benchmarks/variants.py measure them); the gateway's latency model is seeded from them."""
-    (reference, _), (int8, _) = stack.workers[0].engine.variants(spec.name, "1")
-    assert (reference.quality, int8.variant) != (None, "") and int8.quality is not None
+    (reference, _), (int8, _) = stack.workers[0].engine.copies(spec.name, "1")
+    assert reference.quality is not None and not int8.reference and int8.quality is not None
     speeds = {"prefill_ms_per_token": reference.quality.prefill_ms_per_token / 4,
               "decode_ms_per_token": reference.quality.decode_ms_per_token / 4}  # fmt: skip
     int8.quality = replace(int8.quality, **speeds)

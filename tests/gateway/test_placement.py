@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from gateway.latency import LatencyModel, Load, Observation, RecursiveLeastSquares
-from gateway.placement import PlacedStream, Placement, Placer
+from gateway.placement import Placement, Placer, WorkerLoad
 from gateway.routing import ModelSpec, ServedVersion, WorkerHandle, WorkerPool
 from gateway.validation import RequestLimits
 from reflow.errors import NotFound
@@ -24,17 +24,19 @@ FLOOR = 16
 FLOAT32 = dict(name="float32", reference=True, token_agreement=1.0, prefill_ms_per_token=2.0,
                decode_ms_per_token=40.0)  # fmt: skip
 INT8 = dict(name="int8", token_agreement=0.6, prefill_ms_per_token=1.0, decode_ms_per_token=20.0)
+# how a worker without REFLOW_VARIANTS lists its one copy: the reference, by its dtype, unmeasured
+REFERENCE = dict(name="float32", reference=True, greedy_agreement=1.0, token_agreement=1.0)
 
 
 def version(
-    variants: tuple[dict[str, object], ...] = (), *, free_blocks: int = 1000, reasons: bool = False
+    variants: tuple[dict[str, object], ...] = (REFERENCE,), *, free_blocks: int = 1000, reasons: bool = False
 ) -> worker_pb2.LoadedVersion:
     """m/1 @champion as a worker's Status reports it: 16-token KV blocks, `free_blocks` of 1000 free
     (in the version's pool and in each variant's)."""
     used = 1000 - free_blocks
     return worker_pb2.LoadedVersion(
         model="m", version="1", aliases=["champion"], max_sequence_length=4096, kv_block_size=16,
-        kv_blocks_total=1000, kv_blocks_used=used, reasons=reasons,
+        kv_blocks_total=1000, kv_blocks_used=used, reasons=reasons, dtype="float32",
         variants=[worker_pb2.LoadedVariant(**v, kv_blocks_total=1000, kv_blocks_used=used) for v in variants],
     )  # fmt: skip
 
@@ -50,6 +52,10 @@ class Placing:
         worker = self.pool.workers[i]
         worker.loaded, worker.healthy = [loaded], True
         return worker
+
+    def load(self, worker: WorkerHandle) -> WorkerLoad:
+        """What the placer has running on `worker`."""
+        return self.placer.load_of(worker)
 
     def place(self, prompt: str = "1+1=", max_tokens: int = 32, budget_ms: float | None = None,
               reasoning_budget: int = 0) -> Placement:  # fmt: skip
@@ -139,7 +145,7 @@ async def test_the_reasoning_budget_shrinks_on_a_saturated_worker_and_not_on_an_
     idle = placing.place(max_tokens=256, reasoning_budget=200)
     budget = idle.option.prediction.total_ms * 1.2
     assert placing.place(max_tokens=256, reasoning_budget=200, budget_ms=budget).reasoning_budget == 200
-    worker.streams[""] = 48  # 48 streams of this gateway running on it
+    placing.load(worker).streams["float32"] = 48  # 48 streams of this gateway running on it
     saturated = placing.place(max_tokens=256, reasoning_budget=200, budget_ms=budget)
     assert FLOOR <= saturated.reasoning_budget < 200
     assert saturated.routing().reasoning_budget == saturated.reasoning_budget
@@ -153,7 +159,7 @@ async def test_the_reasoning_budget_shrinks_on_a_saturated_worker_and_not_on_an_
 
 
 async def test_a_version_that_does_not_reason_keeps_its_reasoning_budget(placing: Placing) -> None:
-    placing.worker(0, version()).streams[""] = 48
+    placing.load(placing.worker(0, version())).streams["float32"] = 48
     assert placing.place(max_tokens=256, reasoning_budget=200, budget_ms=1.0).reasoning_budget == 200
 
 
@@ -168,7 +174,7 @@ async def test_a_worker_with_little_free_kv_gets_fewer_new_long_prompts(placing:
         streams = []
         for _ in range(n):
             placement = placing.place(prompt=prompt)
-            streams.append(PlacedStream(placement, placing.placer))
+            streams.append(placing.placer.start(placement))
             placed[placement.option.worker.address] += 1
         for stream in streams:
             stream.close()
@@ -184,7 +190,8 @@ async def test_load_balances_by_running_sequences_and_queued_prompt_tokens(placi
     busy, free = placing.worker(0, version()), placing.worker(1, version())
     busy.reported_running = 20  # another gateway's streams
     assert placing.place().option.worker is free
-    busy.reported_running, free.queued_tokens = 0, 5000  # a long prompt waits for its first token
+    busy.reported_running = 0
+    placing.load(free).queued_tokens = 5000  # a long prompt waits for its first token
     assert placing.place().option.worker is busy
     assert placing.place().option.load == Load(running=0, queued_tokens=0)
 
@@ -211,12 +218,12 @@ async def test_a_stream_cut_at_its_deadline_still_teaches_the_latency_model(plac
     worker = placing.worker(0, version())
     placement = placing.place()
     before = placement.option.prediction
-    stream = PlacedStream(placement, placing.placer)
-    assert (worker.outstanding, worker.streams[""], worker.queued_tokens) == (1, 1, placement.prompt_tokens)
+    stream, load = placing.placer.start(placement), placing.load(worker)
+    assert (load.outstanding, load.streams["float32"], load.queued_tokens) == (1, 1, placement.prompt_tokens)
     for i in range(8):  # 8 tokens, each 5x slower than predicted, then cut
         stream.tokens_arrived(1, stream.placed + (before.ttft_ms + i * before.tpot_ms * 5) / 1000)
     stream.close()
-    assert (worker.outstanding, worker.streams[""], worker.queued_tokens) == (0, 0, 0)
+    assert (load.outstanding, load.streams["float32"], load.queued_tokens) == (0, 0, 0)
     assert placing.place().option.prediction.tpot_ms > before.tpot_ms * 1.5
 
 
@@ -224,12 +231,11 @@ async def test_a_stream_is_learned_from_with_the_prompt_tokens_its_worker_prefil
     placing: Placing, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     placing.worker(0, version())
-    stream = PlacedStream(placing.place(prompt="x" * 200), placing.placer)  # 4 characters a token: 50
+    stream = placing.placer.start(placing.place(prompt="x" * 200))  # 4 characters a token: 50
     stream.tokens_arrived(1, stream.placed + 0.01)
     seen: list[Observation] = []
     monkeypatch.setattr(placing.latency, "observe", seen.append)
-    stream.finished(inference_pb2.Usage(prompt_tokens=100, cached_tokens=96, completion_tokens=1))
-    stream.close()
+    stream.close(inference_pb2.Usage(prompt_tokens=100, cached_tokens=96, completion_tokens=1))
     assert [s.prompt_tokens for s in seen] == [4]  # the 96 its prefix cache held cost no prefill
     assert placing.latency.shape("m").prompt_tokens(200) > 50  # the model's tokens: all 100 of them
 
@@ -241,16 +247,16 @@ def request() -> inference_pb2.GenerateRequest:
 async def test_no_switch_of_variant_pushes_a_running_stream_past_its_deadline(placing: Placing) -> None:
     worker = placing.worker(0, version((FLOAT32, INT8)))
     on_float32 = placing.place()  # float32, idle worker
-    running = PlacedStream(
-        replace(on_float32, budget_ms=on_float32.option.prediction.total_ms * 1.05), placing.placer
+    running = placing.placer.start(
+        replace(on_float32, budget_ms=on_float32.option.prediction.total_ms * 1.05)
     )  # on course to meet its deadline, with 5% to spare: int8's steps beside it would eat that
-    assert worker.active_variant == "float32"
+    assert placing.load(worker).active == "float32"
     float32, int8 = placing.placer.options(SPEC, request())
     assert int8.mixes and int8.harms and not float32.mixes
     tight = placing.place(budget_ms=(int8.alone.total_ms + float32.prediction.total_ms) / 2)
     assert tight.option.name == "float32"  # the request misses rather than the running stream
     running.close()
-    assert placing.placer.inflight[worker.address] == set()
+    assert placing.load(worker).in_flight == set()
     worker.reported_running = 1  # the worker still runs float32 for another gateway, without deadline
     worker.loaded[0].variants[0].running = 1
     assert (

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from workers.engine import Engine
-from workers.models.builtin import TOKENIZER, Transformer, new_model
+from workers.models.builtin import TOKENIZER, new_model
 from workers.models.interface import CausalLM
+from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import save_checkpoint
 from workers.sequence import Delta, GenerationParams
 
@@ -53,42 +54,31 @@ async def collect(engine: Engine, prompt: str, params: GenerationParams, version
     return out
 
 
-def save_as_llama(model: Transformer, directory: Path) -> Path:
-    """The built-in model as the Llama checkpoint it is in Hugging Face's names (q, k and v split
-    out of wqkv, their features reordered from rotated pairs to rotated halves), with the byte
-    tokenizer: a Llama-family model that already knows the arith task, for the LoRA loop."""
+def save_as_llama(model: LlamaForCausalLM, directory: Path) -> Path:
+    """The built-in model as the Llama checkpoint it is in Hugging Face's layout (the features of q
+    and k reordered from rotated pairs to rotated halves), with the byte tokenizer: a Llama-family
+    model that already knows the arith task, for the LoRA loop."""
     from safetensors.torch import save_file
 
     c = model.config
     d = c.head_dim
 
     def halves(weight: torch.Tensor) -> torch.Tensor:  # [H*D, dim]: pairs (2i, 2i+1) -> (i, i+D/2)
-        return weight.view(c.n_heads, d // 2, 2, c.dim).transpose(1, 2).reshape(c.n_heads * d, c.dim)
+        return weight.view(-1, d // 2, 2, weight.shape[1]).transpose(1, 2).reshape(weight.shape)
 
-    state = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight,
-             "lm_head.weight": model.output.weight}  # fmt: skip
-    for i, block in enumerate(model.layers):
-        q, k, v = block.attention.wqkv.weight.chunk(3)  # type: ignore[union-attr]
-        prefix = f"model.layers.{i}"
-        state |= {
-            f"{prefix}.self_attn.q_proj.weight": halves(q), f"{prefix}.self_attn.k_proj.weight": halves(k),
-            f"{prefix}.self_attn.v_proj.weight": v,
-            f"{prefix}.self_attn.o_proj.weight": block.attention.wo.weight,
-            f"{prefix}.mlp.gate_proj.weight": block.feed_forward.w1.weight,
-            f"{prefix}.mlp.up_proj.weight": block.feed_forward.w3.weight,
-            f"{prefix}.mlp.down_proj.weight": block.feed_forward.w2.weight,
-            f"{prefix}.input_layernorm.weight": block.attention_norm.weight,
-            f"{prefix}.post_attention_layernorm.weight": block.ffn_norm.weight,
-        }  # type: ignore[union-attr]  # fmt: skip
+    state = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
+    for name in state:
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            state[name] = halves(state[name])
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.detach().contiguous() for n, t in state.items()}, str(directory / "model.safetensors"))
+    save_file(state, str(directory / "model.safetensors"))
     config = {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": c.vocab_size,
-        "hidden_size": c.dim, "intermediate_size": c.hidden_dim, "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_heads,
-        "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_base,
-        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": TOKENIZER.bos_id,
-        "eos_token_id": TOKENIZER.eos_id,
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "tie_word_embeddings": False,
+        "hidden_act": "silu", "bos_token_id": TOKENIZER.bos_id, "eos_token_id": TOKENIZER.eos_id,
     }  # fmt: skip
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     TOKENIZER.save(directory)

@@ -14,8 +14,9 @@ import torch
 from reflow.errors import NotFound
 from tests.support.hf import EOS, VOCAB, random_adapter, tiny_checkpoint, transformers
 from workers.engine import Engine, EngineConfig
-from workers.loading import LoadedModel, load_adapter, load_directory
+from workers.loading import load_adapter, load_directory
 from workers.models.lora import LoraConfig
+from workers.residency import ResidentAdapter, ResidentVersion
 from workers.sequence import GenerationParams, SamplingParams
 
 CPU = torch.device("cpu")
@@ -34,7 +35,7 @@ def engine() -> Iterator[Engine]:
     engine.close()
 
 
-def serve(engine: Engine, checkpoint: Path, tmp_path: Path) -> tuple[LoadedModel, LoadedModel]:
+def serve(engine: Engine, checkpoint: Path, tmp_path: Path) -> tuple[ResidentVersion, ResidentAdapter]:
     """Base version 1 and, over it, adapter version 2 (saved in PEFT's format and loaded back)."""
     base = load_directory(checkpoint, "tiny", "1", CPU)
     engine.add(base)

@@ -9,14 +9,14 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import torch
 
-import workers.engine
+import workers.runner
 from reflow.errors import InvalidArgument, NotFound, ResourceExhausted
 from tests.support.models import collect, reference_greedy, tiny_model
 from tests.support.waiting import eventually
 from workers.engine import Engine, EngineConfig
-from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
 from workers.models.builtin import TOKENIZER, new_model
+from workers.residency import ResidentVersion
 from workers.sampling import SamplingParams
 from workers.sequence import Delta, GenerationParams
 
@@ -26,7 +26,7 @@ PROMPTS = [f"{a}+{b}=" for a, b in ((47, 38), (1, 1), (99, 9), (5, 60), (12, 34)
 
 def new_engine(**config: int | bool) -> Engine:
     engine = Engine(EngineConfig(**config), WorkerMetrics())
-    engine.add(LoadedModel("arith", "1", tiny_model(0), TOK, torch.device("cpu"), {"champion"}))
+    engine.add(ResidentVersion("arith", "1", tiny_model(0), TOK, torch.device("cpu"), {"champion"}))
     return engine
 
 
@@ -92,7 +92,7 @@ async def test_a_cancelled_sequence_frees_its_slot_for_the_next() -> None:
 async def test_requests_the_kv_blocks_cannot_hold_at_once_wait_and_all_finish_exactly() -> None:
     model, _ = new_model("arith-small", 1)  # 4 KiB of keys and values a token: 16 blocks in 1 MiB
     engine = Engine(EngineConfig(kv_cache_mb=1, max_model_len=128), WorkerMetrics())
-    engine.add(LoadedModel("arith", "1", model.eval(), TOK, torch.device("cpu")))
+    engine.add(ResidentVersion("arith", "1", model.eval(), TOK, torch.device("cpu")))
     try:
         assert engine.kv_blocks() == (0, 16)
         params = GenerationParams(max_tokens=100)  # up to 107 tokens: 7 of the 16 blocks, 2 at once
@@ -148,14 +148,14 @@ async def test_a_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
 
 
 async def test_a_failing_sequence_fails_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_sample = workers.engine.sample
+    real_sample = workers.runner.sample
 
     def flaky(logits, params, generator):
         if params.seed == 666:
             raise RuntimeError("sampling blew up")
         return real_sample(logits, params, generator)
 
-    monkeypatch.setattr(workers.engine, "sample", flaky)
+    monkeypatch.setattr(workers.runner, "sample", flaky)
     good = GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=1))
     bad = GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=666))
     results = await asyncio.gather(
@@ -170,7 +170,7 @@ async def test_a_failing_sequence_fails_alone(engine: Engine, monkeypatch: pytes
 async def test_a_step_level_failure_fails_that_versions_sequences_and_the_engine_goes_on(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    runner = engine._runners[("arith", "1")]
+    runner = engine._runners[engine.lookup("arith", "1").copy]
     real_step = runner.step
     calls, failed = 0, False
 

@@ -14,10 +14,11 @@ import torch
 from tests.support.hf import VOCAB, random_adapter, tiny_checkpoint
 from tests.support.models import collect, reference_greedy, tiny_model
 from workers.engine import Engine, EngineConfig
-from workers.loading import LoadedModel, load_adapter, load_directory
+from workers.loading import load_adapter, load_directory
 from workers.metrics import WorkerMetrics
 from workers.models.builtin import TOKENIZER, new_model
 from workers.models.lora import LoraConfig
+from workers.residency import ResidentVersion
 from workers.sequence import Delta, GenerationParams, SamplingParams
 
 SYSTEM = "Add the numbers; answer only the sum. "  # 39 tokens with BOS: 2 full blocks of 16
@@ -28,7 +29,7 @@ SEEDED = GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=1.0
 
 def new_engine(prefix_cache: bool, **config: int) -> Engine:
     engine = Engine(EngineConfig(prefix_cache=prefix_cache, **config), WorkerMetrics())
-    engine.add(LoadedModel("arith", "1", tiny_model(0), TOKENIZER, torch.device("cpu"), {"champion"}))
+    engine.add(ResidentVersion("arith", "1", tiny_model(0), TOKENIZER, torch.device("cpu"), {"champion"}))
     return engine
 
 
@@ -69,7 +70,7 @@ async def test_shared_prefixes_are_prefilled_once_and_give_the_tokens_they_give_
 async def test_eviction_under_pressure_never_reuses_a_block_another_prompt_overwrote() -> None:
     model, _ = new_model("arith-small", 0)  # 16 blocks of 16 tokens in 1 MiB
     engine = Engine(EngineConfig(kv_cache_mb=1, max_model_len=128), WorkerMetrics())
-    engine.add(LoadedModel("arith", "1", model.eval(), TOKENIZER, torch.device("cpu")))
+    engine.add(ResidentVersion("arith", "1", model.eval(), TOKENIZER, torch.device("cpu")))
     # 52 tokens: a first block all share, two of their own; 72 with the completion, 5 blocks a sequence
     prompts = [f"{'x' * 15}{c * 32}{i}+{i}=" for i, c in enumerate("abcdefgh")]
     params = GenerationParams(max_tokens=20)
@@ -94,7 +95,7 @@ async def test_a_new_version_never_reuses_the_old_ones_blocks() -> None:
     try:
         prompt = SYSTEM + QUESTIONS[0]
         assert (await collect(engine, prompt, GREEDY)).usage is not None
-        engine.add(LoadedModel("arith", "2", tiny_model(1), TOKENIZER, torch.device("cpu"), {"champion"}))
+        engine.add(ResidentVersion("arith", "2", tiny_model(1), TOKENIZER, torch.device("cpu"), {"champion"}))
         engine.remove("arith", "1")
         swapped = await collect(engine, prompt, GREEDY, version="2")
         assert swapped.usage and swapped.usage.cached_tokens == 0

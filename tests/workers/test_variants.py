@@ -68,7 +68,7 @@ async def test_a_request_names_its_variant_and_each_runs_on_its_own_weights(vers
     assert len(reference) == len(int8) == GREEDY.max_tokens
     assert reference == await tokens("")  # greedy: each variant repeats itself
     assert int8 == await tokens("int8")
-    assert engine.get("smollm2", "1", "int8").model.dtype == torch.float32  # activations stay float
+    assert engine.lookup("smollm2", "1", "int8").copy.model.dtype == torch.float32  # activations stay float
 
 
 async def test_an_unknown_variant_is_not_found_and_a_removed_version_takes_its_variants(
@@ -101,7 +101,7 @@ async def test_an_unknown_variant_is_not_found_and_a_removed_version_takes_its_v
     assert versions.engine.find("smollm2", "1") is None
     assert agreement("float32") is None and agreement("int8") is None  # no series of what is gone
     with pytest.raises(Exception, match="is not loaded"):
-        versions.engine.get("smollm2", "1", "int8")
+        versions.engine.lookup("smollm2", "1", "int8")
 
 
 def test_int8_off_the_cpu_is_refused_in_one_line() -> None:

@@ -1,33 +1,48 @@
-"""The built-in model: a small Llama-style decoder (RMSNorm, RoPE, SwiGLU) over byte-level tokens.
+"""The built-in model: a preset of the one decoder (llama.py) over byte-level tokens, and the map
+between its saved weights and the decoder's.
 
-Its `config.json` says `"model_type": "reflow"`, which is how the loader tells it from others.
+Its `config.json` says `"model_type": "reflow"`, which is how the loader tells it from others. Its
+files keep the names it has always been saved under, as gpt-fast names a Llama's weights (its
+`convert_hf_checkpoint` maps Hugging Face's names onto them; this map goes the other way, and back).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from workers.models.byte_tokenizer import ByteTokenizer
-from workers.models.kv_cache import CacheView, PagedKVCache, paged_attention
-from workers.models.lora import AdapterRows
+from workers.models.llama import CONFIG_FILE, WEIGHTS_FILE, LlamaConfig, LlamaForCausalLM
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 MODEL_TYPE = "reflow"  # config.json's model_type, as Hugging Face configs name their architecture
 TOKENIZER = ByteTokenizer()  # every built-in model's
+
+# Saved name -> the decoder's weights it holds, stacked in rows; `{}` is a layer's number.
+WEIGHT_MAP: dict[str, tuple[str, ...]] = {
+    "tok_embeddings.weight": ("model.embed_tokens.weight",),
+    "layers.{}.attention_norm.weight": ("model.layers.{}.input_layernorm.weight",),
+    "layers.{}.attention.wqkv.weight": tuple(f"model.layers.{{}}.self_attn.{p}_proj.weight" for p in "qkv"),
+    "layers.{}.attention.wo.weight": ("model.layers.{}.self_attn.o_proj.weight",),
+    "layers.{}.ffn_norm.weight": ("model.layers.{}.post_attention_layernorm.weight",),
+    "layers.{}.feed_forward.w1.weight": ("model.layers.{}.mlp.gate_proj.weight",),
+    "layers.{}.feed_forward.w3.weight": ("model.layers.{}.mlp.up_proj.weight",),
+    "layers.{}.feed_forward.w2.weight": ("model.layers.{}.mlp.down_proj.weight",),
+    "norm.weight": ("model.norm.weight",),
+    "output.weight": ("lm_head.weight",),
+}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a decoder; `from_name` gives the named presets."""
+    """Shape of a built-in model, as its `config.json` has it, and the files it is saved as (`write`);
+    `from_name` gives the named presets."""
 
     vocab_size: int = 272  # 261 byte-level ids, padded to a multiple of 16
     dim: int = 128
@@ -66,6 +81,25 @@ class ModelConfig:
             raise ValueError(f"unknown model config keys: {sorted(unknown)}")
         return cls(**data)  # type: ignore[arg-type]  # JSON values; the dataclass's types are not checked
 
+    def llama(self) -> LlamaConfig:
+        """The decoder's config: every head its own keys and values, no biases, untied, q and k
+        turned in pairs as it was trained; padded to 4 rows in float32 (`min_batch_rows`)."""
+        return LlamaConfig(
+            model_type=MODEL_TYPE, vocab_size=self.vocab_size, hidden_size=self.dim,
+            intermediate_size=self.hidden_dim, num_hidden_layers=self.n_layers,
+            num_attention_heads=self.n_heads, num_key_value_heads=self.n_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_seq_len, rms_norm_eps=self.norm_eps, rope_theta=self.rope_base,
+            rope_scaling=None, tie_word_embeddings=False, qkv_bias=False, o_bias=False, qk_norm=False,
+            sliding_window=0, interleaved_rope=True, float32_batch_rows=4,
+        )  # fmt: skip
+
+    def write(self, state: dict[str, Tensor], dtype: torch.dtype, directory: Path) -> None:
+        """Writes `model.safetensors` under the built-in model's names and this config as
+        `config.json` (the dtype is the weights' own)."""
+        saved = {name: torch.cat([state[p] for p in parts]) for name, parts in saved_names(self.n_layers)}
+        save_file(saved, str(directory / WEIGHTS_FILE))
+        (directory / CONFIG_FILE).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
 
 PRESETS: dict[str, ModelConfig] = {
     # Tests: trains in seconds, learns nothing useful.
@@ -77,218 +111,53 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+def saved_names(n_layers: int) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """Each saved weight's name with the decoder's weights it holds (WEIGHT_MAP, layer by layer)."""
+    for saved, parts in WEIGHT_MAP.items():
+        for layer in range(n_layers) if "{}" in saved else (0,):
+            yield saved.format(layer), tuple(p.format(layer) for p in parts)
 
 
-def rope_table(config: ModelConfig, device: torch.device | None = None) -> Tensor:
-    """cos/sin of every (position, frequency) pair: [max_seq_len, head_dim/2, 2]."""
-    half = config.head_dim // 2
-    freqs = 1.0 / (config.rope_base ** (torch.arange(half, device=device).float() / half))
-    angles = torch.outer(torch.arange(config.max_seq_len, device=device).float(), freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+def to_decoder(saved: dict[str, Tensor], n_layers: int) -> dict[str, Tensor]:
+    """The saved weights under the decoder's names (wqkv split in q, k and v); names the map does
+    not know are kept, for the strict load to refuse."""
+    state = dict(saved)
+    for name, parts in saved_names(n_layers):
+        if name in state:
+            state.update(zip(parts, state.pop(name).chunk(len(parts)), strict=True))
+    return state
 
 
-def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """Rotates pairs of features of x: [B, T, H, D] by rope: [B, T, D/2, 2]."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, T, H, D/2, 2]
-    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]  # [B, T, 1, D/2]
-    rotated = torch.stack(
-        [pairs[..., 0] * cos - pairs[..., 1] * sin, pairs[..., 1] * cos + pairs[..., 0] * sin],
-        dim=-1,
-    )
-    return rotated.flatten(-2).type_as(x)
+def from_checkpoint(
+    directory: Path,
+    config_json: dict[str, Any],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    max_len: int = 0,
+) -> LlamaForCausalLM:
+    """The model `config_json` (its `config.json`, read) describes, weights from `directory`
+    (safetensors, never a pickle) on `device`, cast to `dtype` (None: as saved, float32 as
+    trained), its context capped at `max_len`."""
+    config = ModelConfig.from_dict(config_json)
+    saved = load_file(str(directory / WEIGHTS_FILE), device=str(device))
+    if dtype is not None:
+        saved = {name: t.to(dtype) for name, t in saved.items()}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config.llama(), config, max_len)
+    return model.load_weights(to_decoder(saved, config.n_layers))
 
 
-class Attention(nn.Module):
-    """Multi-head causal self-attention with rotary positions."""
-
-    def __init__(self, config: ModelConfig, layer: int):
-        super().__init__()
-        self.config = config
-        self.layer = layer
-        self.wqkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
-        self.wo = nn.Linear(config.dim, config.dim, bias=False)
-
-    def forward(
-        self, x: Tensor, rope: Tensor, cache: PagedKVCache | None, view: CacheView | None, mask: Tensor | None
-    ) -> Tensor:
-        b, t, _ = x.shape
-        h, d = self.config.n_heads, self.config.head_dim
-        q, k, v = self.wqkv(x).view(b, t, 3, h, d).unbind(2)  # each [B, T, H, D]
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # [B, H, T, D]
-        if cache is None or view is None or mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            y = paged_attention(cache, self.layer, view, q, k, v, mask)
-        return self.wo(y.transpose(1, 2).reshape(b, t, h * d))  # [B, T, dim]
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.w1 = nn.Linear(config.dim, config.hidden_dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.hidden_dim, bias=False)
-        self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block."""
-
-    def __init__(self, config: ModelConfig, layer: int):
-        super().__init__()
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config, layer)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
-
-    def forward(
-        self, x: Tensor, rope: Tensor, cache: PagedKVCache | None, view: CacheView | None, mask: Tensor | None
-    ) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cache, view, mask)
-        return x + self.feed_forward(self.ffn_norm(x))
-
-
-class Transformer(nn.Module):
-    """Decoder-only language model over byte-level tokens."""
-
-    rope: Tensor  # a buffer: [max_seq_len, head_dim/2, 2]
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table(config), persistent=False)
-
-    def forward(
-        self,
-        tokens: Tensor,
-        cache: PagedKVCache | None = None,
-        view: CacheView | None = None,
-        adapters: AdapterRows | None = None,
-    ) -> Tensor:
-        """Logits [B, T, vocab] for tokens [B, T].
-
-        Without a cache this is the causal full-sequence pass used in training;
-        with one, `view` places the tokens in the cache's blocks. It takes no adapters: the
-        demo model is fine-tuned in full (its layers are not named as Hugging Face names them).
-        """
-        if adapters is not None:
-            raise ValueError("the built-in model takes no LoRA adapters")
-        b, t = tokens.shape
-        positions = view.positions if view is not None else torch.arange(t, device=tokens.device).expand(b, t)
-        x = self.tok_embeddings(tokens)  # [B, T, dim]
-        rope = self.rope[positions]  # [B, T, D/2, 2]
-        mask = None if view is None else view.mask()  # [B, 1, T, S]
-        for layer in self.layers:
-            x = layer(x, rope, cache, view, mask)
-        return self.output(self.norm(x))  # [B, T, vocab]
-
-    @property
-    def vocab_size(self) -> int:
-        """Columns of the logits: the byte tokenizer's ids, padded to a multiple of 16."""
-        return self.config.vocab_size
-
-    @property
-    def max_seq_len(self) -> int:
-        """The context: positions with a rotary angle and a KV cache entry."""
-        return self.config.max_seq_len
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the weights (the embeddings': an int8 variant quantizes only the linear
-        layers, workers/variants.py)."""
-        return self.tok_embeddings.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Where the weights are."""
-        return self.tok_embeddings.weight.device
-
-    @property
-    def min_batch_rows(self) -> int:
-        """4 in float32: from 4 rows on, MKL's float32 GEMMs give every row the same bits whatever
-        the batch for all presets (measured for 1..64 rows; 2 rows differ). oneDNN's bfloat16 and
-        float16 GEMMs measured invariant at every row count."""
-        return 4 if self.dtype == torch.float32 else 1
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV cache bytes one held token takes."""
-        c = self.config
-        return PagedKVCache.bytes_per_token(c.n_layers, c.n_heads, c.head_dim, self.dtype)
-
-    def new_cache(self, n_blocks: int) -> PagedKVCache:
-        """An empty pool of `n_blocks` KV blocks on this model's device and dtype."""
-        c = self.config
-        return PagedKVCache(c.n_layers, c.n_heads, c.head_dim, n_blocks, self.device, self.dtype)
-
-    def parameter_count(self) -> int:
-        """Number of trainable parameters."""
-        return sum(p.numel() for p in self.parameters())
-
-    def save(self, directory: Path) -> None:
-        """Writes `model.safetensors` and `config.json` into `directory`."""
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
-        save_file(state, str(directory / WEIGHTS_FILE))
-        (directory / CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, directory: Path, device: torch.device | str = "cpu") -> Transformer:
-        """Reads weights saved by `save` (safetensors, never pickle) onto `device`."""
-        return cls.from_checkpoint(directory, json.loads((directory / CONFIG_FILE).read_text()), device)
-
-    @classmethod
-    def from_checkpoint(
-        cls,
-        directory: Path,
-        config_json: dict[str, Any],
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype | None = None,
-        max_len: int = 0,
-    ) -> Transformer:
-        """The model `config_json` (its `config.json`, read) describes, weights from `directory`
-        cast to `dtype` (None: float32, as trained). Its context is its config's; `max_len` is
-        taken for the loader's sake and the engine applies any lower cap."""
-        config = ModelConfig.from_dict(config_json)
-        with torch.device("meta"):
-            model = cls(config)
-        state = load_file(str(directory / WEIGHTS_FILE), device=str(device))
-        if dtype is not None:
-            state = {name: t.to(dtype) for name, t in state.items()}
-        model.load_state_dict(state, strict=True, assign=True)
-        model.rope = rope_table(config, torch.device(device))
-        return model.eval()
-
-
-def new_model(preset: str, seed: int) -> tuple[Transformer, ByteTokenizer]:
+def new_model(preset: str, seed: int) -> tuple[LlamaForCausalLM, ByteTokenizer]:
     """A model of the named preset, its weights freshly initialised from `seed`, and its tokenizer."""
-    model = Transformer(ModelConfig.from_name(preset))
+    config = ModelConfig.from_name(preset)
+    model = LlamaForCausalLM(config.llama(), config)
     init_weights(model, seed)
     return model, TOKENIZER
 
 
-def init_weights(model: Transformer, seed: int) -> None:
-    """Small normal init (std 0.02) for every linear and embedding weight, seeded."""
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Small normal init (std 0.02) for every linear and embedding weight, seeded, in module order
+    (q, k and v one after another: the draws of the saved wqkv)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():

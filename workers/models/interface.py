@@ -1,8 +1,9 @@
 """The seams between the runtime and a model: `CausalLM` and `Tokenizer`.
 
 The engine, the decoding state of a sequence and the fine-tune job see a model only through these
-protocols; each implementation (the built-in model, the byte tokenizer, ...) lives beside this
-module, and `loader.load_checkpoint` picks the one a checkpoint's files name.
+protocols; each implementation (the decoder of llama.py, of which the built-in model is a preset;
+the byte tokenizer, ...) lives beside this module, and `loader.load_checkpoint` picks the one a
+checkpoint's files name.
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ import torch
 from torch import Tensor, nn
 
 from workers.models.kv_cache import CacheView, PagedKVCache
-from workers.models.lora import AdapterRows
+from workers.models.lora import Adapter, AdapterRows
 
 
 class CausalLM(Protocol):
     """A decoder-only language model: a batched forward over tokens and a paged KV cache."""
+
+    @property
+    def model_type(self) -> str:
+        """Its architecture, as its `config.json` names it (`reflow`: the built-in model)."""
+        ...
+
+    @property
+    def adapter(self) -> Adapter | None:
+        """The LoRA adapter it is seen through (`adapted`); None for a model's own weights."""
+        ...
 
     @property
     def vocab_size(self) -> int:
@@ -61,7 +72,12 @@ class CausalLM(Protocol):
     ) -> Tensor:
         """Logits [B, T, V] of tokens [B, T]: a causal pass over whole rows without a cache (training),
         else the tokens placed in the cache's blocks where `view` says; each row through its LoRA
-        adapter where `adapters` gives it one (ValueError for a model that takes none)."""
+        adapter where `adapters` gives it one (ValueError for an adapted model: its own only)."""
+        ...
+
+    def adapted(self, adapter: Adapter) -> CausalLM:
+        """Its weights, frozen and shared, seen through `adapter` in place of any it has: a model
+        whose parameters and saved files are the adapter's alone."""
         ...
 
     def new_cache(self, n_blocks: int) -> PagedKVCache:
@@ -69,15 +85,16 @@ class CausalLM(Protocol):
         ...
 
     def parameter_count(self) -> int:
-        """Number of weights."""
+        """Number of weights it trains (an adapted model's: its adapter's)."""
         ...
 
     def save(self, directory: Path) -> None:
-        """Writes its weights (safetensors, never a pickle) and `config.json` into `directory`."""
+        """Writes its weights (safetensors, never a pickle) and `config.json` into `directory`; an
+        adapted model its adapter, in PEFT's format."""
         ...
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """Its weights, for an optimizer (torch.nn.Module's)."""
+        """Its weights, for an optimizer (an adapted model's: its adapter's tensors)."""
         ...
 
     def train(self, mode: bool = True) -> CausalLM:

@@ -1,29 +1,32 @@
-"""Llama-family decoders as Hugging Face checkpoints describe them: Llama 2/3/3.x (SmolLM, TinyLlama),
-Mistral, Qwen2 and Qwen3, in one file.
+"""The one decoder: Llama-family models as Hugging Face checkpoints describe them (Llama 2/3/3.x,
+SmolLM, TinyLlama, Mistral, Qwen2, Qwen3), and the built-in model, a preset of it (builtin.py).
 
 Grouped-query attention with rotary positions (`rope_theta`, Llama 3 frequency scaling), SwiGLU,
 RMSNorm, optional q/k/v biases (Qwen2) and per-head q/k norms (Qwen3), tied or separate output
 embeddings, a sliding window (Mistral). Modules are named as transformers names them, so the
-weights of `model.safetensors` (or its shards) load as they are, and the paged KV cache of
-`kv_cache.py` holds the keys and values. The math mirrors transformers' modeling code operation
-for operation, so logits agree to float rounding and greedy tokens are the same.
+weights of `model.safetensors` (or its shards) load as they are, LoRA adapters apply by those
+names, and the paged KV cache of `kv_cache.py` holds the keys and values. The math mirrors
+transformers' modeling code operation for operation, so logits agree to float rounding and greedy
+tokens are the same; the built-in model turns q and k as gpt-fast does, as it was trained.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from workers.models.kv_cache import CacheView, PagedKVCache, paged_attention
-from workers.models.lora import AdapterRows, project
+from workers.models.lora import Adapter, AdapterRows, project
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -35,7 +38,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """What the model's shape and arithmetic depend on, read from `config.json`."""
+    """What the model's shape and arithmetic depend on, read from `config.json` (or a preset's:
+    builtin.py)."""
 
     model_type: str
     vocab_size: int
@@ -54,6 +58,10 @@ class LlamaConfig:
     o_bias: bool  # the output projection does
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before rotation
     sliding_window: int  # 0 = attend to the whole sequence
+    # q and k features turned in adjacent pairs (2i, 2i+1), in float32, as gpt-fast (and Meta's
+    # first Llama) turn them: the built-in model's layout; else in halves (i, i+D/2), transformers'
+    interleaved_rope: bool = False
+    float32_batch_rows: int = 1  # `min_batch_rows` in float32, measured per shape family
 
     @classmethod
     def from_json(cls, config: dict[str, Any]) -> LlamaConfig:
@@ -122,17 +130,27 @@ def inverse_frequencies(config: LlamaConfig) -> Tensor:
 
 
 def rope_table(config: LlamaConfig, length: int) -> Tensor:
-    """cos and sin of every position's angles, float32: [length, 2, D] (the halves repeated)."""
+    """cos and sin of every position's angles, float32: [length, 2, D], each frequency's angle at
+    both features it turns (halves repeated, or pairs with `interleaved_rope`)."""
     angles = torch.outer(torch.arange(length).float(), inverse_frequencies(config))  # [S, D/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [S, D]
+    if config.interleaved_rope:
+        angles = angles.repeat_interleave(2, dim=-1)  # [S, D]
+    else:
+        angles = torch.cat([angles, angles], dim=-1)  # [S, D]
     return torch.stack([angles.cos(), angles.sin()], dim=1)
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x * cos + rotate_half(x) * sin, for x: [B, H, T, D] and cos, sin: [B, 1, T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, pairs: bool) -> Tensor:
+    """x * cos + x turned a quarter * sin in cos's dtype, for x: [B, H, T, D] and cos, sin:
+    [B, 1, T, D]; the features turned together are halves (transformers' rotate_half), or
+    adjacent `pairs` (gpt-fast's apply_rotary_emb)."""
+    y = x.to(cos.dtype)
+    if pairs:
+        turned = torch.stack([-y[..., 1::2], y[..., ::2]], dim=-1).flatten(-2)
+    else:
+        half = y.shape[-1] // 2
+        turned = torch.cat([-y[..., half:], y[..., :half]], dim=-1)
+    return (y * cos + turned * sin).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -163,6 +181,7 @@ class Attention(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, config.head_dim
         )  # fmt: skip
         self.window = config.sliding_window
+        self.pairs = config.interleaved_rope
         self.scale = self.head_dim**-0.5  # as transformers passes it to attention
         bias = config.qkv_bias
         q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -193,7 +212,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin, self.pairs), rotate(k, cos, sin, self.pairs)
         if cache is None or view is None:  # training: one causal pass over whole rows
             mask = None
             if self.window:
@@ -262,17 +281,42 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class Checkpoint(Protocol):
+    """The files a decoder was read from, which it is saved as."""
+
+    def write(self, state: dict[str, Tensor], dtype: torch.dtype, directory: Path) -> None:
+        """Writes `state` (the decoder's weights under its own names, on the CPU, in `dtype`) and
+        `config.json` into `directory`."""
+        ...
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """transformers' files: the weights under the decoder's own names, `config.json` as read."""
+
+    config_json: dict[str, Any]
+
+    def write(self, state: dict[str, Tensor], dtype: torch.dtype, directory: Path) -> None:
+        """Writes `model.safetensors` and `config.json` with the weights' dtype as `torch_dtype`."""
+        save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        config = {**self.config_json, "torch_dtype": str(dtype).removeprefix("torch.")}
+        config.pop("dtype", None)
+        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM behind reflow's `CausalLM` seam."""
+    """A Llama-family causal LM behind reflow's `CausalLM` seam, seen through a LoRA adapter once
+    `adapted`."""
 
     rope: Tensor  # a buffer: [max_seq_len, 2, D] float32
 
-    def __init__(self, config: LlamaConfig, config_json: dict[str, Any], max_len: int = 0):
+    def __init__(self, config: LlamaConfig, checkpoint: Checkpoint, max_len: int = 0):
         super().__init__()
         self.config = config
-        self.config_json = config_json  # written back as read: it describes the checkpoint
+        self.checkpoint = checkpoint  # the files it was read from: saved back as they are
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.adapter: Adapter | None = None  # set by `adapted`
         self._max_len = min(max_len or config.max_position_embeddings, config.max_position_embeddings)
         self.register_buffer("rope", rope_table(config, self._max_len), persistent=False)
 
@@ -284,16 +328,28 @@ class LlamaForCausalLM(nn.Module):
         adapters: AdapterRows | None = None,
     ) -> Tensor:
         """Logits [B, T, V] of tokens [B, T]: causal over whole rows without a cache, else the
-        tokens placed in the cache where `view` says; each row through its adapter, if any."""
+        tokens placed in the cache where `view` says; each row through its adapter, if any (an
+        adapted model's: its own)."""
         b, t = tokens.shape
+        if self.adapter is not None:
+            if adapters is not None:
+                raise ValueError("an adapted model applies its own adapter only")
+            adapters = self.adapter.rows(b)
         positions = view.positions if view is not None else torch.arange(t, device=tokens.device).expand(b, t)
         x = self.model.embed_tokens(tokens)  # [B, T, dim]
-        rope = self.rope[positions].to(x.dtype)  # [B, T, 2, D]
+        rope = self.rope[positions]  # [B, T, 2, D] float32
+        if not self.config.interleaved_rope:
+            rope = rope.to(x.dtype)  # transformers turns q and k in their own dtype
         cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]  # [B, 1, T, D]
         mask = None if view is None else view.mask(self.config.sliding_window)  # [B, 1, T, S]
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, view, mask, adapters)
         return self.lm_head(self.model.norm(x))  # [B, T, V]
+
+    @property
+    def model_type(self) -> str:
+        """config.json's model_type (`reflow` for the built-in model)."""
+        return self.config.model_type
 
     @property
     def vocab_size(self) -> int:
@@ -318,10 +374,13 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def min_batch_rows(self) -> int:
-        """1: in bfloat16 and float16 oneDNN's GEMMs measured bit-identical at every row count; in
-        float32, MKL's kernel choice for these shapes changes at row counts padding cannot avoid
-        (below 16 rows and, for a 576x1536 projection, between 57 and ~200), so it would only cost."""
-        return 1
+        """The config's `float32_batch_rows` in float32: 4 for the built-in presets, from which on
+        MKL's float32 GEMMs give every row the same bits whatever the batch (measured for 1..64
+        rows; 2 rows differ); 1 for Hugging Face shapes, where MKL's kernel choice changes at row
+        counts padding cannot avoid (below 16 rows and, for a 576x1536 projection, between 57 and
+        ~200), so padding would only cost. 1 in bfloat16 and float16: oneDNN's GEMMs measured
+        bit-identical at every row count."""
+        return self.config.float32_batch_rows if self.dtype == torch.float32 else 1
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -337,22 +396,50 @@ class LlamaForCausalLM(nn.Module):
             c.num_hidden_layers, c.num_key_value_heads, c.head_dim, n_blocks, self.device, self.dtype
         )
 
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """Its weights, or an adapted model's adapter tensors: all it trains."""
+        if self.adapter is not None:
+            return iter(self.adapter.parameters())  # type: ignore[arg-type]  # leaf tensors with grads
+        return super().parameters(recurse)
+
     def parameter_count(self) -> int:
-        """Number of weights (tied embeddings counted once)."""
+        """Number of weights it trains (tied embeddings counted once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def save(self, directory: Path) -> None:
-        """Writes `model.safetensors` under transformers' names and `config.json` as read."""
-        from safetensors.torch import save_file
+    def adapted(self, adapter: Adapter) -> LlamaForCausalLM:
+        """This model's weights, frozen and shared, seen through `adapter` (in place of its own
+        adapter, if it has one): what a LoRA fine-tune trains, judges and saves."""
+        adapter.check(self)
+        with torch.device("meta"):
+            view = LlamaForCausalLM(self.config, self.checkpoint, self._max_len)
+        view.model, view.lm_head, view.rope = self.model, self.lm_head, self.rope
+        view.model.requires_grad_(False)  # the champion's weights
+        view.lm_head.requires_grad_(False)
+        view.adapter = adapter
+        return view
 
+    def save(self, directory: Path) -> None:
+        """Writes its weights as its checkpoint's files hold them, or an adapted model's adapter
+        alone, in PEFT's format (the weights it adapts are registered already)."""
+        if self.adapter is not None:
+            self.adapter.save(directory, base_model="")
+            return
         directory.mkdir(parents=True, exist_ok=True)
         state = {n: t.detach().contiguous().cpu() for n, t in self.state_dict().items()}
         if self.config.tie_word_embeddings:
             del state["lm_head.weight"]  # transformers leaves the tied copy out
-        save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        config = {**self.config_json, "torch_dtype": str(self.dtype).removeprefix("torch.")}
-        config.pop("dtype", None)
-        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        self.checkpoint.write(state, self.dtype, directory)
+
+    def load_weights(self, state: dict[str, Tensor]) -> LlamaForCausalLM:
+        """This model, built on the meta device, with `state` (the decoder's names) as its weights,
+        on their device and in their dtype; in inference mode."""
+        if self.config.tie_word_embeddings:
+            state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+        self.load_state_dict(state, strict=True, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one parameter, as trained
+        self.rope = rope_table(self.config, self.max_seq_len).to(self.device)
+        return self.eval()
 
     @classmethod
     def from_checkpoint(
@@ -367,14 +454,7 @@ class LlamaForCausalLM(nn.Module):
         file or shards), cast to `dtype` (None: `auto_dtype`) on `device`, its context capped at
         `max_len`."""
         model = cls.skeleton(directory, config_json, max_len)
-        state = read_weights(directory, device, dtype or auto_dtype(device))
-        if model.config.tie_word_embeddings:
-            state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
-        model.load_state_dict(state, strict=True, assign=True)
-        if model.config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight  # one parameter, as trained
-        model.rope = rope_table(model.config, model.max_seq_len).to(device)
-        return model.eval()
+        return model.load_weights(read_weights(directory, device, dtype or auto_dtype(device)))
 
     @classmethod
     def skeleton(cls, directory: Path, config_json: dict[str, Any], max_len: int = 0) -> LlamaForCausalLM:
@@ -382,7 +462,7 @@ class LlamaForCausalLM(nn.Module):
         files' headers are known to match; ValueError saying how they differ."""
         config = LlamaConfig.from_json(config_json)
         with torch.device("meta"):
-            model = cls(config, config_json, max_len)
+            model = cls(config, HFCheckpoint(config_json), max_len)
         names = {n for file in weight_files(directory) for n in _tensor_names(file)}
         if config.tie_word_embeddings:
             names.add("lm_head.weight")

@@ -24,7 +24,7 @@ from workers.models.interface import CausalLM, Tokenizer
 # dtype or None for the saved one, context cap or 0)
 Architecture = Callable[[Path, dict[str, Any], torch.device, torch.dtype | None, int], CausalLM]
 ARCHITECTURES: dict[str, Architecture] = {
-    builtin.MODEL_TYPE: builtin.Transformer.from_checkpoint,
+    builtin.MODEL_TYPE: builtin.from_checkpoint,
     **dict.fromkeys(llama.MODEL_TYPES, llama.LlamaForCausalLM.from_checkpoint),
 }
 DTYPES = ("auto", *llama.DTYPES)  # REFLOW_DTYPE's values
@@ -64,7 +64,7 @@ def load_checkpoint(
 
 def read_config(directory: Path) -> dict[str, Any]:
     """The checkpoint's `config.json`; ValueError naming the file when it is no JSON object."""
-    path = directory / builtin.CONFIG_FILE
+    path = directory / llama.CONFIG_FILE
     try:
         config = json.loads(path.read_bytes())
     except ValueError as error:  # not JSON, or not UTF-8

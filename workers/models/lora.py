@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -297,70 +297,3 @@ class AdapterSet:
                 adapter = self.adapters[slot]
                 mask[row, 0, slot * rank : slot * rank + adapter.config.rank] = adapter.config.scale
         return AdapterRows(self.stacks, mask.to(a.device, a.dtype))
-
-
-class AdaptedModel(nn.Module):
-    """A base model seen through one adapter, behind the same `CausalLM` seam: what the fine-tune job
-    trains (only the adapter's tensors are parameters), judges and saves (the adapter alone, in
-    PEFT's format). The base itself, called directly, is the adapter switched off."""
-
-    base: Any  # a CausalLM (workers/models/interface.py, which imports this module)
-
-    def __init__(self, base: nn.Module, adapter: Adapter, base_model: str = ""):
-        super().__init__()
-        adapter.check(base)
-        self.base = base  # frozen: its weights are the champion's
-        self.adapter = adapter
-        self.base_model = base_model  # adapter_config.json's base_model_name_or_path
-        for parameter in base.parameters():
-            parameter.requires_grad_(False)
-
-    def forward(self, tokens: Tensor, cache: Any = None, view: Any = None, adapters: Any = None) -> Tensor:
-        if adapters is not None:
-            raise ValueError("an adapted model applies its own adapter only")
-        return self.base(tokens, cache, view, self.adapter.rows(tokens.shape[0]))
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The adapter's tensors: all there is to train."""
-        return iter(self.adapter.parameters())  # type: ignore[arg-type]  # leaf tensors with grads
-
-    def train(self, mode: bool = True) -> AdaptedModel:
-        self.base.train(mode)
-        return self
-
-    def eval(self) -> AdaptedModel:
-        return self.train(False)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.base.vocab_size
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.base.max_seq_len
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.base.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.base.device
-
-    @property
-    def min_batch_rows(self) -> int:
-        return self.base.min_batch_rows
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.base.kv_bytes_per_token
-
-    def new_cache(self, n_blocks: int) -> Any:
-        return self.base.new_cache(n_blocks)
-
-    def parameter_count(self) -> int:
-        return self.adapter.parameter_count()
-
-    def save(self, directory: Path) -> None:
-        """Writes the adapter in PEFT's format (not the base's weights: they are registered already)."""
-        self.adapter.save(directory, self.base_model)

@@ -20,10 +20,10 @@ from torch import nn
 
 from workers.models.interface import CausalLM
 
-# The MLPs' output projections (Hugging Face's and the built-in model's names) take SwiGLU's massive
-# activations, hundreds of times the rest, which one activation scale per tensor flattens: on
-# SmolLM2-135M, quantizing them changed the first greedy token of 6 prompts out of 6; left float, of 1.
-FLOAT_LINEARS = ("down_proj", "w2")
+# The MLPs' output projections take SwiGLU's massive activations, hundreds of times the rest, which
+# one activation scale per tensor flattens: on SmolLM2-135M, quantizing them changed the first greedy
+# token of 6 prompts out of 6; left float, of 1.
+FLOAT_LINEARS = ("down_proj",)
 
 
 def in_precision(model: CausalLM, name: str) -> CausalLM:

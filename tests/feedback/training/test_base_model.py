@@ -14,12 +14,12 @@ from feedback.training.evaluation import base_model_metrics, task_score_tags
 from reflow.registry import TASK_SCORE_TAG
 from tests.support.registry import local_registry
 from workers.engine import Engine, EngineConfig
-from workers.loading import LoadedModel
 from workers.metrics import WorkerMetrics
 from workers.models.builtin import TOKENIZER
 from workers.models.greedy import greedy_answers
 from workers.models.interface import CausalLM
 from workers.models.loader import save_checkpoint
+from workers.residency import ResidentVersion
 from workers.sequence import Delta, FinishReason, GenerationParams
 from workers.server import WorkerServicer
 from workers.versions import Versions
@@ -32,7 +32,7 @@ ARITH = Arith()
 @pytest.fixture
 def engine(base_model: CausalLM) -> Iterator[Engine]:
     engine = Engine()
-    engine.add(LoadedModel("arith", "1", base_model, TOK, torch.device("cpu"), {"champion"}))
+    engine.add(ResidentVersion("arith", "1", base_model, TOK, torch.device("cpu"), {"champion"}))
     yield engine
     engine.close()
 

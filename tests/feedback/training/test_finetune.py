@@ -113,6 +113,27 @@ def test_a_harmful_dataset_registers_nothing(
     assert run.data.tags["reflow.verdict"] == outcome.message
 
 
+def test_lora_on_the_built_in_model_trains_an_adapter_over_its_weights(
+    loop_settings: Settings, store: Engine, base_model: CausalLM
+) -> None:
+    """REFLOW_FINETUNE_METHOD=lora on the demo model (auto still trains it in full): its layers carry
+    transformers' names, so an adapter trains over its frozen weights and is logged in PEFT's format."""
+    settings = loop_settings.model_copy(update={"finetune_method": "lora", "finetune_steps": 4})
+    registry = Registry.from_settings(settings)
+    rate_served_answers(store, base_model, arith.sample_operands(40, 50, 99, random.Random(7)), operator.add)
+
+    outcome = run_finetune(finetune_job_of(settings), store, registry, min_samples=1)
+
+    assert outcome.status in ("registered", "rejected"), outcome.message
+    shapes = [(128, 128)] * 4 + [(128, 384)] * 2 + [(384, 128)]  # arith-small's q k v o gate up down
+    assert (outcome.metrics or {})["trained_parameters"] == 4 * sum(8 * (i + o) for i, o in shapes)
+    run = registry.client.search_runs([registry.experiment_id()])[0]  # the newest: this round's
+    assert run.data.params["method"] == "lora" and run.data.params["lora_rank"] == "8"
+    artifacts = {a.path for a in registry.client.list_artifacts(run.info.run_id, "model")}
+    assert {"model/adapter_config.json", "model/adapter_model.safetensors"} <= artifacts
+    assert "model/model.safetensors" not in artifacts
+
+
 def test_too_little_new_feedback_skips_without_a_trace(
     loop_settings: Settings, store: Engine, base_model: CausalLM
 ) -> None:

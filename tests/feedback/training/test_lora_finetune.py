@@ -32,7 +32,7 @@ from tests.support.registry import settings_with_champion
 from tests.support.smollm2 import truncated_smollm2
 from tests.support.store import migrated_store
 from workers.models.loader import load_checkpoint
-from workers.models.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdaptedModel, Adapter, LoraConfig
+from workers.models.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, Adapter, LoraConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 NAME = "chat"
@@ -131,7 +131,7 @@ def test_a_round_trains_an_adapter_over_the_champion_and_logs_it_in_peft_format(
     reference = transformers().AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     wrapped = peft.PeftModel.from_pretrained(reference, adapter_dir).eval()
     champion, tokenizer = load_checkpoint(checkpoint)
-    adapted = AdaptedModel(champion, Adapter.load(adapter_dir, torch.device("cpu"), torch.float32))
+    adapted = champion.adapted(Adapter.load(adapter_dir, torch.device("cpu"), torch.float32))
     ids = torch.tensor(
         [tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": "Hi!"}]), bos=False)]
     )

@@ -1,0 +1,177 @@
+"""Runs the steps a copy's scheduler plans: one forward over the step's prefill chunks, then one
+batched decode over every sequence, on the copy's paged KV cache; the rows of the adapters served
+over the copy join the same forwards."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from reflow.errors import NotFound
+from workers.metrics import WorkerMetrics
+from workers.models.kv_cache import CacheView
+from workers.models.lora import Adapter, AdapterRows, AdapterSet
+from workers.residency import Copy, ResidentVersion
+from workers.sampling import sample
+from workers.scheduler import Output, Request, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs one copy of a resident version: its KV block pool, its scheduler, its batched decode step
+    (compiled or eager), and the slots of the adapters served over it, whose rows join the same
+    steps and forwards."""
+
+    def __init__(
+        self, version: ResidentVersion, copy: Copy, n_blocks: int, scheduler: Scheduler, compile: bool
+    ):
+        self.name, self.version = version.name, version.version
+        self.tokenizer = version.tokenizer
+        self.device = version.device
+        self.model = copy.model
+        self._set = AdapterSet()  # what the forwards apply: open slots and closed ones still in use
+        self._slots: list[str] = []  # the adapter slot (its version) of each entry of _set
+        self._open: set[str] = set()  # slots new requests may go through
+        self._adapters_lock = threading.Lock()  # a request never joins an adapter being unstacked
+        self.cache = self.model.new_cache(n_blocks)  # the scratch block included
+        self.scheduler = scheduler  # plans the steps over the blocks of this cache
+        self.banned = version.banned_tokens  # [V] bool
+        # padded to the model's min_batch_rows, a forward gives every row the same bits in any
+        # batch mix on the CPU (docs/batching.md)
+        self.min_rows = self.model.min_batch_rows
+        # Never inductor `freezing`: it bakes weights in, and in-place weight loads go silently wrong.
+        self.decode_step: Callable[[Tensor, CacheView, AdapterRows | None], Tensor] = (
+            torch.compile(self._decode_step, dynamic=True) if compile else self._decode_step
+        )
+
+    def _decode_step(self, tokens: Tensor, view: CacheView, adapters: AdapterRows | None) -> Tensor:
+        return self.model(tokens, self.cache, view, adapters)[:, -1]  # [B, V]
+
+    def open_slot(self, slot: str, adapter: Adapter) -> None:
+        """Serves an adapter over these weights from the next step: its tensors are stacked beside
+        the others', nothing is copied or recompiled. A slot stacked already (open, or closed with
+        sequences still on it) is served again as it is: versions never change their files."""
+        with self._adapters_lock:
+            if slot not in self._slots:
+                self._set.add(adapter)
+                self._slots.append(slot)
+            self._open.add(slot)
+
+    def close_slot(self, slot: str) -> None:
+        """Stops sending new requests through an adapter; its running ones finish on it."""
+        with self._adapters_lock:
+            self._open.discard(slot)
+
+    def submit(self, request: Request) -> None:
+        """Queues a request for these weights or one of the adapters served over them."""
+        with self._adapters_lock:
+            if request.adapter and request.adapter not in self._open:
+                raise NotFound(f"adapter {self.name}/{request.adapter} was unloaded just now")
+            self.scheduler.submit(request)
+
+    def _prune_adapters(self) -> None:
+        """Unstacks closed slots no request goes through any more (on the engine thread)."""
+        with self._adapters_lock:
+            for index in reversed(range(len(self._slots))):
+                slot = self._slots[index]
+                if slot not in self._open and not self.scheduler.uses_adapter(slot):
+                    self._set.remove(index)
+                    del self._slots[index]
+
+    def _adapter_rows(self, requests: list[Request], rows: int) -> AdapterRows | None:
+        """The adapters of a forward over `requests`, padded to `rows` rows of the base alone."""
+        slots = [self._slots.index(r.adapter) if r.adapter else None for r in requests]
+        return self._set.rows(slots + [None] * (rows - len(requests)))
+
+    @torch.inference_mode()
+    def warm_up(self, batch_sizes: tuple[int, ...]) -> None:
+        """Runs the decode step at each batch size on the scratch block (compiles it when enabled)."""
+        device = self.device
+        for rows in batch_sizes:
+            tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+            self.decode_step(tokens, self.cache.view([[]] * rows, [[-1]] * rows, device), None)
+
+    @torch.inference_mode()
+    def step(self, metrics: WorkerMetrics | None) -> list[Output]:
+        """One engine step for this copy; a failure fails the sequences of the forward it hit."""
+        if len(self._slots) > len(self._open):
+            self._prune_adapters()
+        plan = self.scheduler.schedule()
+        if metrics is not None and plan.decode:
+            metrics.batch_size.observe(len(plan.decode))
+        outputs: list[Output] = []
+        ready: list[tuple[Request, Tensor]] = []  # requests with logits for their next token
+        if plan.prefill:
+            try:
+                last = self._prefill(plan.prefill)  # [N, V]
+            except Exception as error:
+                for request, _, _ in plan.prefill:
+                    self._fail(request, error, outputs)
+            else:
+                for (request, _, end), row in zip(plan.prefill, last, strict=True):
+                    self.scheduler.prefilled(request, end)
+                    if end == request.prompt_len:
+                        ready.append((request, row))
+        if plan.decode:
+            try:
+                ready += zip(plan.decode, self._decode(plan.decode), strict=True)
+            except Exception as error:
+                for request in plan.decode:
+                    self._fail(request, error, outputs)
+        if not ready:
+            return outputs
+        logits = torch.stack([row for _, row in ready]).masked_fill(self.banned, float("-inf"))  # [N, V]
+        greedy = logits.argmax(dim=-1).tolist()  # [N]
+        for i, (request, _) in enumerate(ready):
+            try:
+                delta = request.sequence.append(self._pick(request, logits[i], greedy[i]))
+            except Exception as error:
+                self._fail(request, error, outputs)
+                continue
+            request.next_input = delta.token_ids[-1]
+            outputs.append((request, delta))
+            if delta.finish_reason is not None:
+                self.scheduler.finish(request)
+        return outputs
+
+    def _prefill(self, chunks: list[tuple[Request, int, int]]) -> Tensor:
+        """Runs every chunk prompt[start:end] in one forward, rows padded to a common length:
+        the logits of each chunk's last token, [N, V]."""
+        device = self.device
+        width = max(max(end - start for _, start, end in chunks), -(-self.min_rows // len(chunks)))
+        tokens = [[*r.sequence.prompt_ids[s:e], *[0] * (width - e + s)] for r, s, e in chunks]
+        positions = [[*range(s, e), *[-1] * (width - e + s)] for _, s, e in chunks]
+        view = self.cache.view([r.blocks for r, _, _ in chunks], positions, device)
+        adapters = self._adapter_rows([r for r, _, _ in chunks], len(chunks))
+        logits = self.model(torch.tensor(tokens, device=device), self.cache, view, adapters)  # [N, T, V]
+        last = torch.tensor([e - s - 1 for _, s, e in chunks], device=device)  # [N]
+        return logits[torch.arange(len(chunks), device=device), last]
+
+    def _decode(self, requests: list[Request]) -> Tensor:
+        """Feeds each request's last token at its own position in one batch: logits [B, V]."""
+        pad = max(len(requests), self.min_rows) - len(requests)
+        tokens = [r.next_input for r in requests] + [0] * pad
+        positions = [[r.sequence.total_len - 1] for r in requests] + [[-1]] * pad
+        device = self.device
+        view = self.cache.view([r.blocks for r in requests] + [[]] * pad, positions, device)
+        adapters = self._adapter_rows(requests, len(requests) + pad)
+        logits = self.decode_step(torch.tensor(tokens, device=device)[:, None], view, adapters)  # [B, V]
+        return logits[: len(requests)]
+
+    @staticmethod
+    def _pick(request: Request, logits: Tensor, greedy: int) -> int:
+        forced = request.sequence.forced_token()
+        if forced is not None:
+            return forced
+        params = request.sequence.params.sampling
+        return greedy if params.temperature <= 0 else sample(logits, params, request.generator)
+
+    def _fail(self, request: Request, error: Exception, outputs: list[Output]) -> None:
+        logger.exception("sequence failed in model=%s version=%s", self.name, self.version)
+        self.scheduler.finish(request)
+        outputs.append((request, error))
