@@ -58,10 +58,11 @@ KEY_AFTER_BODY = "07e5152"  # the last revision whose gateway read a body before
 MAKE_STORE = """
 import sys
 from gateway.tenants import UNLIMITED, create_tenant
-from reflow.store.database import migrate, open_engine
-engine = open_engine(sys.argv[1])
-migrate(engine)
-create_tenant(engine, "bench", api_key=sys.argv[2], limits=UNLIMITED)
+from reflow.store import database
+open_db = getattr(database, "open_db", None) or database.open_engine  # older trees
+db = open_db(sys.argv[1])
+database.migrate(db)
+create_tenant(db, "bench", api_key=sys.argv[2], limits=UNLIMITED)
 """
 
 

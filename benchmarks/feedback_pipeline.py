@@ -39,24 +39,24 @@ from reflow.kafka_settings import PLAINTEXT, PublisherConfig
 from reflow.request_ids import RequestIds
 from reflow.serving import free_port
 from reflow.settings import Settings
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from reflow.store.tables import FeedbackItem
 from reflow.v1 import inference_pb2, inference_pb2_grpc
 
 RAW_TOPIC = "bench.raw"
 
 
-def stored(engine: Engine) -> int:
-    with Session(engine) as session:
+def stored(db: Engine) -> int:
+    with Session(db) as session:
         return session.scalar(select(func.count()).select_from(FeedbackItem)) or 0
 
 
-def wait_rows(engine: Engine, count: int, timeout_s: float = 300) -> float:
+def wait_rows(db: Engine, count: int, timeout_s: float = 300) -> float:
     """Polls the store until it holds `count` feedback rows; returns when that was seen."""
     deadline = time.perf_counter() + timeout_s
-    while stored(engine) < count:
+    while stored(db) < count:
         if time.perf_counter() > deadline:
-            sys.exit(f"the store holds {stored(engine)} of {count} rows after {timeout_s:.0f}s")
+            sys.exit(f"the store holds {stored(db)} of {count} rows after {timeout_s:.0f}s")
         time.sleep(0.02)
     return time.perf_counter()
 
@@ -94,10 +94,10 @@ def main() -> None:
         supervisor = Supervisor(settings)
         bootstrap = supervisor.spawn_broker()
         ensure_topics(bootstrap, settings.kafka_partitions, security=PLAINTEXT)
-        engine = open_engine(settings.resolved_database_url)
-        migrate(engine)
-        _, key = create_tenant(engine, "bench")
-        request_ids = RequestIds.from_store(engine)
+        db = open_db(settings.resolved_database_url)
+        migrate(db)
+        _, key = create_tenant(db, "bench")
+        request_ids = RequestIds.from_store(db)
         env = {"REFLOW_DATA_DIR": tmp, "REFLOW_KAFKA_BOOTSTRAP": bootstrap}
         if args.database_url:
             env["REFLOW_DATABASE_URL"] = args.database_url
@@ -122,12 +122,12 @@ def main() -> None:
                     )
                     for i in range(n)
                 ]  # fmt: skip
-                before = stored(engine)
+                before = stored(db)
                 start = time.perf_counter()
                 ack = stub.SubmitFeedback(iter(items), metadata=metadata, timeout=600)
                 acked = time.perf_counter()
                 assert ack.accepted == n, ack
-                return acked - start, wait_rows(engine, before + n) - start
+                return acked - start, wait_rows(db, before + n) - start
 
             def ingest_file(run: int) -> float:
                 """Ingests a file of --items ratings; returns seconds until all are stored."""
@@ -138,7 +138,7 @@ def main() -> None:
                     for i in range(args.items)
                 )  # fmt: skip
                 path.write_text("\n".join(lines) + "\n")
-                before = stored(engine)
+                before = stored(db)
                 outbox = Path(tmp) / "ingest-outbox.db"
                 publisher = Publisher(bootstrap, outbox, PublisherConfig.from_settings(settings))
                 start = time.perf_counter()
@@ -146,7 +146,7 @@ def main() -> None:
                     report = ingest(source, "bench", request_ids, publisher)
                 publisher.close()
                 assert report.accepted == args.items and not report.rejected
-                return wait_rows(engine, before + args.items) - start
+                return wait_rows(db, before + args.items) - start
 
             submit(100, -1)  # the consumer has joined its group once this is stored
             sample = inference_pb2.Feedback(request_id=request_ids.new("bench"), rating=1, correction="123")
@@ -167,9 +167,9 @@ def main() -> None:
             channel.close()
         finally:
             supervisor.stop()
-            engine.dispose()
+            db.dispose()
 
-    store = engine.dialect.name
+    store = db.dialect.name
     print(f"\nmedians of {args.runs} runs, {args.items:,} items each, store on {store}:")
     rows = [
         ("raw consume rate (consumer group, same broker)", raw, "records/s"),

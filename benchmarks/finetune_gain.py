@@ -28,7 +28,7 @@ from feedback.training.job import run_finetune
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from reflow.registry import CHALLENGER, Registry
 from reflow.settings import Settings
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from workers.models.loader import load_checkpoint, save_checkpoint
 
 
@@ -54,13 +54,13 @@ def main() -> None:
             registry.register("arith", checkpoint, params={}, metrics={}, alias="champion")
             settings = Settings(data_dir=directory, mlflow_tracking_uri=registry.tracking_uri,
                                 mlflow_artifact_root=registry.artifact_root or "", device="cpu")  # fmt: skip
-            engine = open_engine(settings.resolved_database_url)
-            migrate(engine)
+            db = open_db(settings.resolved_database_url)
+            migrate(db)
             prompts = task.traffic_prompts(args.items, random.Random(100 + seed))
-            with engine.begin() as connection:
+            with db.begin() as connection:
                 store_events(connection, rated_offline(base, tokenizer, task, prompts, tenant="bench"))
             job_started = time.perf_counter()
-            outcome = run_finetune(finetune_job_of(settings), engine, registry, min_samples=1)
+            outcome = run_finetune(finetune_job_of(settings), db, registry, min_samples=1)
             job_s = time.perf_counter() - job_started
             if outcome.status != "registered":
                 print(f"run {seed + 1}: {outcome.status}: {outcome.message}")
@@ -69,7 +69,7 @@ def main() -> None:
                 registry.download(registry.resolve("arith", alias=CHALLENGER), settings.model_cache_dir)
             )
             after = base_model_metrics(candidate, tokenizer, task)
-            engine.dispose()
+            db.dispose()
         train_s = (outcome.metrics or {})["train_seconds"]
         rows.append((after["accuracy_in_range"], after["accuracy_wide_range"], train_s, job_s))
         print(

@@ -30,7 +30,7 @@ from gateway.tenants import UNLIMITED, create_tenant
 from reflow.cli.supervisor import Supervisor, wait_serving
 from reflow.registry import Registry
 from reflow.settings import Settings
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from reflow.worker_calls import WorkerTargets
 
@@ -125,7 +125,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(data_dir=Path(tmp), device="cpu", gateway_port=0, http_port=0)
         registry = register_versions(settings, args.preset)
-        store = open_engine(settings.resolved_database_url)
+        store = open_db(settings.resolved_database_url)
         migrate(store)
         _, api_key = create_tenant(store, "bench", limits=UNLIMITED)
         supervisor = Supervisor(settings)

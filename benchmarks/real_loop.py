@@ -51,7 +51,7 @@ from feedback.training.evaluation import accuracy
 from feedback.training.job import run_finetune
 from reflow.registry import CHALLENGER, CHAMPION, IMPORTED, SOURCE_TAG, Registry
 from reflow.settings import Settings
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from tests.support.smollm2 import smollm2_gguf
 from workers.engine import Engine, EngineConfig
 from workers.loading import load_adapter, load_directory
@@ -147,7 +147,7 @@ def loop(checkpoint: Path, items: int, n_prompts: int) -> None:
         settings = Settings(data_dir=directory, mlflow_tracking_uri=registry.tracking_uri,
                             mlflow_artifact_root=registry.artifact_root or "", device="cpu", task="terse",
                             model_name=NAME)  # fmt: skip
-        store = open_engine(settings.resolved_database_url)
+        store = open_db(settings.resolved_database_url)
         migrate(store)
         champion, tokenizer = load_checkpoint(checkpoint)
         fresh = task.traffic_prompts(n_prompts, random.Random(4242))

@@ -37,7 +37,7 @@ from gateway.quotas import LocalQuotas, Quotas
 from gateway.shared_level import RedisConfig, SharedLevel
 from gateway.shared_quotas import SharedQuotas
 from gateway.tenants import Limits, create_tenant
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 
 Admission = Callable[[], Awaitable[tuple[float, float]]]
 
@@ -63,19 +63,19 @@ def percentile(samples: list[float], q: float) -> float:
 
 async def main(redis_url: str, requests: int, rounds: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        engine = open_engine(f"sqlite:///{Path(tmp) / 'store.db'}")
-        migrate(engine)
+        db = open_db(f"sqlite:///{Path(tmp) / 'store.db'}")
+        migrate(db)
         # every quota counted, none refusing: what is measured is admission, not refusal
-        _, key = create_tenant(engine, "bench", limits=Limits(1000, 10**9, 10**9))
+        _, key = create_tenant(db, "bench", limits=Limits(1000, 10**9, 10**9))
         prefix = f"reflow-bench:{uuid.uuid4().hex[:8]}:"
         config = RedisConfig(redis_url, prefix, timeout_s=0.5, key_ttl_s=60)
         levels = [SharedLevel(config), SharedLevel(config)]
         header = f"Bearer {key}"
         shared_quotas = [SharedQuotas(level, 15, LocalQuotas()) for level in levels]
         setups = {
-            "L1 only": admission(Authenticator(engine, 60), LocalQuotas(), header),
-            "L1 + L2": admission(Authenticator(engine, 60, shared=levels[0]), shared_quotas[0], header),
-            "L2 lookup": admission(Authenticator(engine, 0, shared=levels[1]), shared_quotas[1], header),
+            "L1 only": admission(Authenticator(db, 60), LocalQuotas(), header),
+            "L1 + L2": admission(Authenticator(db, 60, shared=levels[0]), shared_quotas[0], header),
+            "L2 lookup": admission(Authenticator(db, 0, shared=levels[1]), shared_quotas[1], header),
         }
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in setups}
         for admit in setups.values():  # warm: the key in L1 and L2, the scripts loaded
@@ -92,7 +92,7 @@ async def main(redis_url: str, requests: int, rounds: int) -> None:
         with redis.Redis.from_url(redis_url) as client:
             for stale in client.scan_iter(match=f"{prefix}*"):
                 client.delete(stale)
-        engine.dispose()
+        db.dispose()
 
     print(f"{requests} requests per setup; µs (and added to `L1 only`) at p50 / p99:")
     print(f"{'setup':<11} {'before the first token (key + take)':>38} {'after the last (give back)':>30}")

@@ -54,7 +54,7 @@ from reflow.cli.models import name_of
 from reflow.client import Client
 from reflow.registry import CHAMPION, SOURCE_TAG, TENANT_TAG, Registry, VersionRef
 from reflow.scopes import Scope
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from reflow.store.tables import (
     TRAINS_NOTHING,
     TRAINS_OWN,
@@ -157,7 +157,7 @@ def one_run(gguf: Path, flip: float, rate: float, timeout_s: float, tenants: boo
         env = {**os.environ, "REFLOW_DATA_DIR": str(data), **LOOP}
         cohorts, off_key = [], ""
         if tenants:
-            store = open_engine(f"sqlite:///{data / 'reflow.db'}")
+            store = open_db(f"sqlite:///{data / 'reflow.db'}")
             migrate(store)
             for tenant, taste in (("lists", Numbered()), ("prose", Prose())):
                 info, key = create_tenant(store, tenant, trains=TRAINS_OWN)
@@ -220,7 +220,7 @@ def one_run(gguf: Path, flip: float, rate: float, timeout_s: float, tenants: boo
 def report(
     data: Path, registry: Registry, name: str, cohort: Cohort, promoted: VersionRef | None, flip: float
 ) -> None:
-    store = open_engine(f"sqlite:///{data / 'reflow.db'}")
+    store = open_db(f"sqlite:///{data / 'reflow.db'}")
     whose = cohort.tenant or "default"
     with Session(store) as session:
         first = session.scalar(

@@ -46,12 +46,12 @@ def finetune_job() -> None:
         if STOPPING.is_set():
             raise Cancelled("the scheduler is stopping")
 
-    def run(settings: Settings, engine: Engine, registry: Registry) -> None:
+    def run(settings: Settings, db: Engine, registry: Registry) -> None:
         job = finetune_job_of(settings)
-        for scope in learning_scopes(engine):  # the shared model, then each tenant training its own
+        for scope in learning_scopes(db):  # the shared model, then each tenant training its own
             if STOPPING.is_set():
                 return
-            outcome = run_finetune(job, engine, registry, scope=scope, progress=stop_when_stopping)
+            outcome = run_finetune(job, db, registry, scope=scope, progress=stop_when_stopping)
             logger.info("fine-tune job for %s: %s (%s)", scope, outcome.status, outcome.message)
 
     _with_store(run)
@@ -61,23 +61,23 @@ def evaluate_job() -> None:
     """The scheduled evaluation of running experiments (and opening one for a new challenger)."""
     from feedback.experiments.job import evaluate_experiments
 
-    def run(settings: Settings, engine: Engine, registry: Registry) -> None:
-        evaluate_experiments(evaluate_job_of(settings), engine, registry)
+    def run(settings: Settings, db: Engine, registry: Registry) -> None:
+        evaluate_experiments(evaluate_job_of(settings), db, registry)
 
     _with_store(run)
 
 
 def _with_store(job: Callable[[Settings, Engine, Registry], None]) -> None:
-    """Runs `job` with fresh settings, a store engine and the registry, then closes the engine."""
+    """Runs `job` with fresh settings, the store (`db`) and the registry, then closes the store."""
     from reflow.registry import Registry
-    from reflow.store.database import open_engine
+    from reflow.store.database import open_db
 
     settings = Settings()
-    engine = open_engine(settings.resolved_database_url)
+    db = open_db(settings.resolved_database_url)
     try:
-        job(settings, engine, Registry.from_settings(settings))
+        job(settings, db, Registry.from_settings(settings))
     finally:
-        engine.dispose()
+        db.dispose()
 
 
 def finetune_job_of(settings: Settings) -> FinetuneJob:
@@ -131,10 +131,10 @@ def evaluate_job_of(settings: Settings) -> EvaluateJob:
     )
 
 
-def new_scheduler(engine: Engine) -> BackgroundScheduler:
-    """A scheduler with its job store in `engine`'s database."""
+def new_scheduler(db: Engine) -> BackgroundScheduler:
+    """A scheduler with its job store in the database `db`."""
     return BackgroundScheduler(
-        jobstores={"default": SQLAlchemyJobStore(engine=engine, tablename=JOBS_TABLE)},
+        jobstores={"default": SQLAlchemyJobStore(engine=db, tablename=JOBS_TABLE)},
         job_defaults={"coalesce": True, "max_instances": 1},
         timezone=UTC,
     )
@@ -165,11 +165,11 @@ def ensure_evaluate_job(scheduler: BackgroundScheduler, interval_s: float) -> No
     ensure_job(scheduler, EVALUATE_JOB, evaluate_job, "evaluate running experiments", interval_s)
 
 
-def run_scheduler(settings: Settings, engine: Engine, stop: threading.Event) -> None:
+def run_scheduler(settings: Settings, db: Engine, stop: threading.Event) -> None:
     """Runs the scheduled jobs until `stop` is set, then waits for a running job to finish (a
     fine-tune run stops at its next step and gives its items back)."""
     STOPPING.clear()
-    scheduler = new_scheduler(engine)
+    scheduler = new_scheduler(db)
     scheduler.start(paused=True)
     ensure_finetune_job(scheduler, settings.finetune_interval_s)
     ensure_evaluate_job(scheduler, settings.ab_evaluate_s)

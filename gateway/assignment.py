@@ -64,8 +64,8 @@ class Assignment:
 class ExperimentView:
     """Running experiments by model, refreshed from the store without blocking requests."""
 
-    def __init__(self, engine: Engine, poll_s: float, key: bytes) -> None:
-        self.engine = engine
+    def __init__(self, db: Engine, poll_s: float, key: bytes) -> None:
+        self.db = db
         self.poll_s = poll_s
         self.key = key  # ASSIGNMENT_KEY, shared by every replica: a unit gets one arm everywhere
         self.running: dict[tuple[str, str], RunningExperiment] = {}  # by (model, tenant or "")
@@ -75,7 +75,7 @@ class ExperimentView:
     async def refresh(self) -> None:
         """Re-reads the running experiments; on a store error the last view stays."""
         try:
-            found = await asyncio.to_thread(running_experiments, self.engine)
+            found = await asyncio.to_thread(running_experiments, self.db)
         except Exception:
             logger.exception("could not read running experiments; keeping the last view")
             return

@@ -106,16 +106,16 @@ class Authenticator:
 
     def __init__(
         self,
-        engine: Engine,
+        db: Engine,
         ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedLevel | None = None,
         failures_per_minute: int = 60,
     ):
-        self.engine = engine
+        self.db = db
         self.clock = clock
         self.shared = shared
-        self.signer = None if shared is None else Signer(shared_secret(engine, SECRET_NAME))
+        self.signer = None if shared is None else Signer(shared_secret(db, SECRET_NAME))
         self.failures = FailedKeys(failures_per_minute, clock)
         self._known: KeyCache[TenantInfo] = KeyCache(ttl_s, self.max_entries)
         self._unknown: KeyCache[None] = KeyCache(ttl_s, self.max_entries)
@@ -155,16 +155,16 @@ class Authenticator:
         for an unknown or revoked key."""
         shared, signer = self.shared, self.signer
         if shared is None or signer is None or not shared.available:
-            return await asyncio.to_thread(find_by_key, self.engine, api_key)
+            return await asyncio.to_thread(find_by_key, self.db, api_key)
         key = shared.key(KEY_ENTRY, digest)
         try:
             entry = await shared.client.get(key)
         except OUTAGE as error:
             shared.failed(error)
-            return await asyncio.to_thread(find_by_key, self.engine, api_key)
+            return await asyncio.to_thread(find_by_key, self.db, api_key)
         if isinstance(entry, bytes) and entry != REVOKED and (value := signer.open(key, entry)) is not None:
             return TenantInfo(**json.loads(value))
-        tenant = await asyncio.to_thread(find_by_key, self.engine, api_key)
+        tenant = await asyncio.to_thread(find_by_key, self.db, api_key)
         if tenant is not None:
             signed = signer.sign(key, json.dumps(dataclasses.asdict(tenant)).encode())
             try:  # nx: never over a revocation's tombstone written since the store answered

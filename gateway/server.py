@@ -53,7 +53,7 @@ from reflow.serving import (
     write_ready_file,
 )
 from reflow.settings import Settings
-from reflow.store.database import open_engine, require_current_schema
+from reflow.store.database import open_db, require_current_schema
 from reflow.store.secrets import shared_secret
 from reflow.v1 import inference_pb2, inference_pb2_grpc
 
@@ -176,21 +176,21 @@ async def create_server(
     settings: Settings, pool: WorkerPool, metrics: GatewayMetrics, publisher: Publisher
 ) -> Gateway:
     """A started gateway on the configured host, its gRPC and HTTP ports."""
-    engine = open_engine(settings.resolved_database_url)
-    require_current_schema(engine)
+    db = open_db(settings.resolved_database_url)
+    require_current_schema(db)
     config = redis_config(settings)
     shared = None if config is None else SharedLevel(config)
     edge = edge_limits(settings)
     auth = Authenticator(
-        engine, settings.auth_cache_ttl_s, shared=shared, failures_per_minute=edge.auth_failures_per_minute
+        db, settings.auth_cache_ttl_s, shared=shared, failures_per_minute=edge.auth_failures_per_minute
     )
     quotas = quotas_of(settings, shared, metrics)
-    request_ids = RequestIds.from_store(engine)
-    experiments = ExperimentView(engine, settings.worker_poll_s, shared_secret(engine, ASSIGNMENT_KEY))
+    request_ids = RequestIds.from_store(db)
+    experiments = ExperimentView(db, settings.worker_poll_s, shared_secret(db, ASSIGNMENT_KEY))
     await experiments.refresh()
     limits = request_limits(settings)
     placer = Placer(pool, LatencyModel(), limits, settings.reasoning_budget_floor)
-    relay = Relay(pool, metrics, limits, placer, shared_secret(engine, CACHE_SALT_KEY))
+    relay = Relay(pool, metrics, limits, placer, shared_secret(db, CACHE_SALT_KEY))
     service = InferenceService(
         auth, quotas, limits, pool, experiments, relay, InferenceLog(publisher, settings.max_event_bytes),
         FeedbackIntake(request_ids, publisher, metrics, settings.max_feedback_items), request_ids,

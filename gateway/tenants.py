@@ -54,7 +54,7 @@ def _set_limits(tenant: Tenant, limits: Limits) -> None:
 
 
 def create_tenant(
-    engine: Engine,
+    db: Engine,
     name: str,
     *,
     api_key: str | None = None,
@@ -71,7 +71,7 @@ def create_tenant(
     if not name.strip():
         raise ValueError("a tenant needs a name")  # "" is the shared model's scope, nobody's name
     _check_trains(trains)
-    with Session(engine) as session, session.begin():
+    with Session(db) as session, session.begin():
         if session.scalar(select(Tenant).where(Tenant.name == name)) is not None:
             raise ValueError(f"tenant {name!r} already exists")
         tenant = Tenant(name=name, key_hash=hash_key(key), key_prefix=display_prefix(key), trains=trains)
@@ -82,7 +82,7 @@ def create_tenant(
 
 
 def ensure_tenant(
-    engine: Engine, name: str, api_key: str, limits: Limits = Limits()
+    db: Engine, name: str, api_key: str, limits: Limits = Limits()
 ) -> tuple[TenantInfo, str | None]:
     """The tenant `name` holding `api_key` with `limits`: created (training the shared model: one
     team serving its own users learns with no setting turned), re-keyed to a new key or given the
@@ -92,7 +92,7 @@ def ensure_tenant(
     A revoked key is never brought back: re-keying with a different key re-enables the
     tenant, the same key raises ValueError.
     """
-    with Session(engine) as session, session.begin():
+    with Session(db) as session, session.begin():
         tenant = session.scalar(select(Tenant).where(Tenant.name == name))
         if tenant is not None:
             retired = None
@@ -113,18 +113,18 @@ def ensure_tenant(
                 )
             _set_limits(tenant, limits)
             return _info(tenant), retired
-    return create_tenant(engine, name, api_key=api_key, limits=limits, trains=TRAINS_SHARED)[0], None
+    return create_tenant(db, name, api_key=api_key, limits=limits, trains=TRAINS_SHARED)[0], None
 
 
 def update_tenant(
-    engine: Engine, name: str, *, limits: Limits | None = None, trains: str | None = None
+    db: Engine, name: str, *, limits: Limits | None = None, trains: str | None = None
 ) -> tuple[TenantInfo, str]:
     """Changes a tenant's quotas and what its feedback trains (None: unchanged); returns it and the
     hash of its key (what gateways are told changed); LookupError when there is no such tenant.
     A fine-tune run uses what the store says when it starts."""
     if trains is not None:
         _check_trains(trains)
-    with Session(engine) as session, session.begin():
+    with Session(db) as session, session.begin():
         tenant = session.scalar(select(Tenant).where(Tenant.name == name))
         if tenant is None:
             raise LookupError(f"there is no tenant named {name!r}")
@@ -135,19 +135,19 @@ def update_tenant(
         return _info(tenant), tenant.key_hash
 
 
-def find_tenant(engine: Engine, name: str) -> tuple[TenantInfo, str, bool]:
+def find_tenant(db: Engine, name: str) -> tuple[TenantInfo, str, bool]:
     """The tenant `name` with its key prefix and whether it is revoked; LookupError when none."""
-    with Session(engine) as session:
+    with Session(db) as session:
         tenant = session.scalar(select(Tenant).where(Tenant.name == name))
         if tenant is None:
             raise LookupError(f"there is no tenant named {name!r}")
         return _info(tenant), tenant.key_prefix, tenant.revoked_at is not None
 
 
-def revoke_tenant(engine: Engine, name: str) -> str | None:
+def revoke_tenant(db: Engine, name: str) -> str | None:
     """Disables a tenant's key; returns its hash (what gateways must forget), or None when there is
     no such active tenant."""
-    with Session(engine) as session, session.begin():
+    with Session(db) as session, session.begin():
         tenant = session.scalar(select(Tenant).where(Tenant.name == name, Tenant.revoked_at.is_(None)))
         if tenant is None:
             return None
@@ -155,16 +155,16 @@ def revoke_tenant(engine: Engine, name: str) -> str | None:
         return tenant.key_hash
 
 
-def list_tenants(engine: Engine) -> list[tuple[TenantInfo, str, bool]]:
+def list_tenants(db: Engine) -> list[tuple[TenantInfo, str, bool]]:
     """Every tenant with its key prefix and whether it is revoked."""
-    with Session(engine) as session:
+    with Session(db) as session:
         tenants = session.scalars(select(Tenant).order_by(Tenant.id)).all()
         return [(_info(t), t.key_prefix, t.revoked_at is not None) for t in tenants]
 
 
-def find_by_key(engine: Engine, api_key: str) -> TenantInfo | None:
+def find_by_key(db: Engine, api_key: str) -> TenantInfo | None:
     """The active tenant holding `api_key`, or None."""
-    with Session(engine) as session:
+    with Session(db) as session:
         tenant = session.scalar(
             select(Tenant).where(Tenant.key_hash == hash_key(api_key), Tenant.revoked_at.is_(None))
         )

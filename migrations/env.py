@@ -1,4 +1,4 @@
-"""Alembic environment: runs migrations on the engine that reflow.store.database hands over."""
+"""Alembic environment: runs migrations on the database (`db`) that reflow.store.database hands over."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from alembic import context
 
 from reflow.store.tables import Base
 
-engine = context.config.attributes["engine"]
-with engine.begin() as connection:
+db = context.config.attributes["db"]
+with db.begin() as connection:
     context.configure(
         connection=connection,
         target_metadata=Base.metadata,

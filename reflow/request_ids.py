@@ -29,9 +29,9 @@ class RequestIds:
         self._key = key
 
     @classmethod
-    def from_store(cls, engine: Engine) -> RequestIds:
+    def from_store(cls, db: Engine) -> RequestIds:
         """Uses the store's signing key, creating it on first use."""
-        return cls(shared_secret(engine, KEY_NAME))
+        return cls(shared_secret(db, KEY_NAME))
 
     def _tag(self, nonce: str, tenant: str) -> str:
         return hmac.digest(self._key, f"{nonce}:{tenant}".encode(), "sha256").hex()[:TAG_HEX]

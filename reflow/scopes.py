@@ -53,9 +53,9 @@ def champion_of(registry: Registry, model: str, scope: Scope) -> VersionRef:
     return registry.resolve(model, alias=CHAMPION)
 
 
-def learning_scopes(engine: Engine) -> list[Scope]:
+def learning_scopes(db: Engine) -> list[Scope]:
     """The shared model, then each active tenant that trains its own versions."""
-    with Session(engine) as session:
+    with Session(db) as session:
         own = session.execute(
             select(Tenant.name, Tenant.id)
             .where(Tenant.trains == TRAINS_OWN, Tenant.revoked_at.is_(None))
@@ -64,12 +64,12 @@ def learning_scopes(engine: Engine) -> list[Scope]:
     return [SHARED, *(Scope(name, tenant_id) for name, tenant_id in own)]
 
 
-def scope_of(engine: Engine, tenant: str) -> Scope:
+def scope_of(db: Engine, tenant: str) -> Scope:
     """The scope of tenant `tenant` ("" = the shared model's); LookupError when there is no such
     tenant or it trains no versions of its own."""
     if not tenant:
         return SHARED
-    with Session(engine) as session:
+    with Session(db) as session:
         found = session.execute(select(Tenant.id, Tenant.trains).where(Tenant.name == tenant)).first()
     if found is None:
         raise LookupError(f"there is no tenant named {tenant!r}")
@@ -81,12 +81,12 @@ def scope_of(engine: Engine, tenant: str) -> Scope:
     return Scope(tenant, found.id)
 
 
-def scope_named(engine: Engine, tenant: str) -> Scope:
+def scope_named(db: Engine, tenant: str) -> Scope:
     """The scope of tenant `tenant`'s own versions, whatever it trains now (an experiment it
     opened still ends by the rules), or the shared model's for ""; LookupError for no such tenant."""
     if not tenant:
         return SHARED
-    with Session(engine) as session:
+    with Session(db) as session:
         tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == tenant))
     if tenant_id is None:
         raise LookupError(f"there is no tenant named {tenant!r}")
@@ -116,8 +116,8 @@ def follow_trains(registry: Registry, model: str, tenant_id: int, trains: str) -
     return "aliases unchanged"
 
 
-def unshared_tenant_ids(engine: Engine) -> list[int]:
+def unshared_tenant_ids(db: Engine) -> list[int]:
     """The tenants that did not opt into the shared model, revoked ones too (a key can be renewed):
     what it learns is never served to them."""
-    with Session(engine) as session:
+    with Session(db) as session:
         return list(session.scalars(select(Tenant.id).where(Tenant.trains != TRAINS_SHARED)).all())

@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 from feedback.tasks import get_task
 from feedback.training.pretrain import PretrainConfig, train_base_model
 from reflow.settings import Settings
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from tests.support.cheerful import Cheerful
 from tests.support.hf import transformers
 from tests.support.kafka import Broker
@@ -201,7 +201,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 @pytest.fixture
 def store(database_url: str) -> Iterator[Engine]:
     """A migrated store on `database_url`."""
-    engine = open_engine(database_url)
-    migrate(engine)
-    yield engine
-    engine.dispose()
+    db = open_db(database_url)
+    migrate(db)
+    yield db
+    db.dispose()

@@ -25,7 +25,7 @@ from gateway.tenants import create_tenant
 from reflow.client import Client
 from reflow.registry import BASE_VERSION_TAG, IMPORTED, SOURCE_TAG, TENANT_TAG, Registry
 from reflow.scopes import Scope
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from reflow.store.tables import TRAINS_NOTHING, TRAINS_OWN, FeedbackItem, FinetuneRun, aware
 from reflow.v1.inference_pb2 import SamplingParams
 from tests.support.cheerful import Cheerful, Plain
@@ -58,7 +58,7 @@ def test_the_loop_turns_by_itself_and_the_champion_gets_better(tmp_path: Path, b
     )
     champion, turned_s = turn_the_loop(Up(data_dir, "--workers", "1", "--demo", env=FAST_LOOP), registry)
 
-    store = open_engine(f"sqlite:///{data_dir / 'reflow.db'}")
+    store = open_db(f"sqlite:///{data_dir / 'reflow.db'}")
     (experiment, look), *_ = experiments(store)
     with Session(store) as session:
         run = session.scalars(select(FinetuneRun).where(FinetuneRun.version == champion)).one()
@@ -101,7 +101,7 @@ def test_tenants_of_opposite_taste_each_get_what_they_like_on_thumbs_alone_and_a
     registry = Registry(f"sqlite:///{new_store(data_dir / 'mlflow.db')}", (data_dir / "mlartifacts").as_uri())
     checkpoint = save_as_llama(cheerful_model, tmp_path / "llama")  # type: ignore[arg-type]
     registry.register(MODEL, checkpoint, params={}, metrics={}, alias="champion", tags={SOURCE_TAG: IMPORTED})
-    store = open_engine(f"sqlite:///{data_dir / 'reflow.db'}")
+    store = open_db(f"sqlite:///{data_dir / 'reflow.db'}")
     migrate(store)
     plain_tenant, plain_key = create_tenant(store, "plain", trains=TRAINS_OWN)
     _, off_key = create_tenant(store, "off", trains=TRAINS_NOTHING)

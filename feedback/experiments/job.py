@@ -47,23 +47,23 @@ class EvaluateJob:
     cache_dir: Path  # local copies of versions, for merging a promoted adapter
 
 
-def evaluate_experiments(job: EvaluateJob, engine: Engine, registry: Registry) -> list[Evaluation]:
+def evaluate_experiments(job: EvaluateJob, db: Engine, registry: Registry) -> list[Evaluation]:
     """Finishes decisions a stopped process left half applied, opens the experiment a new
     challenger needs (of the shared model, or of a tenant training its own), then evaluates and
     acts on every running one. A scope whose round fails is logged and retried at the next round;
     the others go on. When aliases moved, the workers are told once, at the end."""
-    half_applied = decided(engine)
+    half_applied = decided(db)
     for experiment, look in half_applied:
         logger.info("experiment %d: applying its %s decision again", experiment.id, look.outcome)
-        apply(job, engine, registry, experiment, look.outcome, look.reason)
-    looked_at = {(job.model, scope) for scope in learning_scopes(engine)} | {
-        (e.model, scope_named(engine, e.tenant)) for e in running_experiments(engine)
+        apply(job, db, registry, experiment, look.outcome, look.reason)
+    looked_at = {(job.model, scope) for scope in learning_scopes(db)} | {
+        (e.model, scope_named(db, e.tenant)) for e in running_experiments(db)
     }
     evaluations = []
     for model, scope in sorted(looked_at, key=lambda pair: (pair[0], pair[1].tenant_id)):
         try:
-            running = reconcile(engine, registry, model, job.rules.traffic, scope)
-            if running is not None and (evaluation := evaluate_one(job, engine, registry, running)):
+            running = reconcile(db, registry, model, job.rules.traffic, scope)
+            if running is not None and (evaluation := evaluate_one(job, db, registry, running)):
                 evaluations.append(evaluation)
         except Exception:
             logger.exception(
@@ -75,15 +75,15 @@ def evaluate_experiments(job: EvaluateJob, engine: Engine, registry: Registry) -
 
 
 def evaluate_one(
-    job: EvaluateJob, engine: Engine, registry: Registry, experiment: RunningExperiment
+    job: EvaluateJob, db: Engine, registry: Registry, experiment: RunningExperiment
 ) -> Evaluation | None:
     """Decides on one experiment, records the decision and applies it; None when another process
     ended the experiment meanwhile."""
-    stats = arm_stats(engine, experiment.id, job.rules.max_per_user)
+    stats = arm_stats(db, experiment.id, job.rules.max_per_user)
     age_s = (utcnow() - experiment.started_at).total_seconds()
     rules = replace(job.rules, traffic=experiment.traffic)
     decision = decide(stats[CHAMPION], stats[CHALLENGER], rules, age_s)
-    if not record(engine, experiment.id, stats, decision):
+    if not record(db, experiment.id, stats, decision):
         return None
     logger.info(
         "experiment %d (%s v%s vs v%s): %s: %s",
@@ -91,13 +91,13 @@ def evaluate_one(
         decision.outcome, decision.reason,
     )  # fmt: skip
     if decision.outcome != "continue":
-        apply(job, engine, registry, experiment, decision.outcome, decision.reason)
+        apply(job, db, registry, experiment, decision.outcome, decision.reason)
     return Evaluation(experiment, decision)
 
 
 def apply(
     job: EvaluateJob,
-    engine: Engine,
+    db: Engine,
     registry: Registry,
     experiment: RunningExperiment,
     outcome: str,
@@ -107,10 +107,10 @@ def apply(
     `promote` makes the challenger the champion (an adapter merged into its base first); every
     other outcome removes the challenger alias, if it still points at this experiment's
     challenger."""
-    scope = scope_named(engine, experiment.tenant)
+    scope = scope_named(db, experiment.tenant)
     if outcome == "promote":
-        unshared = unshared_tenant_ids(engine) if not scope.tenant else ()
+        unshared = unshared_tenant_ids(db) if not scope.tenant else ()
         promote(registry, experiment.model, experiment.challenger_version, job.cache_dir, scope, unshared)
     else:
         roll_back(registry, experiment.model, experiment.challenger_version, scope)
-    end(engine, experiment.id, ENDED_BY[outcome], reason, was=DECIDING)
+    end(db, experiment.id, ENDED_BY[outcome], reason, was=DECIDING)

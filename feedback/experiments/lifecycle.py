@@ -35,7 +35,7 @@ ENDED_BY = {"promote": "promoted", "rollback": "rolled_back", "invalid": "invali
 
 
 def reconcile(
-    engine: Engine, registry: Registry, model: str, traffic: float, scope: Scope = SHARED
+    db: Engine, registry: Registry, model: str, traffic: float, scope: Scope = SHARED
 ) -> RunningExperiment | None:
     """Brings the experiment of `model` in `scope` in line with its aliases and returns the running
     one.
@@ -49,13 +49,13 @@ def reconcile(
         challenger = registry.resolve(model, alias=scope.challenger).version
     except LookupError:
         challenger = None
-    current = running_experiment(engine, model, scope.tenant)
+    current = running_experiment(db, model, scope.tenant)
     if current is not None and (current.champion_version, current.challenger_version) != (
         champion,
         challenger,
     ):
         moved = f"champion is v{champion}, challenger {f'v{challenger}' if challenger else 'none'}"
-        end(engine, current.id, "ended", f"aliases moved outside the experiment: {moved}")
+        end(db, current.id, "ended", f"aliases moved outside the experiment: {moved}")
         current = None
     if current is not None or challenger is None:
         return current
@@ -63,7 +63,7 @@ def reconcile(
         registry.delete_alias(model, scope.challenger)
         return None
     try:
-        with Session(engine) as session, session.begin():
+        with Session(db) as session, session.begin():
             experiment = Experiment(
                 model=model, tenant=scope.tenant, champion_version=champion, challenger_version=challenger,
                 traffic=traffic, status=RUNNING,
@@ -77,13 +77,13 @@ def reconcile(
         )  # fmt: skip
     except IntegrityError:
         pass  # another process opened it first
-    return running_experiment(engine, model, scope.tenant)
+    return running_experiment(db, model, scope.tenant)
 
 
-def end(engine: Engine, experiment_id: int, status: str, reason: str, *, was: str = RUNNING) -> bool:
+def end(db: Engine, experiment_id: int, status: str, reason: str, *, was: str = RUNNING) -> bool:
     """Ends an experiment that is still in status `was` with `status` and why; False when it was
     not (another process ended it first)."""
-    with engine.begin() as connection:
+    with db.begin() as connection:
         changed = connection.execute(
             update(Experiment)
             .where(Experiment.id == experiment_id, Experiment.status == was)
@@ -94,7 +94,7 @@ def end(engine: Engine, experiment_id: int, status: str, reason: str, *, was: st
     return bool(changed)
 
 
-def arm_stats(engine: Engine, experiment_id: int, max_per_user: int) -> dict[str, ArmStats]:
+def arm_stats(db: Engine, experiment_id: int, max_per_user: int) -> dict[str, ArmStats]:
     """What each arm of the experiment saw, from the inferences it assigned and their feedback.
 
     A completion counts as rated when it has a non-zero rating, and as positive when one of its
@@ -115,7 +115,7 @@ def arm_stats(engine: Engine, experiment_id: int, max_per_user: int) -> dict[str
         .group_by(Inference.request_id, Inference.arm, Inference.tenant, Inference.user_id)
         .subquery()
     )
-    with Session(engine) as session:
+    with Session(db) as session:
         traffic = session.execute(
             select(
                 Inference.arm, func.count(), errors, func.count((Inference.tenant + " " + unit).distinct())
@@ -144,10 +144,10 @@ def arm_stats(engine: Engine, experiment_id: int, max_per_user: int) -> dict[str
     return stats
 
 
-def variant_mix(engine: Engine, experiment_id: int) -> dict[str, dict[str, int]]:
+def variant_mix(db: Engine, experiment_id: int) -> dict[str, dict[str, int]]:
     """Each arm's completions by the variant that served them ("" where its workers held none):
     variants are chosen inside an arm, per request, to meet its deadline (docs/latency.md)."""
-    with Session(engine) as session:
+    with Session(db) as session:
         rows = session.execute(
             select(Inference.arm, Inference.variant, func.count())
             .where(Inference.experiment_id == experiment_id, Inference.finish_reason != "ERROR")
@@ -167,11 +167,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def record(engine: Engine, experiment_id: int, stats: dict[str, ArmStats], decision: Decision) -> bool:
+def record(db: Engine, experiment_id: int, stats: dict[str, ArmStats], decision: Decision) -> bool:
     """Stores one evaluation with its numbers, if the experiment is still running. An outcome that
     ends it also claims it, moving it to `deciding` (no longer assigned, not yet applied), so of two
     evaluators racing only one acts. False when the experiment was no longer running."""
-    with Session(engine) as session, session.begin():
+    with Session(db) as session, session.begin():
         claim = (
             update(Experiment)
             .where(Experiment.id == experiment_id, Experiment.status == RUNNING)
@@ -191,10 +191,10 @@ def record(engine: Engine, experiment_id: int, stats: dict[str, ArmStats], decis
     return True
 
 
-def decided(engine: Engine) -> list[tuple[RunningExperiment, Look]]:
+def decided(db: Engine) -> list[tuple[RunningExperiment, Look]]:
     """Experiments whose decision was recorded but not yet applied (its process stopped between
     the two), with that decision."""
-    with Session(engine) as session:
+    with Session(db) as session:
         rows = _with_latest_look(session, select(Experiment).where(Experiment.status == DECIDING))
         return [(RunningExperiment.of(e), look) for e, look in rows if look is not None]
 
@@ -220,9 +220,9 @@ def _look(row: ExperimentDecision) -> Look:
     )  # fmt: skip
 
 
-def history(engine: Engine, experiment_id: int) -> tuple[Experiment, list[Look]]:
+def history(db: Engine, experiment_id: int) -> tuple[Experiment, list[Look]]:
     """An experiment and every evaluation of it, oldest first; LookupError when there is none."""
-    with Session(engine) as session:
+    with Session(db) as session:
         experiment = session.get(Experiment, experiment_id)
         if experiment is None:
             raise LookupError(f"there is no experiment {experiment_id}")
@@ -236,9 +236,9 @@ def history(engine: Engine, experiment_id: int) -> tuple[Experiment, list[Look]]
     return experiment, looks
 
 
-def experiments(engine: Engine, model: str | None = None) -> list[tuple[Experiment, Look | None]]:
+def experiments(db: Engine, model: str | None = None) -> list[tuple[Experiment, Look | None]]:
     """Every experiment (of `model`), newest first, with its latest evaluation."""
-    with Session(engine) as session:
+    with Session(db) as session:
         query = select(Experiment).order_by(Experiment.id.desc())
         if model:
             query = query.where(Experiment.model == model)

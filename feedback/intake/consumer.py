@@ -123,15 +123,15 @@ class StoreConsumer:
     def __init__(
         self,
         bootstrap: str,
-        engine: Engine,
+        db: Engine,
         batch_size: int,
         group_id: str = STORE_GROUP,
         *,
         security: KafkaSecurity,
     ):
-        self.engine = engine
+        self.db = db
         self.batch_size = batch_size
-        self.request_ids = RequestIds.from_store(engine)  # what tells a forged record
+        self.request_ids = RequestIds.from_store(db)  # what tells a forged record
         self.consumer: KafkaConsumer = new_consumer(
             bootstrap, INFERENCES_TOPIC, FEEDBACK_TOPIC, security=security, group_id=group_id,
             max_poll_records=batch_size,
@@ -177,7 +177,7 @@ class StoreConsumer:
                     decoded.append((record, event))
         try:
             try:
-                with self.engine.begin() as connection:
+                with self.db.begin() as connection:
                     store_events(connection, [event for _, event in decoded])
             except (DataError, IntegrityError):  # one record the database refuses: find it
                 dead += self._store_one_by_one(decoded)
@@ -205,7 +205,7 @@ class StoreConsumer:
         refused = []
         for record, event in decoded:
             try:
-                with self.engine.begin() as connection:
+                with self.db.begin() as connection:
                     store_events(connection, [event])
             except (DataError, IntegrityError) as error:
                 refused.append((record, f"the store refused it: {type(error.orig).__name__}: {error.orig}"))
@@ -231,7 +231,7 @@ class StoreConsumer:
 
 def consume(
     bootstrap: str,
-    engine: Engine,
+    db: Engine,
     batch_size: int,
     stop: threading.Event,
     drain_s: float,
@@ -240,7 +240,7 @@ def consume(
 ) -> StoreConsumer:
     """Runs a store consumer until `stop` and drained; returns it (with its counts) once it left the group."""
     started = time.monotonic()
-    consumer = StoreConsumer(bootstrap, engine, batch_size, security=security)
+    consumer = StoreConsumer(bootstrap, db, batch_size, security=security)
     logger.info(
         "consuming %s and %s from %s (%s) into the store",
         INFERENCES_TOPIC, FEEDBACK_TOPIC, bootstrap, security.protocol,

@@ -22,10 +22,10 @@ from reflow.kafka_settings import KafkaSecurity
 from reflow.store.tables import RATES, FeedbackItem, Inference
 
 
-def store_counts(engine: Engine) -> dict[str, int]:
+def store_counts(db: Engine) -> dict[str, int]:
     """Rows of inferences and feedback, and feedback joined with the completion it rates."""
     joined = select(func.count()).select_from(FeedbackItem).join(Inference, RATES)
-    with Session(engine) as session:
+    with Session(db) as session:
         return {
             "inferences": session.scalar(select(func.count()).select_from(Inference)) or 0,
             "feedback": session.scalar(select(func.count()).select_from(FeedbackItem)) or 0,

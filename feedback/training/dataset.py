@@ -117,21 +117,21 @@ def _unused_labelled(model: str, scope: Scope, max_per_user: int) -> Select[tupl
     return select(ranked.c.id).where(ranked.c.rank <= max_per_user)
 
 
-def count_new(engine: Engine, model: str, scope: Scope = SHARED, max_per_user: int = 2**31 - 1) -> int:
+def count_new(db: Engine, model: str, scope: Scope = SHARED, max_per_user: int = 2**31 - 1) -> int:
     """Labelled feedback items on `model` in `scope`, joined with their completions, that no run
     has used (at most `max_per_user` of each user)."""
-    with Session(engine) as session:
+    with Session(db) as session:
         unused = _unused_labelled(model, scope, max_per_user).subquery()
         return session.scalar(select(func.count()).select_from(unused)) or 0
 
 
 def load_new(
-    engine: Engine, model: str, limit: int, scope: Scope = SHARED, max_per_user: int = 2**31 - 1
+    db: Engine, model: str, limit: int, scope: Scope = SHARED, max_per_user: int = 2**31 - 1
 ) -> list[RatedCompletion]:
     """The oldest `limit` of them (the rest waits for the next run), each preference with the
     completion it was preferred over (left out when that one is not stored or answered another
     conversation: the pair says nothing then)."""
-    with Session(engine) as session:
+    with Session(db) as session:
         ids = _unused_labelled(model, scope, max_per_user).order_by("id").limit(limit).subquery()
         rows = session.execute(
             select(FeedbackItem, Inference)

@@ -90,7 +90,7 @@ class FinetuneJob:
 
 def run_finetune(
     job: FinetuneJob,
-    engine: Engine,
+    db: Engine,
     registry: Registry,
     *,
     model: str | None = None,
@@ -104,13 +104,13 @@ def run_finetune(
     run)."""
     name = model or job.model
     needed = job.min_samples if min_samples is None else min_samples
-    if (experiment := running_experiment(engine, name, scope.tenant)) is not None:
+    if (experiment := running_experiment(db, name, scope.tenant)) is not None:
         return Outcome(
             "skipped",
             f"experiment {experiment.id} is still testing v{experiment.challenger_version} of {name} "
             f"for {scope}",
         )
-    new = count_new(engine, name, scope, job.max_per_user)
+    new = count_new(db, name, scope, job.max_per_user)
     if new < max(needed, 1):
         return Outcome(
             "skipped", f"{new} new labelled feedback item(s) on {name} for {scope}; waiting for {needed}"
@@ -125,25 +125,25 @@ def run_finetune(
                 f"{name} v{parent.version}, the champion, is an adapter (set by hand?); promote a full "
                 "version (`reflow models promote` merges an adapter into one) before training over it",
             )
-    items = load_new(engine, name, job.max_samples, scope, job.max_per_user)
-    run_id = claim_run(engine, name, parent.version, [item.id for item in items], scope.tenant)
+    items = load_new(db, name, job.max_samples, scope, job.max_per_user)
+    run_id = claim_run(db, name, parent.version, [item.id for item in items], scope.tenant)
     if run_id is None:
         return Outcome("skipped", "another fine-tune run of this model is in progress")
     try:
-        return _train_and_judge(job, engine, registry, run_id, parent, items, scope, progress)
+        return _train_and_judge(job, db, registry, run_id, parent, items, scope, progress)
     except Exception as error:
         if isinstance(error, Cancelled):
             logger.info("fine-tune run %d cancelled: %s", run_id, error)
         else:
             logger.exception("fine-tune run %d failed", run_id)
-        with Session(engine) as session, session.begin():  # the next run tries these items again
+        with Session(db) as session, session.begin():  # the next run tries these items again
             _mark_failed(session, run_id, f"{type(error).__name__}: {error}")
         return Outcome("failed", str(error), run_id)
 
 
 def _train_and_judge(
     job: FinetuneJob,
-    engine: Engine,
+    db: Engine,
     registry: Registry,
     run_id: int,
     parent_ref: VersionRef,
@@ -228,13 +228,13 @@ def _train_and_judge(
         ).version
     status = "registered" if verdict.register else "rejected"
     _finish(
-        engine, run_id, status=status, message=verdict.reason, samples=dataset.size,
+        db, run_id, status=status, message=verdict.reason, samples=dataset.size,
         dataset_hash=dataset.digest, mlflow_run_id=mlflow_run, version=version, metrics=metrics,
     )  # fmt: skip
     logger.info("fine-tune run %d %s: %s", run_id, status, verdict.reason)
     if verdict.register:  # the experiment opens now, and the workers load the challenger now
         try:
-            reconcile(engine, registry, name, job.traffic, scope)
+            reconcile(db, registry, name, job.traffic, scope)
             push_to_workers(job.workers)
         except Exception:  # the run stands; the evaluate job opens the experiment, workers poll
             logger.exception("fine-tune run %d: opening the experiment failed; the evaluate job will", run_id)
@@ -309,9 +309,7 @@ def _logging_progress(
     return report
 
 
-def claim_run(
-    engine: Engine, model: str, parent: str, feedback_ids: list[int], tenant: str = ""
-) -> int | None:
+def claim_run(db: Engine, model: str, parent: str, feedback_ids: list[int], tenant: str = "") -> int | None:
     """Records a running run of `model` and marks `feedback_ids` as its items; returns the run's
     id, or None when another fresh run of `model` is running or took some of these items first.
 
@@ -319,7 +317,7 @@ def claim_run(
     finetune run`), each sees both rows and only the older one goes on, on SQLite and PostgreSQL.
     A run still `running` after STALE_AFTER was killed: it is marked failed, its items released.
     """
-    with Session(engine) as session, session.begin():
+    with Session(db) as session, session.begin():
         stale = session.scalars(
             select(FinetuneRun.id).where(
                 FinetuneRun.model == model,
@@ -343,7 +341,7 @@ def claim_run(
             .values(finetune_run_id=mine)
         )
         taken = cast(CursorResult[Any], session.execute(mark)).rowcount
-    with Session(engine) as session, session.begin():
+    with Session(db) as session, session.begin():
         oldest = session.scalar(
             select(FinetuneRun.id)
             .where(FinetuneRun.model == model, FinetuneRun.status == "running")
@@ -371,12 +369,12 @@ def _release_in(session: Session, run_id: int) -> None:
     )
 
 
-def _finish(engine: Engine, run_id: int, **fields: object) -> None:
+def _finish(db: Engine, run_id: int, **fields: object) -> None:
     """Marks run `run_id` finished with `fields` (status, message, results)."""
     metrics = fields.get("metrics")
     if isinstance(metrics, dict):  # JSON has no NaN (PostgreSQL refuses it): none becomes null
         fields["metrics"] = {k: None if v != v else v for k, v in metrics.items()}
-    with Session(engine) as session, session.begin():
+    with Session(db) as session, session.begin():
         run = session.get(FinetuneRun, run_id)
         assert run is not None
         for key, value in fields.items():

@@ -127,30 +127,30 @@ def default_api_key(settings: Settings) -> str:
     fail("pass --api-key, set REFLOW_API_KEY, or run `reflow up` first", 2, label="no API key")
 
 
-def store_engine(settings: Settings | None = None) -> Engine:
+def store_db(settings: Settings | None = None) -> Engine:
     """The store the settings name, its schema as it is (for the commands that migrate it); one out
     of reach ends the command in one line."""
-    from reflow.store.database import open_engine  # alembic: 120 ms off `reflow --help`
+    from reflow.store.database import open_db  # alembic: 120 ms off `reflow --help`
 
     settings = settings or load_settings()
-    engine = open_engine(settings.resolved_database_url)
+    db = open_db(settings.resolved_database_url)
     with reaching_store(settings):
-        engine.connect().close()
-    return engine
+        db.connect().close()
+    return db
 
 
-def current_engine(settings: Settings) -> Engine:
+def current_db(settings: Settings) -> Engine:
     """The store, refusing one whose schema is out of date or that is out of reach."""
     # alembic: 120 ms off `reflow --help`
-    from reflow.store.database import open_engine, require_current_schema
+    from reflow.store.database import open_db, require_current_schema
 
-    engine = open_engine(settings.resolved_database_url)
+    db = open_db(settings.resolved_database_url)
     with reaching_store(settings):
         try:
-            require_current_schema(engine)
+            require_current_schema(db)
         except RuntimeError as error:
             fail(f"{error}", 2)
-    return engine
+    return db
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from reflow.cli.common import console, current_engine, fail, load_settings
+from reflow.cli.common import console, current_db, fail, load_settings
 from reflow.store.tables import aware
 
 app = typer.Typer(help="A/B experiments of challengers against champions.", no_args_is_help=True)
@@ -52,7 +52,7 @@ def experiments_list(
     versions, split, status and the latest numbers per arm."""
     from feedback.experiments.lifecycle import experiments  # numpy: 95 ms off `reflow --help`
 
-    found = experiments(current_engine(load_settings()), name)
+    found = experiments(current_db(load_settings()), name)
     if as_json:
         rows = [
             {**_experiment_summary(e), "latest": _arm_summary(look) if look else None} for e, look in found
@@ -73,7 +73,7 @@ def _history(experiment_id: int) -> tuple[Any, list[Any]]:
     from feedback.experiments.lifecycle import history  # numpy: 95 ms off `reflow --help`
 
     try:
-        return history(current_engine(load_settings()), experiment_id)
+        return history(current_db(load_settings()), experiment_id)
     except LookupError as error:
         fail(f"{error}")
 
@@ -86,7 +86,7 @@ def experiments_show(experiment_id: int) -> None:
     experiment, looks = _history(experiment_id)
     for key, value in _experiment_summary(experiment).items():
         print(f"{key}\t{value if value is not None else '-'}")
-    for arm, counts in variant_mix(current_engine(load_settings()), experiment_id).items():
+    for arm, counts in variant_mix(current_db(load_settings()), experiment_id).items():
         served = ", ".join(f"{variant or 'as loaded'} {n}" for variant, n in sorted(counts.items()))
         print(f"{arm} variants\t{served or '-'}")
     shown = looks[-SHOWN_EVALUATIONS:]

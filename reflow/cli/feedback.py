@@ -14,7 +14,7 @@ from gateway.tenants import list_tenants
 from reflow.cli.common import (
     ReadyFile,
     create_topics,
-    current_engine,
+    current_db,
     err_console,
     fail,
     kafka_bootstrap,
@@ -51,14 +51,14 @@ def feedback_consume(ready_file: ReadyFile = None) -> None:
     from reflow.serving import write_ready_file  # grpc, prometheus: 75 ms off `reflow --help`
 
     settings = load_settings()
-    engine = current_engine(settings)
+    db = current_db(settings)
     bootstrap = kafka_bootstrap(settings)
     security = kafka_config(settings).security
     create_topics(settings, bootstrap, security)
     stop = stop_on_signal()
     write_ready_file(ready_file, kafka=bootstrap)
     consume(
-        bootstrap, engine, settings.consumer_batch_size, stop, drain_s=settings.shutdown_grace_s,
+        bootstrap, db, settings.consumer_batch_size, stop, drain_s=settings.shutdown_grace_s,
         security=security,
     )  # fmt: skip
 
@@ -73,8 +73,8 @@ def feedback_ingest(
     from feedback.intake.ingest import ingest
 
     settings = load_settings()
-    engine = current_engine(settings)
-    if not any(info.name == tenant and not revoked for info, _, revoked in list_tenants(engine)):
+    db = current_db(settings)
+    if not any(info.name == tenant and not revoked for info, _, revoked in list_tenants(db)):
         fail(f"no active tenant named {tenant!r} (see `reflow tenants list`)", 2)
     source = sys.stdin if file == "-" else Path(file).open(encoding="utf-8")  # noqa: SIM115
     total = None if file == "-" else Path(file).stat().st_size
@@ -85,7 +85,7 @@ def feedback_ingest(
         with source, Progress(*columns, console=err_console) as progress:
             task = progress.add_task("ingest", total=total)
             report = ingest(
-                source, tenant, RequestIds.from_store(engine), publisher, lambda n: progress.advance(task, n)
+                source, tenant, RequestIds.from_store(db), publisher, lambda n: progress.advance(task, n)
             )
     finally:
         waiting = publisher.close()
@@ -112,7 +112,7 @@ def feedback_stats(
 
     settings = load_settings()
     security = kafka_config(settings).security
-    stats: dict[str, Any] = store_counts(current_engine(settings))
+    stats: dict[str, Any] = store_counts(current_db(settings))
     try:
         bootstrap = resolve_bootstrap(settings.kafka_bootstrap, settings.data_dir)
         stats.update(kafka_stats(bootstrap, security=security))

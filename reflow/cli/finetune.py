@@ -10,7 +10,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from reflow.cli.common import current_engine, err_console, fail, load_settings, open_registry
+from reflow.cli.common import current_db, err_console, fail, load_settings, open_registry
 from reflow.scopes import scope_of
 from reflow.store.tables import FinetuneRun, aware
 from workers.threads import wait_passively
@@ -37,10 +37,10 @@ def finetune_run(
     from feedback.training.job import run_finetune  # torch, after wait_passively: 1.3 s off `reflow --help`
 
     settings = load_settings()
-    engine = current_engine(settings)
+    db = current_db(settings)
     registry = open_registry(settings)
     try:
-        scope = scope_of(engine, tenant)
+        scope = scope_of(db, tenant)
     except LookupError as error:
         fail(f"{error}")
     columns = (
@@ -50,7 +50,7 @@ def finetune_run(
     with Progress(*columns, console=err_console) as progress:
         task = progress.add_task("finetune", total=settings.finetune_steps, loss=float("nan"))
         outcome = run_finetune(
-            finetune_job_of(settings), engine, registry, model=model, scope=scope, min_samples=1,
+            finetune_job_of(settings), db, registry, model=model, scope=scope, min_samples=1,
             progress=lambda step, _total, loss: progress.update(task, completed=step, loss=loss),
         )  # fmt: skip
     err_console.print(f"{outcome.status}: {outcome.message}", highlight=False, soft_wrap=True)
@@ -75,7 +75,7 @@ def finetune_runs(
 ) -> None:
     """Fine-tune runs, newest first: status, items used, duration, the version registered, and the
     gate's verdict (or the error), as the scheduler left them."""
-    with Session(current_engine(load_settings())) as session:
+    with Session(current_db(load_settings())) as session:
         runs = session.scalars(select(FinetuneRun).order_by(FinetuneRun.id.desc()).limit(limit)).all()
     for run in runs:
         took = (aware(run.finished_at) - aware(run.started_at)).total_seconds() if run.finished_at else None

@@ -12,7 +12,7 @@ from typing import Annotated, Any, cast
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from reflow.cli.common import current_engine, err_console, fail, load_settings, open_registry
+from reflow.cli.common import current_db, err_console, fail, load_settings, open_registry
 from reflow.private_files import private_dir
 from reflow.registry import IMPORTED, SOURCE_SHA256_TAG, SOURCE_TAG
 from reflow.scopes import SHARED, Scope, scope_named, unshared_tenant_ids
@@ -101,19 +101,19 @@ def _follow_aliases(settings: Settings, registry: Any, name: str, scope: Scope =
     # numpy, alembic, grpc: 280 ms off `reflow --help`
     from feedback.experiments.lifecycle import reconcile
     from feedback.experiments.promotion import push_to_workers
-    from reflow.store.database import open_engine, require_current_schema
+    from reflow.store.database import open_db, require_current_schema
     from reflow.worker_calls import WorkerTargets
 
-    engine = open_engine(settings.resolved_database_url)
+    db = open_db(settings.resolved_database_url)
     try:
-        require_current_schema(engine)
-        reconcile(engine, registry, name, settings.ab_traffic, scope)
+        require_current_schema(db)
+        reconcile(db, registry, name, settings.ab_traffic, scope)
     except Exception as error:  # the aliases moved all the same; the scheduler catches up
         err_console.print(
             f"[yellow]experiments not updated ({error}); the scheduler's next evaluation will[/]"
         )
     finally:
-        engine.dispose()
+        db.dispose()
 
     pushed = push_to_workers(WorkerTargets.from_settings(settings))
     failed = {a: why for a, why in pushed.items() if why != "ok"}
@@ -137,10 +137,10 @@ def models_promote(
 
     settings = load_settings()
     registry = open_registry(settings)
-    engine = current_engine(settings)
+    db = current_db(settings)
     try:
-        scope = scope_named(engine, tenant)
-        unshared = unshared_tenant_ids(engine) if not tenant else []
+        scope = scope_named(db, tenant)
+        unshared = unshared_tenant_ids(db) if not tenant else []
         champion = promote(registry, name, version, settings.model_cache_dir, scope, unshared)
     except LookupError as error:
         fail(f"{error}")
@@ -161,7 +161,7 @@ def models_rollback(
     settings = load_settings()
     registry = open_registry(settings)
     try:
-        scope = scope_named(current_engine(settings), tenant)
+        scope = scope_named(current_db(settings), tenant)
     except LookupError as error:
         fail(f"{error}")
     if not roll_back(registry, name, scope=scope):

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from reflow.cli.common import ReadyFile, current_engine, load_settings, stop_on_signal
+from reflow.cli.common import ReadyFile, current_db, load_settings, stop_on_signal
 from workers.threads import spin_briefly, wait_passively
 
 
@@ -24,7 +24,7 @@ def gateway(
     from gateway.server import serve  # FastAPI, kafka-python, psutil: 750 ms off `reflow --help`
 
     settings = load_settings(gateway_port=port, http_port=http_port)
-    current_engine(settings).dispose()  # a store out of date or out of reach: one line, before it serves
+    current_db(settings).dispose()  # a store out of date or out of reach: one line, before it serves
     asyncio.run(serve(settings, ready_file=ready_file))
 
 
@@ -49,5 +49,5 @@ def scheduler() -> None:
     settings = load_settings()
     # two lines per run of every job, every few seconds: the jobs log what they did instead
     logging.getLogger("apscheduler.executors.default").setLevel(logging.WARNING)
-    engine = current_engine(settings)
-    run_scheduler(settings, engine, stop_on_signal())
+    db = current_db(settings)
+    run_scheduler(settings, db, stop_on_signal())

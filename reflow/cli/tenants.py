@@ -19,7 +19,7 @@ from gateway.tenants import (
     revoke_tenant,
     update_tenant,
 )
-from reflow.cli.common import err_console, fail, load_settings, open_registry, store_engine
+from reflow.cli.common import err_console, fail, load_settings, open_registry, store_db
 from reflow.registry import CHALLENGER, TENANT_TAG, tenant_alias
 from reflow.scopes import SHARED, Scope, champion_of, follow_trains
 from reflow.store.experiments import running_experiment
@@ -57,10 +57,10 @@ def tenants_create(
     tenant outside it is pinned at once to the shared champion of now."""
     from reflow.store.database import migrate  # alembic: 120 ms off `reflow --help`
 
-    engine = store_engine()
-    migrate(engine)
+    db = store_db()
+    migrate(db)
     try:
-        info, key = create_tenant(engine, name, limits=Limits(max_streams, rpm, tpm), trains=trains.value)
+        info, key = create_tenant(db, name, limits=Limits(max_streams, rpm, tpm), trains=trains.value)
     except ValueError as error:
         fail(f"{error}")
     print(key)
@@ -81,13 +81,13 @@ def tenants_update(
     REFLOW_AUTH_CACHE_TTL_S; fine-tune runs from their next start. A tenant that leaves the shared
     model is pinned at once to the shared champion of now (what the shared model learns from others
     later is never served to it); one that joins it loses its own aliases."""
-    engine = store_engine()
+    db = store_db()
     try:
-        info, _, _ = find_tenant(engine, name)
+        info, _, _ = find_tenant(db, name)
         given = {"max_concurrent_streams": max_streams, "requests_per_minute": rpm, "tokens_per_minute": tpm}
         now = Limits(info.max_concurrent_streams, info.requests_per_minute, info.tokens_per_minute)
         limits = replace(now, **{k: v for k, v in given.items() if v is not None})
-        updated, digest = update_tenant(engine, name, limits=limits, trains=trains.value if trains else None)
+        updated, digest = update_tenant(db, name, limits=limits, trains=trains.value if trains else None)
     except LookupError as error:
         fail(f"{error}")
     print(f"{updated.name}\ttrains {updated.trains}\t{_quotas(updated)}")
@@ -121,9 +121,9 @@ def tenants_show(
     naming only the model is served (its own champion, or the shared one), and its running
     experiment."""
     settings = load_settings()
-    engine = store_engine()
+    db = store_db()
     try:
-        info, prefix, revoked = find_tenant(engine, name)
+        info, prefix, revoked = find_tenant(db, name)
     except LookupError as error:
         fail(f"{error}")
     model = model or settings.model_name
@@ -136,7 +136,7 @@ def tenants_show(
         served, whose = ref.version, "the shared model's"
         if own.champion in ref.aliases:  # trained on its feedback, or a version it was pinned to
             whose = "its own" if registry.tags(ref).get(TENANT_TAG) == info.name else "pinned"
-    experiment = running_experiment(engine, model, info.name if info.trains == "own" else "")
+    experiment = running_experiment(db, model, info.name if info.trains == "own" else "")
     if info.trains == "nothing":
         experiment = None
     row = {
@@ -158,7 +158,7 @@ def tenants_show(
 def tenants_revoke(name: str) -> None:
     """Disable a tenant's key: at once on every gateway sharing REFLOW_REDIS_URL (set it here too),
     else within REFLOW_AUTH_CACHE_TTL_S."""
-    digest = revoke_tenant(store_engine(), name)
+    digest = revoke_tenant(store_db(), name)
     if digest is None:
         fail(f"no active tenant named {name!r}")
     _announce(digest, revoked=True)
@@ -182,7 +182,7 @@ def _announce(digest: str, *, revoked: bool) -> None:
 @app.command("list")
 def tenants_list() -> None:
     """List tenants with their key prefix, quotas, what their feedback trains, and state."""
-    for info, prefix, revoked in list_tenants(store_engine()):
+    for info, prefix, revoked in list_tenants(store_db()):
         state = "revoked" if revoked else "active"
         print(f"{info.name}\t{prefix}…\t{_quotas(info)}\ttrains {info.trains}\t{state}")
 

@@ -26,7 +26,7 @@ from gateway.tenants import UNLIMITED, Limits, ensure_tenant
 from reflow.api_keys import hash_key, new_key
 from reflow.cgroups import remove_instance
 from reflow.cli.common import console as default_console
-from reflow.cli.common import create_topics, fail, open_registry, store_engine
+from reflow.cli.common import create_topics, fail, open_registry, store_db
 from reflow.cli.models import import_checkpoint, name_of
 from reflow.cli.supervisor import Child, ChildFailed, Supervisor, wait_http, wait_serving
 from reflow.endpoints import API_KEY_FILE, ENDPOINTS_FILE, write_endpoints
@@ -153,9 +153,9 @@ def stop_on_signals() -> None:
 
 def migrated_store(settings: Settings) -> Engine:
     """The store, brought to the newest schema (as `reflow db upgrade` does)."""
-    engine = store_engine(settings)
-    migrate(engine)
-    return engine
+    db = store_db(settings)
+    migrate(db)
+    return db
 
 
 def resolve_api_key(settings: Settings, console: Console) -> str:

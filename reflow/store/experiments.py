@@ -35,16 +35,16 @@ class RunningExperiment:
         )  # fmt: skip
 
 
-def running_experiments(engine: Engine) -> list[RunningExperiment]:
+def running_experiments(db: Engine) -> list[RunningExperiment]:
     """Every running experiment, one per model and tenant at most."""
-    with Session(engine) as session:
+    with Session(db) as session:
         rows = session.scalars(select(Experiment).where(Experiment.status == RUNNING)).all()
         return [RunningExperiment.of(e) for e in rows]
 
 
-def running_experiment(engine: Engine, model: str, tenant: str = "") -> RunningExperiment | None:
+def running_experiment(db: Engine, model: str, tenant: str = "") -> RunningExperiment | None:
     """The running experiment of `model` for `tenant` ("" = the shared model's), if any."""
-    with Session(engine) as session:
+    with Session(db) as session:
         found = session.scalar(
             select(Experiment).where(
                 Experiment.status == RUNNING, Experiment.model == model, Experiment.tenant == tenant

@@ -13,10 +13,10 @@ from sqlalchemy.orm import Session
 from reflow.store.tables import Secret
 
 
-def shared_secret(engine: Engine, name: str) -> bytes:
+def shared_secret(db: Engine, name: str) -> bytes:
     """The 32-byte secret `name`, created at random the first time any process asks (of two
     processes racing, the first insert wins and both return it)."""
-    with Session(engine) as session:
+    with Session(db) as session:
         secret = session.get(Secret, name)
         if secret is None:
             session.add(Secret(name=name, value=secrets.token_hex(32)))

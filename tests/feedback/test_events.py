@@ -22,7 +22,7 @@ from feedback.events import (
     require_served,
 )
 from reflow.request_ids import RequestIds
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from reflow.store.tables import utcnow
 
 
@@ -102,9 +102,9 @@ def test_a_malformed_record_is_described() -> None:
 
 
 def test_request_ids_are_signed_for_their_tenant(tmp_path: Path) -> None:
-    engine = open_engine(f"sqlite:///{tmp_path / 'store.db'}")
-    migrate(engine)
-    ids, replica = RequestIds.from_store(engine), RequestIds.from_store(engine)  # one key, shared
+    db = open_db(f"sqlite:///{tmp_path / 'store.db'}")
+    migrate(db)
+    ids, replica = RequestIds.from_store(db), RequestIds.from_store(db)  # one key, shared
     request_id = ids.new("acme")
     assert len(request_id) == 48 and request_id != ids.new("acme")
     assert replica.served_to(request_id, "acme")

@@ -14,26 +14,26 @@ from sqlalchemy.orm import Session
 
 from feedback.scheduler import FINETUNE_JOB, ensure_finetune_job, finetune_job, new_scheduler
 from feedback.training.job import STALE_AFTER, claim_run
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
 from tests.support.waiting import wait_for
 
 
 def store(tmp_path: Path):
-    engine = open_engine(f"sqlite:///{tmp_path / 'store.db'}")
-    migrate(engine)
-    return engine
+    db = open_db(f"sqlite:///{tmp_path / 'store.db'}")
+    migrate(db)
+    return db
 
 
 def test_the_finetune_job_and_its_next_run_survive_a_restart(tmp_path: Path) -> None:
-    engine = store(tmp_path)
-    first = new_scheduler(engine)
+    db = store(tmp_path)
+    first = new_scheduler(db)
     first.start(paused=True)
     ensure_finetune_job(first, interval_s=3600)
     planned = first.get_job(FINETUNE_JOB).next_run_time
     first.shutdown()
 
-    second = new_scheduler(engine)
+    second = new_scheduler(db)
     second.start(paused=True)
     try:
         kept = second.get_job(FINETUNE_JOB)
@@ -74,26 +74,26 @@ def test_a_job_never_overlaps_itself(tmp_path: Path) -> None:
 
 
 def test_a_second_finetune_run_waits_while_one_is_running(tmp_path: Path) -> None:
-    engine = store(tmp_path)
-    with Session(engine) as session, session.begin():
+    db = store(tmp_path)
+    with Session(db) as session, session.begin():
         session.add_all(
             FeedbackItem(feedback_id=f"f{i}", request_id=f"r{i}", tenant="acme", rating=1, correction="",
                          user_id="", labels={}, created_at=utcnow())
             for i in range(1, 4)
         )  # fmt: skip
-    first = claim_run(engine, "arith", "1", [1, 2])
+    first = claim_run(db, "arith", "1", [1, 2])
     assert first is not None
-    assert claim_run(engine, "arith", "1", [3]) is None  # e.g. `reflow finetune run` meanwhile
-    other = claim_run(engine, "other-model", "1", [3])  # other models are independent
+    assert claim_run(db, "arith", "1", [3]) is None  # e.g. `reflow finetune run` meanwhile
+    other = claim_run(db, "other-model", "1", [3])  # other models are independent
     assert other is not None
-    assert claim_run(engine, "third-model", "1", [3]) is None  # item 3 is taken already
-    with engine.begin() as connection:  # the first one's process was killed long ago
+    assert claim_run(db, "third-model", "1", [3]) is None  # item 3 is taken already
+    with db.begin() as connection:  # the first one's process was killed long ago
         connection.execute(
             update(FinetuneRun).where(FinetuneRun.id == first).values(started_at=utcnow() - 2 * STALE_AFTER)
         )
-    again = claim_run(engine, "arith", "1", [1, 2])  # its items were given back
+    again = claim_run(db, "arith", "1", [1, 2])  # its items were given back
     assert again is not None
-    with Session(engine) as session:
+    with Session(db) as session:
         assert session.get(FinetuneRun, first).status == "failed"
         marks = dict(session.execute(select(FeedbackItem.id, FeedbackItem.finetune_run_id)).all())
     assert marks == {1: again, 2: again, 3: other}

@@ -26,7 +26,7 @@ class Clock:
 
 
 @pytest.fixture
-def engine(tmp_path: Path) -> Iterator[Engine]:
+def db(tmp_path: Path) -> Iterator[Engine]:
     yield from migrated_store(f"sqlite:///{tmp_path / 'store.db'}")
 
 
@@ -35,20 +35,20 @@ def lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The keys the store is asked for, from here on."""
     asked: list[str] = []
 
-    def counted(engine: Engine, api_key: str) -> TenantInfo | None:
+    def counted(db: Engine, api_key: str) -> TenantInfo | None:
         asked.append(api_key)
-        return find_by_key(engine, api_key)
+        return find_by_key(db, api_key)
 
     monkeypatch.setattr(auth_module, "find_by_key", counted)
     return asked
 
 
 async def test_unknown_keys_never_evict_a_tenant_from_the_cache(
-    engine: Engine, lookups: list[str], monkeypatch: pytest.MonkeyPatch
+    db: Engine, lookups: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(Authenticator, "max_entries", 8)
-    info, key = create_tenant(engine, "acme")
-    auth = Authenticator(engine, ttl_s=60)
+    info, key = create_tenant(db, "acme")
+    auth = Authenticator(db, ttl_s=60)
     assert await auth.authenticate(f"Bearer {key}") == info
     for i in range(20):  # more distinct unknown keys than the cache holds, under the throttle
         with pytest.raises(Unauthenticated):
@@ -59,12 +59,12 @@ async def test_unknown_keys_never_evict_a_tenant_from_the_cache(
 
 
 async def test_an_address_past_its_unknown_keys_gets_no_lookup_until_its_minute_ends(
-    engine: Engine, lookups: list[str]
+    db: Engine, lookups: list[str]
 ) -> None:
-    info, key = create_tenant(engine, "acme")
-    _, unseen_key = create_tenant(engine, "globex")
+    info, key = create_tenant(db, "acme")
+    _, unseen_key = create_tenant(db, "globex")
     clock = Clock()
-    auth = Authenticator(engine, ttl_s=10, clock=clock, failures_per_minute=3)
+    auth = Authenticator(db, ttl_s=10, clock=clock, failures_per_minute=3)
     scanner, neighbour = "203.0.113.7", "203.0.113.8"
     assert await auth.authenticate(f"Bearer {key}", scanner) == info  # known valid from here on
     for i in range(3):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from reflow.store.database import open_engine
+from reflow.store.database import open_db
 from reflow.store.tables import Tenant
 from reflow.v1 import worker_pb2
 from tests.support.stack import Stack, request, start_replica, stop_stack
@@ -29,7 +29,7 @@ async def test_a_tenants_blocks_serve_it_through_every_replica_and_nobody_can_na
         assert [await cached_tokens(stack), await cached_tokens(replica)] == [0, 16]
     finally:
         await stop_stack(replica)
-    with Session(open_engine(stack.settings.resolved_database_url)) as session:
+    with Session(open_db(stack.settings.resolved_database_url)) as session:
         tenant_id = session.scalars(select(Tenant.id).where(Tenant.name == "acme")).one()
     for guess in (f"tenant {tenant_id}", str(tenant_id), "acme", ""):  # what a salt used to be, and others
         probe = worker_pb2.WorkerGenerateRequest(

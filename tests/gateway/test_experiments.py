@@ -13,7 +13,7 @@ from feedback.experiments.promotion import push_to_workers
 from gateway.assignment import ASSIGNMENT_KEY, assigned_arm
 from reflow.registry import CHALLENGER, CHAMPION, Registry
 from reflow.settings import Settings
-from reflow.store.database import open_engine
+from reflow.store.database import open_db
 from reflow.store.secrets import shared_secret
 from reflow.store.tables import Inference
 from reflow.v1 import inference_pb2
@@ -41,7 +41,7 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
     swap_settings: Settings,
 ) -> None:
     stack = await start_stack(swap_settings, requests_per_minute=0)
-    store = open_engine(swap_settings.resolved_database_url)
+    store = open_db(swap_settings.resolved_database_url)
     registry = Registry.from_settings(swap_settings)
     worker = stack.workers[0]
     pushing = swap_settings.model_copy(update={"workers": [worker.address]})

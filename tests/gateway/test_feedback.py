@@ -27,7 +27,7 @@ from gateway.tenants import TenantInfo, create_tenant
 from reflow.kafka_settings import PublisherConfig
 from reflow.request_ids import RequestIds
 from reflow.settings import Settings
-from reflow.store.database import open_engine
+from reflow.store.database import open_db
 from reflow.store.tables import Inference
 from reflow.v1 import inference_pb2
 from tests.support.kafka import Broker, consuming
@@ -103,7 +103,7 @@ async def test_the_same_item_sent_twice_without_an_id_gets_the_same_id(stack: St
 
 
 async def test_a_tenant_cannot_rate_another_tenants_completion(stack: Stack) -> None:
-    _, other_key = create_tenant(open_engine(stack.settings.resolved_database_url), "globex")
+    _, other_key = create_tenant(open_db(stack.settings.resolved_database_url), "globex")
     theirs = await completion(stack, api_key=other_key)
     ours = await completion(stack)
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -184,9 +184,9 @@ async def test_each_finished_generation_publishes_one_event(stack: Stack, kafka:
 
 @pytest.fixture
 def store_consumer(stack: Stack, kafka: Broker) -> Iterator[Engine]:
-    engine = open_engine(stack.settings.resolved_database_url)
-    with consuming(kafka.bootstrap, engine):
-        yield engine
+    db = open_db(stack.settings.resolved_database_url)
+    with consuming(kafka.bootstrap, db):
+        yield db
 
 
 async def rate_new_completions(stack: Stack, n: int) -> None:

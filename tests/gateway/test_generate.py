@@ -14,7 +14,7 @@ from gateway.server import request_limits
 from gateway.tenants import create_tenant, revoke_tenant
 from gateway.validation import worker_request
 from reflow.settings import Settings
-from reflow.store.database import open_engine
+from reflow.store.database import open_db
 from reflow.v1 import inference_pb2, worker_pb2
 from tests.support.stack import Stack, generate, held_stream, request, start_stack, start_worker, stop_stack
 from tests.support.waiting import eventually
@@ -46,7 +46,7 @@ async def test_stream_carries_header_first_and_usage_last(stack: Stack) -> None:
 
 
 async def test_a_tenant_reuses_its_own_cached_prompt_blocks_never_another_tenants(stack: Stack) -> None:
-    _, other_key = create_tenant(open_engine(stack.settings.resolved_database_url), "globex")
+    _, other_key = create_tenant(open_db(stack.settings.resolved_database_url), "globex")
     other = (("authorization", f"Bearer {other_key}"),)
     long = request("1234567890123456789+1=", max_tokens=4)  # 23 tokens: one full 16-token block
 
@@ -129,7 +129,7 @@ async def test_authentication(stack: Stack) -> None:
 
 async def test_a_revoked_key_stops_working_within_the_cache_ttl(stack: Stack) -> None:
     await generate(stack, request())  # caches the key
-    assert revoke_tenant(open_engine(stack.settings.resolved_database_url), "acme")
+    assert revoke_tenant(open_db(stack.settings.resolved_database_url), "acme")
     # that the key still works until then, tests/gateway/test_tenants.py asserts on a clock of its
     # own: here, a loaded machine could let the 0.5 s pass before a second request
     await asyncio.sleep(stack.settings.auth_cache_ttl_s + 0.1)

@@ -21,7 +21,7 @@ from sqlalchemy import Engine
 from feedback.intake.stats import store_counts
 from gateway.tenants import create_tenant
 from reflow.settings import Settings
-from reflow.store.database import open_engine
+from reflow.store.database import open_db
 from reflow.v1 import inference_pb2
 from tests.support.kafka import Broker, consuming
 from tests.support.registry import local_registry
@@ -330,9 +330,9 @@ async def test_health_and_the_openapi_document(stack: Stack) -> None:
 
 @pytest.fixture
 def store_consumer(stack: Stack, kafka: Broker) -> Iterator[Engine]:
-    engine = open_engine(stack.settings.resolved_database_url)
-    with consuming(kafka.bootstrap, engine):
-        yield engine
+    db = open_db(stack.settings.resolved_database_url)
+    with consuming(kafka.bootstrap, db):
+        yield db
 
 
 async def test_feedback_in_each_body_form_lands_once_also_when_sent_twice(
@@ -368,8 +368,8 @@ async def test_feedback_in_each_body_form_lands_once_also_when_sent_twice(
 async def test_feedback_on_another_tenants_completion_is_403_and_rejected_items_are_listed(
     stack: Stack,
 ) -> None:
-    engine = open_engine(stack.settings.resolved_database_url)
-    _, other_key = create_tenant(engine, "globex")
+    db = open_db(stack.settings.resolved_database_url)
+    _, other_key = create_tenant(db, "globex")
     theirs = (
         await async_client(stack, other_key).completions.create(model="arith", prompt="1+1=", max_tokens=2)
     ).id
@@ -390,7 +390,7 @@ async def test_feedback_on_another_tenants_completion_is_403_and_rejected_items_
     ]  # fmt: skip
     assert "JSON object" in ack["errors"][1]["reason"] and "request_id" in ack["errors"][2]["reason"]
     await sdk.close()
-    engine.dispose()
+    db.dispose()
 
 
 async def test_a_feedback_body_past_the_bound_is_413_once_the_items_before_it_were_taken(
@@ -398,7 +398,7 @@ async def test_a_feedback_body_past_the_bound_is_413_once_the_items_before_it_we
 ) -> None:
     """The bound counts items by position, ones that are no object too, in an array as in NDJSON."""
     stack = await start_stack(settings.model_copy(update={"max_feedback_items": 3}))
-    engine = open_engine(settings.resolved_database_url)
+    db = open_db(settings.resolved_database_url)
     try:
         sdk = async_client(stack)
         ids = [
@@ -422,13 +422,13 @@ async def test_a_feedback_body_past_the_bound_is_413_once_the_items_before_it_we
             error = response.json()["error"]
             assert (error["type"], error["code"]) == ("invalid_request_error", "resource_exhausted")
             assert "at most 3 items" in error["message"] and "(2 accepted, 1 rejected)" in error["message"]
-        with consuming(kafka.bootstrap, engine):
+        with consuming(kafka.bootstrap, db):
             everything = {"inferences": 2, "feedback": 2, "joined_feedback": 2}
             await asyncio.to_thread(
-                wait_for, lambda: store_counts(engine) == everything, 60, "the items before the bound"
+                wait_for, lambda: store_counts(db) == everything, 60, "the items before the bound"
             )
     finally:
-        engine.dispose()
+        db.dispose()
         await stop_stack(stack)
 
 

@@ -31,25 +31,25 @@ from gateway.tenants import TenantInfo, create_tenant, revoke_tenant
 from reflow.api_keys import hash_key
 from reflow.errors import Unauthenticated
 from reflow.serving import free_port
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from tests.support.certificates import tls_files
 from tests.support.redis import RedisServer, SharedRedis
 from tests.support.waiting import eventually, wait_for
 
 
 @pytest.fixture
-def engine(tmp_path: Path) -> Engine:
-    engine = open_engine(f"sqlite:///{tmp_path / 'store.db'}")
-    migrate(engine)
-    return engine
+def db(tmp_path: Path) -> Engine:
+    db = open_db(f"sqlite:///{tmp_path / 'store.db'}")
+    migrate(db)
+    return db
 
 
 @contextlib.asynccontextmanager
 async def replicas(
-    engine: Engine, shared: SharedRedis, n: int = 2, ttl_s: float = 60
+    db: Engine, shared: SharedRedis, n: int = 2, ttl_s: float = 60
 ) -> AsyncIterator[list[Authenticator]]:
     """`n` replicas' key caches over one store and one Redis, listening for revocations."""
-    auths = [Authenticator(engine, ttl_s, shared=shared.level()) for _ in range(n)]
+    auths = [Authenticator(db, ttl_s, shared=shared.level()) for _ in range(n)]
     for auth in auths:
         auth.start()
     await eventually(lambda: _listening(shared) == n, what=f"{n} replicas listening for revocations")
@@ -63,10 +63,10 @@ async def replicas(
 
 
 async def test_a_key_one_replica_looked_up_is_found_in_l2_by_the_next(
-    engine: Engine, shared_redis: SharedRedis, monkeypatch: pytest.MonkeyPatch
+    db: Engine, shared_redis: SharedRedis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    info, key = create_tenant(engine, "acme")
-    async with replicas(engine, shared_redis) as (a, b):
+    info, key = create_tenant(db, "acme")
+    async with replicas(db, shared_redis) as (a, b):
         assert await a.authenticate(f"Bearer {key}") == info  # from the store, now in L2
         lookups = []
         monkeypatch.setattr("gateway.auth.find_by_key", lambda *args: lookups.append(args))
@@ -84,13 +84,13 @@ def _listening(shared: SharedRedis) -> int:
 
 
 async def test_a_revocation_through_one_replica_is_refused_by_the_other_long_before_its_cache_expires(
-    engine: Engine, shared_redis: SharedRedis
+    db: Engine, shared_redis: SharedRedis
 ) -> None:
-    info, key = create_tenant(engine, "acme")
-    async with replicas(engine, shared_redis) as (a, b):
+    info, key = create_tenant(db, "acme")
+    async with replicas(db, shared_redis) as (a, b):
         for auth in (a, b):
             assert await auth.authenticate(f"Bearer {key}") == info  # in both L1s, and in L2
-        digest = revoke_tenant(engine, "acme")
+        digest = revoke_tenant(db, "acme")
         assert digest is not None
         assert await asyncio.to_thread(announce_key_change, shared_redis.config, digest, revoked=True)
 
@@ -104,7 +104,7 @@ async def test_a_revocation_through_one_replica_is_refused_by_the_other_long_bef
         for auth in (b, a):  # L1 would hold it for 60 s: the announcement did it
             await eventually(lambda auth=auth: refused(auth), timeout_s=30, what="the revocation")
         # and no replica puts it back in L2 from a store read made before the revocation
-        late = Authenticator(engine, 60, shared=shared_redis.level())
+        late = Authenticator(db, 60, shared=shared_redis.level())
         with pytest.raises(Unauthenticated):
             await late.authenticate(f"Bearer {key}")
         assert late.shared is not None
@@ -112,12 +112,12 @@ async def test_a_revocation_through_one_replica_is_refused_by_the_other_long_bef
 
 
 async def test_changed_limits_reach_the_replicas_when_announced(
-    engine: Engine, shared_redis: SharedRedis
+    db: Engine, shared_redis: SharedRedis
 ) -> None:
-    info, key = create_tenant(engine, "acme")
-    async with replicas(engine, shared_redis) as (a, b):
+    info, key = create_tenant(db, "acme")
+    async with replicas(db, shared_redis) as (a, b):
         assert await a.authenticate(f"Bearer {key}") == await b.authenticate(f"Bearer {key}") == info
-        with engine.begin() as connection:
+        with db.begin() as connection:
             connection.exec_driver_sql("UPDATE tenants SET tokens_per_minute = 1000")
         assert announce_key_change(shared_redis.config, hash_key(key), revoked=False)
         expected = dataclasses.replace(info, tokens_per_minute=1000)
@@ -132,17 +132,17 @@ async def _authenticated(auth: Authenticator, key: str, expected: TenantInfo) ->
 
 
 async def test_through_an_outage_l1_and_the_store_serve_and_a_replica_back_on_redis_forgets_what_it_missed(
-    engine: Engine, redis_server: RedisServer
+    db: Engine, redis_server: RedisServer
 ) -> None:
-    info, key = create_tenant(engine, "acme")
-    _, other_key = create_tenant(engine, "globex")
-    async with replicas(engine, redis_server.shared) as (a, b):
+    info, key = create_tenant(db, "acme")
+    _, other_key = create_tenant(db, "globex")
+    async with replicas(db, redis_server.shared) as (a, b):
         assert await a.authenticate(f"Bearer {key}") == info
         redis_server.stop()
         assert (await a.authenticate(f"Bearer {other_key}")).name == "globex"  # the store, L2 down
         assert (await b.authenticate(f"Bearer {key}")).name == "acme"
         # revoked while Redis is down: the announcement cannot be made, and b's L1 holds the key
-        digest = revoke_tenant(engine, "acme")
+        digest = revoke_tenant(db, "acme")
         assert digest is not None and not announce_key_change(
             redis_server.shared.config, digest, revoked=True
         )
@@ -154,10 +154,10 @@ async def test_through_an_outage_l1_and_the_store_serve_and_a_replica_back_on_re
 
 
 async def test_what_redis_holds_is_a_tenant_only_under_a_gateways_signature(
-    engine: Engine, shared_redis: SharedRedis, caplog: pytest.LogCaptureFixture
+    db: Engine, shared_redis: SharedRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    info, key = create_tenant(engine, "acme")
-    async with replicas(engine, shared_redis, n=1) as (a,):
+    info, key = create_tenant(db, "acme")
+    async with replicas(db, shared_redis, n=1) as (a,):
         assert await a.authenticate(f"Bearer {key}") == info  # now in L2, signed
 
     def entry(api_key: str) -> str:
@@ -171,7 +171,7 @@ async def test_what_redis_holds_is_a_tenant_only_under_a_gateways_signature(
         raised = dataclasses.replace(info, requests_per_minute=10**9)
         client.set(entry(key), json.dumps(dataclasses.asdict(raised)))  # the tenant's limits, raised
     with caplog.at_level(logging.WARNING, logger="gateway.signed_values"):
-        async with replicas(engine, shared_redis, n=1) as (b,):
+        async with replicas(db, shared_redis, n=1) as (b,):
             for api_key in (forged, copied):
                 with pytest.raises(Unauthenticated):
                     await b.authenticate(f"Bearer {api_key}")
@@ -205,16 +205,16 @@ def as_user(shared: SharedRedis, name: str, password: str) -> SharedRedis:
 
 
 async def test_the_shared_level_runs_as_an_acl_user_and_says_so_when_its_password_is_wrong(
-    engine: Engine,
+    db: Engine,
     shared_redis: SharedRedis,
     acl_user: tuple[str, str],
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     name, password = acl_user
-    info, key = create_tenant(engine, "acme")
+    info, key = create_tenant(db, "acme")
     user = as_user(shared_redis, name, password)
-    async with replicas(engine, user) as (a, b):
+    async with replicas(db, user) as (a, b):
         assert await a.authenticate(f"Bearer {key}") == info
         lookups: list[object] = []
         monkeypatch.setattr("gateway.auth.find_by_key", lambda *args: lookups.append(args))
@@ -231,7 +231,7 @@ async def test_the_shared_level_runs_as_an_acl_user_and_says_so_when_its_passwor
     assert password not in repr(wrong.config)
     level = wrong.level()
     with caplog.at_level(logging.INFO):
-        auth = Authenticator(engine, 60, shared=level)
+        auth = Authenticator(db, 60, shared=level)
         assert await auth.authenticate(f"Bearer {key}") == info  # from the store: Redis is optional
         assert not level.available
         await level.close()
@@ -277,10 +277,10 @@ def tls_redis(tmp_path: Path, shared_redis: SharedRedis) -> Iterator[SharedRedis
 
 
 async def test_the_shared_level_runs_over_tls(
-    engine: Engine, tls_redis: SharedRedis, monkeypatch: pytest.MonkeyPatch
+    db: Engine, tls_redis: SharedRedis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    info, key = create_tenant(engine, "acme")
-    async with replicas(engine, tls_redis) as (a, b):
+    info, key = create_tenant(db, "acme")
+    async with replicas(db, tls_redis) as (a, b):
         assert await a.authenticate(f"Bearer {key}") == info
         lookups: list[object] = []
         monkeypatch.setattr("gateway.auth.find_by_key", lambda *args: lookups.append(args))

@@ -17,7 +17,7 @@ from gateway.tenants import create_tenant
 from reflow.registry import CHALLENGER, CHAMPION, TENANT_TAG, Registry, tenant_alias
 from reflow.scopes import Scope
 from reflow.settings import Settings
-from reflow.store.database import open_engine
+from reflow.store.database import open_db
 from reflow.store.secrets import shared_secret
 from reflow.store.tables import TRAINS_NOTHING
 from reflow.v1 import inference_pb2
@@ -50,7 +50,7 @@ async def test_each_tenant_is_served_its_own_versions_and_only_its_users_are_tes
     ).version  # fmt: skip
     registry.client.set_model_version_tag(MODEL, "2", TENANT_TAG, "own")  # v2 is "own"'s too
     stack = await start_stack(swap_settings, requests_per_minute=0)  # its tenant is in the shared model
-    store = open_engine(swap_settings.resolved_database_url)
+    store = open_db(swap_settings.resolved_database_url)
     try:
         own_tenant, own_key = create_tenant(store, "own")  # trains its own: a new tenant's default
         _, off_key = create_tenant(store, "off", trains=TRAINS_NOTHING)

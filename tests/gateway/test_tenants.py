@@ -21,7 +21,7 @@ from gateway.tenants import (
 )
 from reflow.api_keys import hash_key
 from reflow.errors import ResourceExhausted, Unauthenticated
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 
 
 class Clock:
@@ -33,54 +33,54 @@ class Clock:
 
 
 def test_keys_are_stored_only_as_hashes(database_url: str) -> None:
-    engine = open_engine(database_url)
-    migrate(engine)
-    info, key = create_tenant(engine, "acme")
-    with engine.connect() as connection:
+    db = open_db(database_url)
+    migrate(db)
+    info, key = create_tenant(db, "acme")
+    with db.connect() as connection:
         dump = " ".join(str(row) for row in connection.execute(text("SELECT * FROM tenants")))
     assert key not in dump and hash_key(key) in dump
-    create_tenant(engine, "byok", api_key="my-own-key-0123456789")
-    assert [prefix for i, prefix, _ in list_tenants(engine) if i.name == "byok"] == [""]  # nothing of it
-    assert find_by_key(engine, key) == info
-    assert find_by_key(engine, key + "x") is None
+    create_tenant(db, "byok", api_key="my-own-key-0123456789")
+    assert [prefix for i, prefix, _ in list_tenants(db) if i.name == "byok"] == [""]  # nothing of it
+    assert find_by_key(db, key) == info
+    assert find_by_key(db, key + "x") is None
     with pytest.raises(ValueError, match="already exists"):
-        create_tenant(engine, "acme")
-    assert revoke_tenant(engine, "acme") == hash_key(key) and find_by_key(engine, key) is None
-    assert revoke_tenant(engine, "acme") is None
-    assert [(i.name, revoked) for i, _, revoked in list_tenants(engine)] == [("acme", True), ("byok", False)]
-    engine.dispose()
+        create_tenant(db, "acme")
+    assert revoke_tenant(db, "acme") == hash_key(key) and find_by_key(db, key) is None
+    assert revoke_tenant(db, "acme") is None
+    assert [(i.name, revoked) for i, _, revoked in list_tenants(db)] == [("acme", True), ("byok", False)]
+    db.dispose()
 
 
 def test_ensure_tenant_rekeys_but_never_revives_a_revoked_key(tmp_path) -> None:
-    engine = open_engine(f"sqlite:///{tmp_path / 's.db'}")
-    migrate(engine)
-    info, retired = ensure_tenant(engine, "default", "first-key-0123456789")
+    db = open_db(f"sqlite:///{tmp_path / 's.db'}")
+    migrate(db)
+    info, retired = ensure_tenant(db, "default", "first-key-0123456789")
     assert retired is None and (info.max_concurrent_streams, info.tokens_per_minute) == (32, 0)
-    info, retired = ensure_tenant(engine, "default", "first-key-0123456789", Limits(4, 0, 1000))
+    info, retired = ensure_tenant(db, "default", "first-key-0123456789", Limits(4, 0, 1000))
     assert retired is None and info == TenantInfo(info.id, "default", 4, 0, 1000)  # new limits kept
-    revoke_tenant(engine, "default")
+    revoke_tenant(db, "default")
     with pytest.raises(ValueError, match="was revoked"):
-        ensure_tenant(engine, "default", "first-key-0123456789")
-    _, retired = ensure_tenant(engine, "default", "second-key-0123456789")
+        ensure_tenant(db, "default", "first-key-0123456789")
+    _, retired = ensure_tenant(db, "default", "second-key-0123456789")
     assert retired == hash_key("first-key-0123456789")  # what gateways are told to forget
-    assert find_by_key(engine, "first-key-0123456789") is None
-    assert find_by_key(engine, "second-key-0123456789") is not None
+    assert find_by_key(db, "first-key-0123456789") is None
+    assert find_by_key(db, "second-key-0123456789") is not None
     with pytest.raises(ValueError, match="at least 16"):
-        create_tenant(engine, "weak", api_key="short")
+        create_tenant(db, "weak", api_key="short")
     with pytest.raises(ValueError, match="needs a name"):  # "" is the shared model's scope
-        create_tenant(engine, " ")
+        create_tenant(db, " ")
     with pytest.raises(ValueError, match="trains one of nothing, shared, own"):
-        create_tenant(engine, "unsure", trains="everything")
+        create_tenant(db, "unsure", trains="everything")
 
 
 async def test_lookups_are_cached_for_the_ttl(tmp_path) -> None:
-    engine = open_engine(f"sqlite:///{tmp_path / 's.db'}")
-    migrate(engine)
-    _, key = create_tenant(engine, "acme")
+    db = open_db(f"sqlite:///{tmp_path / 's.db'}")
+    migrate(db)
+    _, key = create_tenant(db, "acme")
     clock = Clock()
-    auth = Authenticator(engine, ttl_s=10, clock=clock)
+    auth = Authenticator(db, ttl_s=10, clock=clock)
     assert (await auth.authenticate(f"Bearer {key}")).name == "acme"
-    revoke_tenant(engine, "acme")
+    revoke_tenant(db, "acme")
     clock.now = 9.9
     assert (await auth.authenticate(f"Bearer {key}")).name == "acme"  # served from the cache
     clock.now = 10.1

@@ -9,7 +9,7 @@ from feedback.bus.kafka import FEEDBACK_TOPIC, Record
 from feedback.bus.outbox import Outbox
 from reflow.registry import Registry
 from reflow.settings import Settings
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 
 
 def mode(path: Path) -> int:
@@ -18,7 +18,7 @@ def mode(path: Path) -> int:
 
 def test_the_store_and_the_data_dir_it_is_created_in_are_private(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
-    migrate(open_engine(f"sqlite:///{data_dir / 'reflow.db'}"))  # its secrets table among others
+    migrate(open_db(f"sqlite:///{data_dir / 'reflow.db'}"))  # its secrets table among others
     assert mode(data_dir) == 0o700
     files = {p.name: mode(p) for p in data_dir.iterdir()}
     assert files and set(files.values()) == {0o600}, files  # the store, and SQLite's journal beside it
@@ -26,9 +26,9 @@ def test_the_store_and_the_data_dir_it_is_created_in_are_private(tmp_path: Path)
 
 def test_a_store_others_could_read_is_made_private(tmp_path: Path) -> None:
     store = tmp_path / "reflow.db"
-    migrate(open_engine(f"sqlite:///{store}"))
+    migrate(open_db(f"sqlite:///{store}"))
     store.chmod(0o644)  # as older releases left it
-    open_engine(f"sqlite:///{store}").dispose()
+    open_db(f"sqlite:///{store}").dispose()
     assert mode(store) == 0o600
 
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from sqlalchemy import make_url, text
 
 from reflow.settings import Settings
-from reflow.store.database import open_engine, schema_is_current
+from reflow.store.database import open_db, schema_is_current
 from reflow.store.urls import store_url
 from tests.support.cli import reflow
 
@@ -40,7 +40,7 @@ def test_urls_name_the_driver_reflow_installs(url: str, normalised: str) -> None
 @pytest.mark.parametrize(("url", "problem"), REFUSED.items())
 def test_other_drivers_and_dialects_are_refused(url: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem) as refused:
-        open_engine(url)
+        open_db(url)
     assert "secret" not in str(refused.value) and "postgresql+psycopg://" in str(refused.value)
     with pytest.raises(ValidationError, match=problem):
         Settings(database_url=url)
@@ -63,10 +63,10 @@ def test_postgresql_without_a_driver_runs_on_psycopg(database_url: str, dialect:
     url = make_url(database_url).set(drivername=dialect).render_as_string(hide_password=False)
     result = reflow("db", "upgrade", env={"REFLOW_DATA_DIR": str(tmp_path), "REFLOW_DATABASE_URL": url})
     assert result.returncode == 0, result.stderr
-    engine = open_engine(url)
+    db = open_db(url)
     try:
-        assert engine.dialect.driver == "psycopg" and schema_is_current(engine)
-        with engine.connect() as connection:
+        assert db.dialect.driver == "psycopg" and schema_is_current(db)
+        with db.connect() as connection:
             assert connection.execute(text("SELECT count(*) FROM tenants")).scalar_one() == 0
     finally:
-        engine.dispose()
+        db.dispose()

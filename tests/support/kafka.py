@@ -70,9 +70,9 @@ class Broker:
 
 
 @contextlib.contextmanager
-def consuming(bootstrap: str, engine: Engine, security: KafkaSecurity = PLAINTEXT) -> Iterator[StoreConsumer]:
+def consuming(bootstrap: str, db: Engine, security: KafkaSecurity = PLAINTEXT) -> Iterator[StoreConsumer]:
     """A store consumer polling in a thread until the block ends (then it leaves its group)."""
-    consumer = StoreConsumer(bootstrap, engine, batch_size=100, security=security)
+    consumer = StoreConsumer(bootstrap, db, batch_size=100, security=security)
     stop = threading.Event()
     thread = threading.Thread(target=consumer.run, args=(stop,))
     thread.start()

@@ -23,7 +23,7 @@ from reflow.kafka_settings import PublisherConfig
 from reflow.mtls import open_channel
 from reflow.registry import Registry
 from reflow.settings import Settings
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from reflow.store.tables import TRAINS_SHARED
 from reflow.v1 import inference_pb2, inference_pb2_grpc, worker_pb2_grpc
 from tests.support.models import MODEL
@@ -113,9 +113,9 @@ async def start_stack(
     (over TLS when the settings give it a certificate; the stack's channel trusts
     REFLOW_GATEWAY_CA_FILE)."""
     workers = [await start_worker(settings, config=engine_config, model=model) for _ in range(n_workers)]
-    engine = open_engine(settings.resolved_database_url)
-    migrate(engine)
-    _, api_key = create_tenant(engine, "acme", limits=Limits(**tenant), trains=TRAINS_SHARED)
+    db = open_db(settings.resolved_database_url)
+    migrate(db)
+    _, api_key = create_tenant(db, "acme", limits=Limits(**tenant), trains=TRAINS_SHARED)
     pool = WorkerPool([w.address for w in workers] + list(extra_addresses), settings.worker_poll_s)
     metrics = GatewayMetrics()
     publisher = Publisher(

@@ -7,19 +7,19 @@ from collections.abc import Iterator
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from reflow.store.tables import Base
 
 
 def migrated_store(url: str) -> Iterator[Engine]:
     """A fixture's body: the store at `url`, migrated, disposed of afterwards."""
-    engine = open_engine(url)
-    migrate(engine)
-    yield engine
-    engine.dispose()
+    db = open_db(url)
+    migrate(db)
+    yield db
+    db.dispose()
 
 
-def count(engine: Engine, table: type[Base]) -> int:
+def count(db: Engine, table: type[Base]) -> int:
     """Rows of `table`."""
-    with Session(engine) as session:
+    with Session(db) as session:
         return session.scalar(select(func.count()).select_from(table)) or 0

@@ -19,7 +19,7 @@ from reflow.errors import ReflowError
 from reflow.kafka_settings import KafkaSecurity, PublisherConfig
 from reflow.request_ids import RequestIds
 from reflow.settings import Settings
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from reflow.store.tables import FeedbackItem, Inference, utcnow
 from tests.support.certificates import tls_files
 from tests.support.cli import reflow, spawn
@@ -102,8 +102,8 @@ def test_feedback_reaches_the_store_through_a_broker_that_speaks_tls_only(
 ) -> None:
     proxy, files = tls_broker
     database_url = f"sqlite:///{tmp_path / 'store.db'}"
-    engine = open_engine(database_url)
-    migrate(engine)
+    db = open_db(database_url)
+    migrate(db)
     env = {
         "REFLOW_DATA_DIR": str(tmp_path / "data"), "REFLOW_DATABASE_URL": database_url,
         "REFLOW_KAFKA_BOOTSTRAP": proxy.address,
@@ -123,7 +123,7 @@ def test_feedback_reaches_the_store_through_a_broker_that_speaks_tls_only(
     try:
         config = PublisherConfig.from_settings(Settings(**tls))
         publisher = Publisher(proxy.address, tmp_path / "outbox.db", config)
-        request_id = RequestIds.from_store(engine).new("acme")
+        request_id = RequestIds.from_store(db).new("acme")
         inference = InferenceEvent(
             request_id=request_id, tenant="acme", model="arith", version="1", prompt="1+1=", completion="2",
             finish_reason="STOP", usage=TokenUsage(prompt_tokens=4, completion_tokens=1, reasoning_tokens=0),
@@ -135,8 +135,8 @@ def test_feedback_reaches_the_store_through_a_broker_that_speaks_tls_only(
         forged = rating.model_copy(update={"feedback_id": "f-forged", "request_id": "0" * 48})
         publisher.publish([inference.to_record(), rating.to_record(), forged.to_record()])
         assert publisher.close() == 0  # acked by the broker, over TLS
-        wait_for(lambda: count(engine, FeedbackItem) == 1, 60, "the rating in the store")
-        with Session(engine) as session:
+        wait_for(lambda: count(db, FeedbackItem) == 1, 60, "the rating in the store")
+        with Session(db) as session:
             assert session.scalars(select(FeedbackItem.feedback_id)).all() == ["f-tls"]
             assert session.scalars(select(Inference.request_id)).all() == [request_id]
 
@@ -147,4 +147,4 @@ def test_feedback_reaches_the_store_through_a_broker_that_speaks_tls_only(
     finally:
         consumer.send_signal(signal.SIGTERM)
         assert consumer.wait(60) == 0
-        engine.dispose()
+        db.dispose()

@@ -15,7 +15,7 @@ from gateway.tenants import create_tenant
 from reflow.kafka_settings import PLAINTEXT
 from reflow.request_ids import RequestIds
 from reflow.settings import Settings
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from tests.support.cli import reflow
 from tests.support.kafka import Broker, consuming
 from tests.support.waiting import wait_for
@@ -24,12 +24,12 @@ from tests.support.waiting import wait_for
 @pytest.fixture
 def store(settings: Settings, kafka: Broker) -> Iterator[Engine]:
     """The data dir's store with tenants acme and globex, and a consumer writing into it."""
-    engine = open_engine(settings.resolved_database_url)
-    migrate(engine)
-    create_tenant(engine, "acme")
-    create_tenant(engine, "globex")
-    with consuming(kafka.bootstrap, engine):
-        yield engine
+    db = open_db(settings.resolved_database_url)
+    migrate(db)
+    create_tenant(db, "acme")
+    create_tenant(db, "globex")
+    with consuming(kafka.bootstrap, db):
+        yield db
 
 
 def ingest(settings: Settings, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -37,13 +37,13 @@ def ingest(settings: Settings, *args: str, stdin: str | None = None) -> subproce
     return reflow("feedback", "ingest", *args, env=env, stdin=stdin, timeout_s=120)
 
 
-def settled(engine: Engine, kafka: Broker, feedback: int) -> None:
+def settled(db: Engine, kafka: Broker, feedback: int) -> None:
     """Waits until the consumer has committed everything and the store holds `feedback` rows."""
     wait_for(
         lambda: sum(kafka_stats(kafka.bootstrap, security=PLAINTEXT)["consumer_lag"].values()) == 0,
         what="no lag",
     )
-    wait_for(lambda: store_counts(engine)["feedback"] == feedback, what=f"{feedback} rows")
+    wait_for(lambda: store_counts(db)["feedback"] == feedback, what=f"{feedback} rows")
 
 
 def test_ingest_reports_bad_lines_skips_them_and_stores_a_rerun_once(

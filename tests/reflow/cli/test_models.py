@@ -13,7 +13,7 @@ import torch
 
 from feedback.experiments.lifecycle import history, reconcile
 from reflow.registry import Registry
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from tests.support.cli import reflow
 from tests.support.hf import tiny_checkpoint, transformers
 from tests.support.models import MODEL, save_model, tiny_model
@@ -32,7 +32,7 @@ def registry(tmp_path: Path) -> Registry:
         directory = save_model(tiny_model(seed), tmp_path / f"v{seed}")
         registry.register(MODEL, directory, params={}, metrics={}, alias=alias, tags=tags)
     registry.delete_alias(MODEL, "staged")
-    migrate(open_engine(f"sqlite:///{tmp_path / 'reflow.db'}"))
+    migrate(open_db(f"sqlite:///{tmp_path / 'reflow.db'}"))
     return registry
 
 
@@ -68,7 +68,7 @@ def test_list_shows_versions_newest_first_with_aliases_and_origin(registry: Regi
 def test_promote_makes_the_challenger_champion_and_rollback_removes_a_challenger(
     registry: Registry, tmp_path: Path
 ) -> None:
-    store = open_engine(f"sqlite:///{tmp_path / 'reflow.db'}")
+    store = open_db(f"sqlite:///{tmp_path / 'reflow.db'}")
     experiment = reconcile(store, registry, MODEL, 0.1)  # v2 under test
     assert experiment is not None
     promoted = models(registry, "promote", MODEL, "2")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from reflow.serving import free_port
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from tests.support.cli import reflow
 from tests.support.kafka import Broker
 from tests.support.registry import RegistryFixture
@@ -39,7 +39,7 @@ def refusal(result: subprocess.CompletedProcess[str]) -> str:
 
 def gateway_env(data_dir: Path, kafka: Broker) -> dict[str, str]:
     """A gateway's settings in `data_dir`, its store migrated, in front of a worker nobody runs."""
-    migrate(open_engine(f"sqlite:///{data_dir / 'reflow.db'}"))
+    migrate(open_db(f"sqlite:///{data_dir / 'reflow.db'}"))
     return {
         "REFLOW_DATA_DIR": str(data_dir), "REFLOW_KAFKA_BOOTSTRAP": kafka.bootstrap,
         "REFLOW_WORKERS": "127.0.0.1:1", "REFLOW_ISOLATION": "none",

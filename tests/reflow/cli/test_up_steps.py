@@ -25,7 +25,7 @@ from reflow.cli.up_steps import (
     worker_env,
 )
 from reflow.settings import Settings
-from reflow.store.database import open_engine
+from reflow.store.database import open_db
 
 KEY = "rf_test_key_0123456789"
 
@@ -83,7 +83,7 @@ def test_the_default_tenant_gets_the_key_and_limits_and_a_revoked_key_is_one_lin
     info, prefix, revoked = find_tenant(store, "default")
     assert (info.max_concurrent_streams, info.requests_per_minute, info.tokens_per_minute) == (3, 100, 5000)
     assert KEY.startswith(prefix) and not revoked
-    revoke_tenant(open_engine(settings.resolved_database_url), "default")
+    revoke_tenant(open_db(settings.resolved_database_url), "default")
     with pytest.raises(typer.Exit) as refused:
         add_default_tenant(settings, store, KEY, Limits(3, 100, 5000))
     assert refused.value.exit_code == 2
@@ -126,7 +126,7 @@ def endpoints(tmp_path: Path, replicas: int) -> dict[str, object]:
         name: {"address": f"127.0.0.1:5005{i}", "http": f"http://127.0.0.1:800{i}", "metrics": f"g{i}"}
         for i, name in enumerate(["gateway", "gateway-1"][:replicas])
     }
-    store = open_engine("postgresql://reflow:secret@db.internal/reflow")
+    store = open_db("postgresql://reflow:secret@db.internal/reflow")
     settings = Settings(data_dir=tmp_path)
     return endpoints_of(
         settings, store, "127.0.0.1:9092", "http://127.0.0.1:5000", workers, gateways, tmp_path

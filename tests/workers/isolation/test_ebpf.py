@@ -27,7 +27,7 @@ import pytest
 from gateway.tenants import create_tenant
 from reflow.cgroups import IsolationUnavailable, current_group, remove_instance
 from reflow.client import Client
-from reflow.store.database import migrate, open_engine
+from reflow.store.database import migrate, open_db
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.support.certificates import tls_files
 from tests.support.cli import REFLOW, reflow
@@ -161,7 +161,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("isolated")
     broker = Broker()
     broker.start()
-    store = open_engine(f"sqlite:///{root / 'reflow.db'}")
+    store = open_db(f"sqlite:///{root / 'reflow.db'}")
     migrate(store)
     _, api_key = create_tenant(store, "acme")
     store.dispose()
