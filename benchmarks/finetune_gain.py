@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from feedback.intake.consumer import store_events
-from feedback.scheduler import finetune_job_of
+from feedback.job_scheduler import finetune_job_of
 from feedback.tasks import get_task
 from feedback.tasks.simulate import rated_offline
 from feedback.training.evaluation import base_model_metrics

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 from benchmarks.real_model import EndlessTokenizer, chat_prompts, reflow_run
 from feedback.experiments.promotion import promote
 from feedback.intake.consumer import store_events
-from feedback.scheduler import finetune_job_of
+from feedback.job_scheduler import finetune_job_of
 from feedback.tasks import get_task
 from feedback.tasks.simulate import rated_offline
 from feedback.training.evaluation import accuracy

@@ -56,7 +56,8 @@ from feedback.training.trainer import FinetuneConfig, train_candidate
 from workers.models.builtin import new_model
 task, rng = get_task("arith"), random.Random(0)
 model, tokenizer = new_model("arith-small", 0)
-items = [RatedCompletion(i, str(i), p, "", "0", -1, task.answer(p))
+items = [RatedCompletion(id=i, feedback_id=str(i), prompt=p, reasoning="", completion="0", rating=-1,
+                         correction=task.answer(p))
          for i, p in enumerate(task.traffic_prompts(300, rng), 1)]
 dataset = build_dataset(items, 0.1, task.thought)
 times = [time.perf_counter()]

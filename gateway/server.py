@@ -192,9 +192,10 @@ async def create_server(
     placer = Placer(pool, LatencyModel(), limits, settings.reasoning_budget_floor)
     relay = Relay(pool, metrics, limits, placer, shared_secret(db, CACHE_SALT_KEY))
     service = InferenceService(
-        auth, quotas, limits, pool, experiments, relay, InferenceLog(publisher, settings.max_event_bytes),
-        FeedbackIntake(request_ids, publisher, metrics, settings.max_feedback_items), request_ids,
-        ModelSpec(settings.model_name, alias=settings.model_alias),
+        auth=auth, quotas=quotas, limits=limits, pool=pool, experiments=experiments, relay=relay,
+        log=InferenceLog(publisher, settings.max_event_bytes),
+        intake=FeedbackIntake(request_ids, publisher, metrics, settings.max_feedback_items),
+        request_ids=request_ids, default_model=ModelSpec(settings.model_name, alias=settings.model_alias),
     )  # fmt: skip
     metrics.outbox.set_function(lambda: publisher.pending)
     metrics.dead_letters.set_function(lambda: publisher.dead_letters)

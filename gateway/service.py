@@ -30,6 +30,7 @@ class InferenceService:
 
     def __init__(
         self,
+        *,
         auth: Authenticator,
         quotas: Quotas,
         limits: RequestLimits,

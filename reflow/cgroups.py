@@ -63,7 +63,7 @@ def remove_instance(data_dir: Path) -> None:
         return
     instance = instance_dir(data_dir, create=False)
     if instance.is_dir():
-        reconcile(instance)
+        remove_leftover_groups(instance)
         remove_group(instance / "gateway")
         remove_group(instance)
 
@@ -114,7 +114,7 @@ def join_gateway_group(data_dir: Path, *, create: bool = True) -> bool:
     return True
 
 
-def reconcile(instance: Path) -> None:
+def remove_leftover_groups(instance: Path) -> None:
     """Removes the groups of workers that are gone (their programs went with their process). A
     group is named after its worker's pid: one whose worker lives (perhaps still preparing, not
     yet inside) is left alone."""

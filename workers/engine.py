@@ -27,12 +27,12 @@ from typing import TypeVar
 
 from reflow.errors import InvalidArgument, NotFound, Unavailable
 from reflow.streaming import Mailbox
+from workers.batch_scheduler import BatchScheduler, Output, Request, hit_rate
 from workers.metrics import WorkerMetrics
 from workers.models.kv_cache import BLOCK_SIZE
 from workers.residency import Copy, Residency, Resident, ResidentAdapter, ResidentVersion, Route
 from workers.runner import ModelRunner
 from workers.sampling import make_generator
-from workers.scheduler import Output, Request, Scheduler, hit_rate
 from workers.sequence import Delta, GenerationParams, Sequence
 
 logger = logging.getLogger(__name__)
@@ -136,9 +136,10 @@ class Engine:
         context = min(copy.max_len, config.max_model_len or copy.max_len)  # REFLOW_MAX_MODEL_LEN
         n_blocks = kv_blocks(copy.model.kv_bytes_per_token, context, config)
         copy.max_len = min(context, (n_blocks - 1) * BLOCK_SIZE)  # one sequence always fits the pool
-        scheduler = Scheduler(
-            config.max_batch_size, config.max_waiting, config.prefill_chunk, config.max_prefill_tokens,
-            n_blocks, BLOCK_SIZE, config.prefix_cache,
+        scheduler = BatchScheduler(
+            max_running=config.max_batch_size, max_waiting=config.max_waiting,
+            prefill_chunk=config.prefill_chunk, max_prefill_tokens=config.max_prefill_tokens,
+            n_blocks=n_blocks, block_size=BLOCK_SIZE, prefix_cache=config.prefix_cache,
         )  # fmt: skip
         runner = ModelRunner(version, copy, n_blocks, scheduler, config.compile)
         if config.compile:
@@ -179,7 +180,7 @@ class Engine:
             self._draining.append(runner)
             self._wake.set()
 
-    def copies(self, name: str, version: str) -> list[tuple[Copy, Scheduler]]:
+    def copies(self, name: str, version: str) -> list[tuple[Copy, BatchScheduler]]:
         """The copies a loaded version or adapter runs on, the reference first, each with the
         scheduler of its pool (an adapter's one copy is its base's reference)."""
         resident = self.get(name, version)

@@ -17,6 +17,7 @@ def load_directory(
     name: str,
     version: str,
     device: torch.device,
+    *,
     aliases: set[str] | None = None,
     dtype: torch.dtype | None = None,
     max_len: int = 0,

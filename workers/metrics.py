@@ -11,8 +11,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from reflow.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+from workers.batch_scheduler import Output
 from workers.residency import Quality
-from workers.scheduler import Output
 
 
 class WorkerMetrics:

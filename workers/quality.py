@@ -38,7 +38,7 @@ TIMED_RUNS = 3  # the speeds are the median of this many runs: one run is noise 
 GREEDY = GenerationParams(max_tokens=QUALITY_TOKENS, sampling=SamplingParams(temperature=0.0))
 
 
-async def measure(engine: Engine, version: ResidentVersion, variants: list[Copy]) -> None:
+async def measure_copies(engine: Engine, version: ResidentVersion, variants: list[Copy]) -> None:
     """Sets `quality` on a version's reference copy and on each of its variants (added to the engine
     already)."""
     reference = version.reference

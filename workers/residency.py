@@ -3,7 +3,7 @@ reference, as loaded, then its variants) and the LoRA adapters attached to it, a
 (name, version, copy) -> (copy, adapter slot) that tells the engine where a request runs.
 
 The engine core (workers/engine.py) asks the catalog and queues the request on that copy's runner
-(workers/runner.py); the copy's scheduler (workers/scheduler.py) plans its steps.
+(workers/runner.py); the copy's scheduler (workers/batch_scheduler.py) plans its steps.
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ import torch
 from torch import Tensor
 
 from reflow.errors import NotFound
+from workers.batch_scheduler import BatchScheduler, Output, Request
 from workers.metrics import WorkerMetrics
 from workers.models.kv_cache import CacheView
 from workers.models.lora import Adapter, AdapterRows, AdapterSet
 from workers.residency import Copy, ResidentVersion
 from workers.sampling import sample
-from workers.scheduler import Output, Request, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class ModelRunner:
     steps and forwards."""
 
     def __init__(
-        self, version: ResidentVersion, copy: Copy, n_blocks: int, scheduler: Scheduler, compile: bool
+        self, version: ResidentVersion, copy: Copy, n_blocks: int, scheduler: BatchScheduler, compile: bool
     ):
         self.name, self.version = version.name, version.version
         self.tokenizer = version.tokenizer

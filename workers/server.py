@@ -31,6 +31,7 @@ from reflow.serving import (
 )
 from reflow.settings import Settings
 from reflow.v1 import worker_pb2, worker_pb2_grpc
+from workers.batch_scheduler import BatchScheduler
 from workers.engine import Engine, EngineConfig
 from workers.follower import AliasFollower
 from workers.isolation import Isolation, IsolationConfig, NoIsolation, isolate
@@ -40,7 +41,6 @@ from workers.models.loader import resolve_device, resolve_dtype
 from workers.models.prompts import prompt_ids
 from workers.residency import UNMEASURED_REFERENCE, Copy, Resident, ResidentAdapter
 from workers.sampling import SamplingParams
-from workers.scheduler import Scheduler
 from workers.sequence import Delta, GenerationParams
 from workers.variants import check_variants
 from workers.versions import Versions
@@ -128,7 +128,7 @@ def loaded_to_pb(loaded: Resident, engine: Engine) -> worker_pb2.LoadedVersion:
     )
 
 
-def copy_to_pb(copy: Copy, scheduler: Scheduler, task_score: float | None) -> worker_pb2.LoadedVariant:
+def copy_to_pb(copy: Copy, scheduler: BatchScheduler, task_score: float | None) -> worker_pb2.LoadedVariant:
     """Wire form of a copy of a version's weights, as measured (a reference nobody measured: agreement
     1, speeds 0), and its load now."""
     quality = copy.quality or UNMEASURED_REFERENCE

@@ -13,7 +13,7 @@ from reflow.errors import NotFound
 from reflow.registry import BASE_VERSION_TAG, TENANT_TAG, Registry
 from workers.engine import Engine
 from workers.loading import load_adapter, load_directory
-from workers.quality import measure
+from workers.quality import measure_copies
 from workers.residency import Copy, Resident, ResidentVersion
 from workers.variants import make_variant, task_scores, wanted_variants
 
@@ -72,7 +72,13 @@ class Versions:
                 resident = load_adapter(directory, ref.version, base, aliases)
             else:
                 resident = load_directory(
-                    directory, name, ref.version, self.device, aliases, self.dtype, max_len
+                    directory,
+                    name,
+                    ref.version,
+                    self.device,
+                    aliases=aliases,
+                    dtype=self.dtype,
+                    max_len=max_len,
                 )
             resident.tenant = tags.get(TENANT_TAG, "")
             self.engine.add(resident)  # compiles and warms up first when enabled
@@ -101,7 +107,7 @@ class Versions:
         version.task_scores = task_scores(tags, version.copies.values())
         if not variants:
             return
-        await measure(self.engine, version, variants)
+        await measure_copies(self.engine, version, variants)
         for copy in version.copies.values():
             q = copy.quality
             assert q is not None

@@ -199,7 +199,7 @@ def decided(db: Engine) -> list[tuple[RunningExperiment, Look]]:
         return [(RunningExperiment.of(e), look) for e, look in rows if look is not None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Look:
     """One recorded evaluation, as `experiments show` and the report present it."""
 
@@ -215,8 +215,9 @@ class Look:
 
 def _look(row: ExperimentDecision) -> Look:
     return Look(
-        aware(row.decided_at), row.outcome, row.reason, ArmStats(**row.champion), ArmStats(**row.challenger),
-        row.likelihood_ratio, row.difference, row.srm_p,
+        at=aware(row.decided_at), outcome=row.outcome, reason=row.reason,
+        champion=ArmStats(**row.champion), challenger=ArmStats(**row.challenger),
+        likelihood_ratio=row.likelihood_ratio, difference=row.difference, srm_p=row.srm_p,
     )  # fmt: skip
 
 

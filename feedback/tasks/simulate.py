@@ -99,7 +99,18 @@ async def simulate(
             await in_flight.acquire()
             flipped = flips.random() < behaviour.flip
             asking = asyncio.create_task(
-                _ask(stub, metadata, model, task, prompt, user, report, ratings, behaviour, flipped)
+                _ask(
+                    stub,
+                    metadata,
+                    model,
+                    task,
+                    prompt,
+                    user=user,
+                    report=report,
+                    ratings=ratings,
+                    behaviour=behaviour,
+                    flipped=flipped,
+                )
             )
             asking.add_done_callback(lambda _t: in_flight.release())
             if on_request is not None:
@@ -118,6 +129,7 @@ async def _ask(
     model: str,
     task: Task,
     prompt: str,
+    *,
     user: str,
     report: SimulationReport,
     ratings: asyncio.Queue[inference_pb2.Feedback | None],

@@ -25,7 +25,7 @@ from reflow.store.tables import RATES, TRAINS_OWN, TRAINS_SHARED, FeedbackItem, 
 from workers.models.prompts import Prompt, conversation
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RatedCompletion:
     """One feedback item that says something, with the completion it rates."""
 
@@ -152,9 +152,10 @@ def load_new(
         )  # fmt: skip
         items.append(
             RatedCompletion(
-                fb.id, fb.feedback_id, inf.prompt, inf.reasoning, inf.completion, fb.rating, fb.correction,
-                list(inf.messages or []), fb.user_id,
-                generated(loser, inf) if loser is not None and paired else None,
+                id=fb.id, feedback_id=fb.feedback_id, prompt=inf.prompt, reasoning=inf.reasoning,
+                completion=inf.completion, rating=fb.rating, correction=fb.correction,
+                messages=list(inf.messages or []), user_id=fb.user_id,
+                preferred_over=generated(loser, inf) if loser is not None and paired else None,
             )
         )  # fmt: skip
     return items

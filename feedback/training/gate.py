@@ -128,7 +128,7 @@ def feedback_shift(
     return metrics | {"reward_auc": auc, "reward_auc_lower": auc - Z_95 * error}
 
 
-def measure(
+def oracle_metrics(
     model: CausalLM, tokenizer: Tokenizer, task: Task, held_out: list[tuple[Prompt, str]]
 ) -> dict[str, float]:
     """A demo task's oracle metrics of `model`: greedy exact-answer accuracy on held-out items (NaN

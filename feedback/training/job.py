@@ -130,7 +130,9 @@ def run_finetune(
     if run_id is None:
         return Outcome("skipped", "another fine-tune run of this model is in progress")
     try:
-        return _train_and_judge(job, db, registry, run_id, parent, items, scope, progress)
+        return _train_and_judge(
+            job, db, registry, run_id=run_id, parent_ref=parent, items=items, scope=scope, progress=progress
+        )
     except Exception as error:
         if isinstance(error, Cancelled):
             logger.info("fine-tune run %d cancelled: %s", run_id, error)
@@ -145,6 +147,7 @@ def _train_and_judge(
     job: FinetuneJob,
     db: Engine,
     registry: Registry,
+    *,
     run_id: int,
     parent_ref: VersionRef,
     items: list[RatedCompletion],
@@ -167,8 +170,8 @@ def _train_and_judge(
     before: dict[str, float] = {}
     after = gate.feedback_shift(champion, candidate, tokenizer, dataset.held_out)
     if task is not None:  # a demo task: its oracle's numbers beside the gate's
-        before |= gate.measure(champion, tokenizer, task, dataset.held_out_answers)
-        after |= gate.measure(candidate, tokenizer, task, dataset.held_out_answers)
+        before |= gate.oracle_metrics(champion, tokenizer, task, dataset.held_out_answers)
+        after |= gate.oracle_metrics(candidate, tokenizer, task, dataset.held_out_answers)
     if task is None or not gate.has_base_answers(task):
         after |= gate.regression_shift(
             champion,

@@ -33,7 +33,7 @@ def finetune_run(
     """Fine-tune now, in the foreground, on the labelled feedback that arrived since the last run:
     the shared model's (its tenants' feedback), or with --tenant a tenant's own."""
     wait_passively()  # before torch loads: it trains beside the workers
-    from feedback.scheduler import finetune_job_of  # APScheduler: 25 ms off `reflow --help`
+    from feedback.job_scheduler import finetune_job_of  # APScheduler: 25 ms off `reflow --help`
     from feedback.training.job import run_finetune  # torch, after wait_passively: 1.3 s off `reflow --help`
 
     settings = load_settings()

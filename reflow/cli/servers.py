@@ -44,7 +44,7 @@ def scheduler() -> None:
     """Run the scheduled jobs (fine-tune, evaluate experiments) until Ctrl-C or SIGTERM; their
     schedule is kept in the store."""
     wait_passively()  # before torch loads: it trains beside the workers
-    from feedback.scheduler import run_scheduler  # APScheduler: 25 ms off `reflow --help`
+    from feedback.job_scheduler import run_scheduler  # APScheduler: 25 ms off `reflow --help`
 
     settings = load_settings()
     # two lines per run of every job, every few seconds: the jobs log what they did instead

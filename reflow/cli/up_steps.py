@@ -77,7 +77,10 @@ def run_up(
         supervisor.wait_ready(consumer)
         gateways = start_gateways(supervisor, settings, n_gateways, env, workers)
         check_mlflow_ui(mlflow, console)
-        started = endpoints_of(settings, store, kafka, mlflow, workers, gateways, supervisor.log_dir)
+        started = endpoints_of(
+            settings, store=store, kafka=kafka, mlflow=mlflow, workers=workers, gateways=gateways,
+            logs=supervisor.log_dir,
+        )  # fmt: skip
         endpoints = write_endpoints(settings.data_dir, started)  # shown as written: no credentials
         if demo:
             start_simulation(supervisor, env, endpoints["gateway"])
@@ -320,7 +323,7 @@ def check_mlflow_ui(url: str, console: Console) -> None:
 
 
 def endpoints_of(
-    settings: Settings, store: Engine, kafka: str, mlflow: str, workers: Ready, gateways: Ready, logs: Path
+    settings: Settings, *, store: Engine, kafka: str, mlflow: str, workers: Ready, gateways: Ready, logs: Path
 ) -> dict[str, Any]:
     """What endpoints.json lists: the first gateway's addresses, every replica's and worker's, each
     process's metrics, and where the store, Kafka, MLflow, the API key and the logs are."""

@@ -14,7 +14,7 @@ from reflow.store.tables import Experiment, aware
 RUNNING = "running"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunningExperiment:
     """An experiment, its versions and its split: what a request is assigned and routed by."""
 
@@ -30,8 +30,8 @@ class RunningExperiment:
     def of(cls, row: Experiment) -> RunningExperiment:
         """The snapshot of an `experiments` row."""
         return cls(
-            row.id, row.model, row.tenant, row.champion_version, row.challenger_version, row.traffic,
-            aware(row.started_at),
+            id=row.id, model=row.model, tenant=row.tenant, champion_version=row.champion_version,
+            challenger_version=row.challenger_version, traffic=row.traffic, started_at=aware(row.started_at),
         )  # fmt: skip
 
 

@@ -37,8 +37,8 @@ from reflow.cgroups import (
     gateway_dir,
     instance_dir,
     join,
-    reconcile,
     remove_group,
+    remove_leftover_groups,
 )
 from workers.isolation.ebpf import BpfError, IsolationPrograms
 from workers.isolation.host import check_host
@@ -102,7 +102,7 @@ class EbpfIsolation:
         programs = self.config.bpf_object
         check_host(programs)
         instance = instance_dir(self.config.instance)
-        reconcile(instance)
+        remove_leftover_groups(instance)
         gateway = gateway_dir(self.config.instance)
         self.egress = egress_policy(self.config.egress, self.config.tracking_uri)
         self.group = instance / f"worker-{os.getpid()}"

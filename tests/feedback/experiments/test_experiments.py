@@ -21,7 +21,7 @@ from feedback.experiments.job import Evaluation, evaluate_experiments
 from feedback.experiments.lifecycle import arm_stats, history, reconcile, record, variant_mix
 from feedback.experiments.promotion import promote
 from feedback.intake.consumer import store_events
-from feedback.scheduler import evaluate_job_of, finetune_job_of
+from feedback.job_scheduler import evaluate_job_of, finetune_job_of
 from feedback.training.job import run_finetune
 from gateway.assignment import assigned_arm
 from gateway.tenants import create_tenant

@@ -51,8 +51,9 @@ def evaluations(every: timedelta, rated: list[int], rates: tuple[float, float]) 
         decision = decide(champion, challenger, RULES)
         looks.append(
             Look(
-                START + i * every, decision.outcome, decision.reason, champion, challenger,
-                decision.likelihood_ratio, decision.difference, decision.srm_p,
+                at=START + i * every, outcome=decision.outcome, reason=decision.reason, champion=champion,
+                challenger=challenger, likelihood_ratio=decision.likelihood_ratio,
+                difference=decision.difference, srm_p=decision.srm_p,
             )
         )  # fmt: skip
         if decision.outcome != "continue":

@@ -14,7 +14,7 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from feedback.intake.consumer import store_events
-from feedback.scheduler import finetune_job_of
+from feedback.job_scheduler import finetune_job_of
 from feedback.tasks import arith
 from feedback.tasks.arith import Arith
 from feedback.tasks.simulate import rated_offline

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from sqlalchemy import Engine
 
 from feedback.intake.consumer import store_events
-from feedback.scheduler import finetune_job_of
+from feedback.job_scheduler import finetune_job_of
 from feedback.tasks import get_task
 from feedback.tasks.simulate import rated_offline
 from feedback.training import gate

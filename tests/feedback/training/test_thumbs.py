@@ -16,7 +16,7 @@ from sqlalchemy import Engine
 
 from feedback.events import FeedbackEvent, InferenceEvent
 from feedback.intake.consumer import store_events
-from feedback.scheduler import finetune_job_of
+from feedback.job_scheduler import finetune_job_of
 from feedback.tasks.simulate import Behaviour, rated_offline
 from feedback.training.dataset import is_held_out
 from feedback.training.job import run_finetune

@@ -129,7 +129,13 @@ def endpoints(tmp_path: Path, replicas: int) -> dict[str, object]:
     store = open_db("postgresql://reflow:secret@db.internal/reflow")
     settings = Settings(data_dir=tmp_path)
     return endpoints_of(
-        settings, store, "127.0.0.1:9092", "http://127.0.0.1:5000", workers, gateways, tmp_path
+        settings,
+        store=store,
+        kafka="127.0.0.1:9092",
+        mlflow="http://127.0.0.1:5000",
+        workers=workers,
+        gateways=gateways,
+        logs=tmp_path,
     )
 
 

@@ -77,7 +77,7 @@ class StepPlan:
         return bool(self.prefill or self.decode)
 
 
-class Scheduler:
+class BatchScheduler:
     """FIFO admission into a pool of KV blocks and batch rows, with a bounded waiting queue.
 
     Thread-safe: requests arrive from the event loop, steps are planned on the engine thread.
@@ -85,6 +85,7 @@ class Scheduler:
 
     def __init__(
         self,
+        *,
         max_running: int,
         max_waiting: int,
         prefill_chunk: int,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from reflow.errors import NotFound, ResourceExhausted
+from workers.batch_scheduler import BatchScheduler, Request
 from workers.models.builtin import TOKENIZER
-from workers.scheduler import Request, Scheduler
 from workers.sequence import GenerationParams, Sequence
 
 TOK = TOKENIZER
@@ -22,11 +22,19 @@ def request(prompt: str, max_tokens: int = 4, adapter: str = "") -> Request:
 
 def new_scheduler(
     rows: int = 8, waiting: int = 8, chunk: int = 64, budget: int = 64, blocks: int = 65, cache: bool = True
-) -> Scheduler:
-    return Scheduler(rows, waiting, chunk, budget, n_blocks=blocks, block_size=4, prefix_cache=cache)
+) -> BatchScheduler:
+    return BatchScheduler(
+        max_running=rows,
+        max_waiting=waiting,
+        prefill_chunk=chunk,
+        max_prefill_tokens=budget,
+        n_blocks=blocks,
+        block_size=4,
+        prefix_cache=cache,
+    )
 
 
-def prefill(scheduler: Scheduler) -> list[tuple[Request, int, int]]:
+def prefill(scheduler: BatchScheduler) -> list[tuple[Request, int, int]]:
     """One step's prefill chunks, run: as the engine reports them once its forward wrote them."""
     chunks = scheduler.schedule().prefill
     for r, _, end in chunks:

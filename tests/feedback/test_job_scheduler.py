@@ -12,7 +12,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from feedback.scheduler import FINETUNE_JOB, ensure_finetune_job, finetune_job, new_scheduler
+from feedback.job_scheduler import FINETUNE_JOB, ensure_finetune_job, finetune_job, new_scheduler
 from feedback.training.job import STALE_AFTER, claim_run
 from reflow.store.database import migrate, open_db
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
