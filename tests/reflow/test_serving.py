@@ -3,23 +3,11 @@ a gRPC or metrics port another process holds, an MLflow server that does not ans
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
-
 import pytest
 from prometheus_client import CollectorRegistry
 
 from reflow.errors import ReflowError
 from reflow.serving import bind, check_registry, free_port, new_server, start_metrics_server
-
-
-@pytest.fixture
-def taken() -> Iterator[int]:
-    """A loopback port this process listens on."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield holder.getsockname()[1]
 
 
 async def test_a_taken_grpc_port_names_the_setting_that_moves_it(taken: int) -> None:

@@ -3,9 +3,7 @@ status 2 and no traceback: a port another process holds, a store or a registry o
 
 from __future__ import annotations
 
-import socket
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,15 +14,6 @@ from reflow.store.database import migrate, open_db
 from tests.support.cli import reflow
 from tests.support.kafka import Broker
 from tests.support.registry import RegistryFixture
-
-
-@pytest.fixture
-def taken() -> Iterator[int]:
-    """A loopback port another process (this one) listens on."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield holder.getsockname()[1]
 
 
 def refusal(result: subprocess.CompletedProcess[str]) -> str:
