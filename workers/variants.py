@@ -14,7 +14,7 @@ import torch
 
 from reflow.registry import TASK_SCORE_TAG
 from workers.models.interface import CausalLM
-from workers.models.precision import in_precision
+from workers.models.precision import QUANTIZED, in_precision
 from workers.residency import Copy, ResidentVersion
 
 
@@ -36,9 +36,11 @@ def task_score(tags: dict[str, str], copy: Copy) -> float | None:
 
 def check_variants(names: tuple[str, ...], device: torch.device) -> None:
     """ValueError, in a line an operator can act on, for a variant that cannot exist on `device`."""
-    if "int8" in names and device.type != "cpu":
+    quantized = [n for n in names if n in QUANTIZED]
+    if quantized and device.type != "cpu":
         raise ValueError(
-            "REFLOW_VARIANTS=int8 is dynamic quantization, a CPU kernel; on CUDA use bfloat16 or float16"
+            f"REFLOW_VARIANTS={quantized[0]} is weight-only quantization, a CPU kernel; on CUDA use "
+            "bfloat16 or float16"
         )
 
 
@@ -54,11 +56,7 @@ def make_variant(version: ResidentVersion, name: str) -> Copy:
 
 
 def weight_bytes(model: CausalLM) -> int:
-    """Bytes of the weights as they are held: packed int8 ones counted as they are stored."""
+    """Bytes of the weights as they are held: quantized ones as they are packed, with their scales."""
     state = model.state_dict()  # type: ignore[attr-defined]  # a CausalLM is an nn.Module
-    tensors = [
-        t for value in state.values()  # a dynamic quantized linear's is a packed (weight, bias)
-        for t in (value if isinstance(value, tuple) else (value,)) if isinstance(t, torch.Tensor)
-    ]  # fmt: skip
-    held = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}  # tied weights once
+    held = {t.data_ptr(): t.numel() * t.element_size() for t in state.values()}  # tied weights once
     return sum(held.values())

@@ -363,8 +363,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the weights are served in (the embeddings': an int8 variant quantizes only the
-        linear layers, workers/variants.py)."""
+        """The dtype the weights are served in (the embeddings': an int8 or int4 variant quantizes
+        only the linear layers, workers/models/precision.py)."""
         return self.model.embed_tokens.weight.dtype
 
     @property

@@ -1,45 +1,123 @@
 """A model's weights in another precision: how a version's variants (workers/variants.py) are made,
 and how the fine-tune job scores them on its task before they are ever served.
 
-`int8` is torch's dynamic quantization of the linear layers, the output head included: weights
-int8 per output channel, activations quantized per forward at run time (fbgemm on x86 CPUs), the
-MLPs' output projections left float (FLOAT_LINEARS). Measured on SmolLM2-135M on 2 cores, its
-GEMMs take 0.3-0.6x the float32 time at 16 rows and the 49152-wide head 0.13x at one row. Its
-activations are quantized per forward, so its rows depend on the batch they share; and it exists
-on the CPU only. `bfloat16` and `float16` are casts of every weight, for CUDA (on a CPU without
-native kernels they are slower). The same weights always give the same variant.
+`int8` and `int4` are weight-only quantizations of every linear layer, the output head included
+(gpt-fast's recipe): the weights are stored in 8 or 4 bits, and each product runs in torch's CPU
+kernels for such weights (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) on bfloat16
+activations, cast from and back to the model's float around it. Everything else (embeddings, norms,
+attention, the KV cache) stays as loaded.
+
+- `int8`: one symmetric scale per output channel (absmax / 127).
+- `int4`: asymmetric, a scale and a zero point per GROUP_SIZE inputs of each output channel. The
+  output head is held in int8: its scores rank the next token among the whole vocabulary, and in 4
+  bits they rank it wrong too often (SmolLM2-135M's teacher-forced token agreement with float32 on
+  benchmarks/variants.py's 16 prompts x 32 tokens: 0.873 with an int4 head, 0.973 with an int8 one;
+  int8 throughout: 0.965).
+  So is a layer whose shapes the kernel does not take (out_features not a multiple of 16,
+  in_features not one of GROUP_SIZE).
+
+Weight-only kernels read a quarter or an eighth of float32's bytes, which is what a decode step is
+bound by. Measured on 2 cores of an AMD EPYC without AMX, one row through SmolLM2-135M's 576->1536
+projection took 72 us in float32, 33 in int8 and 28 in int4; its 49152-wide head 10.5 ms, 2.7 and
+0.8 (`_weight_int8pack_mm` on float32 activations took 469 us: hence bfloat16). Each row's result is
+the same in any batch, so a variant's outputs do not depend on its neighbours. The kernels are the
+CPU's. `bfloat16` and `float16` are casts of every weight. The same weights always give the same
+variant.
 """
 
 from __future__ import annotations
 
+import abc
 import copy
-import warnings
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from workers.models.interface import CausalLM
 
-# The MLPs' output projections take SwiGLU's massive activations, hundreds of times the rest, which
-# one activation scale per tensor flattens: on SmolLM2-135M, quantizing them changed the first greedy
-# token of 6 prompts out of 6; left float, of 1.
-FLOAT_LINEARS = ("down_proj",)
+QUANTIZED = ("int8", "int4")  # the weight-only precisions; the others are float dtypes' names
+GROUP_SIZE = 32  # int4: inputs per scale and zero point (gpt-fast's smallest; smaller keeps more)
+INT4_ROWS = 16  # int4: out_features must be a multiple of this for the kernel's packing
+ACTIVATIONS = torch.bfloat16  # what the weight-only kernels multiply
 
 
 def in_precision(model: CausalLM, name: str) -> CausalLM:
-    """A copy of `model` with its weights in `name` (`int8`, or a float dtype's name)."""
+    """A copy of `model` with its weights in `name` (`int8`, `int4`, or a float dtype's name)."""
     copied = copy.deepcopy(model)
-    return _quantized(copied) if name == "int8" else copied.to(getattr(torch, name))  # type: ignore[attr-defined]
+    if name not in QUANTIZED:
+        return copied.to(getattr(torch, name))  # type: ignore[attr-defined]
+    module: nn.Module = copied  # type: ignore[assignment]  # a CausalLM is an nn.Module
+    for path, linear in [(p, m) for p, m in module.named_modules() if isinstance(m, nn.Linear)]:
+        parent, _, child = path.rpartition(".")
+        head = linear.out_features == model.vocab_size
+        setattr(module.get_submodule(parent), child, quantized(linear, "int8" if head else name))
+    return copied
 
 
-def _quantized(model: CausalLM) -> CausalLM:
-    with warnings.catch_warnings():  # torch.ao's eager API is deprecated for torchao, not removed
-        warnings.simplefilter("ignore")
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+def quantized(linear: nn.Linear, name: str) -> nn.Module:
+    """`linear` with its weights in `name` (int8, or int4 where its shapes allow)."""
+    if name == "int4" and linear.out_features % INT4_ROWS == 0 and linear.in_features % GROUP_SIZE == 0:
+        return Int4Linear(linear)
+    return Int8Linear(linear)
 
-        linears = [
-            name for name, module in model.named_modules()  # type: ignore[attr-defined]  # an nn.Module
-            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in FLOAT_LINEARS
-        ]  # fmt: skip
-        spec = dict.fromkeys(linears, per_channel_dynamic_qconfig)
-        return quantize_dynamic(model, spec, dtype=torch.qint8)
+
+class WeightOnlyLinear(nn.Module, abc.ABC):
+    """A linear layer whose weights are held quantized: `y = x W^T + b`, the product computed on
+    bfloat16 activations and returned in the input's dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias: Tensor | None
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features).to(ACTIVATIONS).contiguous()
+        y = self.product(rows).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @abc.abstractmethod
+    def product(self, rows: Tensor) -> Tensor:
+        """x W^T of bfloat16 rows [N, in_features], by the layer's kernel."""
+
+
+class Int8Linear(WeightOnlyLinear):
+    """Weights int8, one symmetric scale per output channel."""
+
+    weight: Tensor  # [out, in] int8
+    scales: Tensor  # [out]
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(ACTIVATIONS)
+        q = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scales)
+
+    def product(self, rows: Tensor) -> Tensor:
+        return torch._weight_int8pack_mm(rows, self.weight, self.scales)
+
+
+class Int4Linear(WeightOnlyLinear):
+    """Weights in 4 bits, a scale and a zero point per GROUP_SIZE inputs of each output channel:
+    w ≈ (q - 8) · scale + zero, q in 0..15, packed for the CPU kernel."""
+
+    weight: Tensor  # packed
+    scales_and_zeros: Tensor  # [in / G, out, 2]
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        weight = linear.weight.detach().float()
+        groups = weight.reshape(self.out_features, -1, GROUP_SIZE)  # [out, in / G, G]
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scales = ((high - low) / 15).clamp(min=1e-6)
+        zeros = low + scales * 8
+        q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(self.out_features, -1), 1)
+        self.register_buffer("weight", packed)
+        scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(ACTIVATIONS))
+
+    def product(self, rows: Tensor) -> Tensor:
+        return torch._weight_int4pack_mm_for_cpu(rows, self.weight, GROUP_SIZE, self.scales_and_zeros)
