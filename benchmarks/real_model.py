@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
+from tests.support.models import EndlessTokenizer
 from tests.support.smollm2 import smollm2_gguf
 from workers.engine import Engine, EngineConfig
 from workers.loading import load_directory
@@ -53,18 +54,6 @@ SENTENCES = (
     "Our budget is moderate, and we enjoy good food and museums.",
     "Please suggest an itinerary and a few restaurants.",
 )
-
-
-class EndlessTokenizer:
-    """The model's tokenizer with no end-of-sequence id: every request produces its max_tokens."""
-
-    eos_ids: tuple[int, ...] = ()
-
-    def __init__(self, inner: Tokenizer):
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def chat_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:

