@@ -11,7 +11,7 @@ or on its int4 copy (`REFLOW_VARIANTS=int4`, each request naming the variant); v
 bfloat16 (`--dtype`); llama.cpp on the Q4_1 GGUF file itself. One OpenAI-API load generator
 (streamed chat completions, greedy, up to `--tokens` output tokens, prompts that ask for a long
 story; each server's tokens are counted as it produced them) sends, at each concurrency C, max(2C,
-4) requests with at most C in flight, after a warm-up. Prints per server and C: output tokens/s
+8) requests with at most C in flight, after a warm-up. Prints per server and C: output tokens/s
 (completion tokens / wall time), the median time per output token of a request (TPOT: from its first
 to its last token), the median time to its first token, then reflow's ratios to each peer's best,
 and the CPU (`lscpu` flags: with AMX, bfloat16 GEMMs win; without, they do not)."""
