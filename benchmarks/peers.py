@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +38,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
-from reflow.endpoints import read_endpoints
 from reflow.serving import free_port
+from tests.support.cli import reflow
 from tests.support.smollm2 import smollm2_gguf
+from tests.support.up import API_KEY, Up
+from tests.support.waiting import wait_for
 
-KEY = "rf_bench_key_0123456789"
 PEER_MODEL = "smollm2-135m-instruct"  # what start_peer.sh serves it as
 TOPICS = ["the sea", "bread", "a clock", "rain", "a library", "bees", "snow", "a bridge"]
 
@@ -62,14 +66,15 @@ class Level:
 
 @dataclass
 class Server:
-    """One server as the load generator reaches it: its base URL, the body fields it takes."""
+    """One server as the load generator reaches it (its base URL, the body fields it takes), and
+    how it is stopped."""
 
     name: str
     url: str
     model: str
     extra: dict[str, object]
-    process: subprocess.Popen[bytes]
     headers: dict[str, str]
+    stop: Callable[[], object]
 
 
 def prompt(i: int) -> list[dict[str, str]]:
@@ -122,43 +127,26 @@ async def level(server: Server, concurrency: int, tokens: int) -> Level:
     )  # fmt: skip
 
 
-def wait_ready(server: Server, log: Path, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            sys.exit(f"{server.name} exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    sys.exit(f"{server.name} did not answer within {timeout_s:.0f}s:\n{log.read_text()[-3000:]}")
-
-
-def start_reflow(dtype: str, data: Path, log: Path) -> Server:
-    """`reflow up` with one worker serving SmolLM2 in float32, with an int4 copy where asked."""
-    env = {**os.environ, "REFLOW_DATA_DIR": str(data), "REFLOW_API_KEY": KEY, "REFLOW_ISOLATION": "none",
-           "REFLOW_DTYPE": "float32", "REFLOW_VARIANTS": "" if dtype == "float32" else dtype}  # fmt: skip
-    reflow = [sys.executable, "-m", "reflow"]
-    imported = [*reflow, "models", "import", str(smollm2_gguf()), "--name", "smollm2"]
-    subprocess.run(imported, env=env, check=True, capture_output=True)
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            [*reflow, "up", "--model", "smollm2", "--workers", "1", "--port", "0", "--http-port", "0"],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    deadline = time.monotonic() + 600
-    while (endpoints := read_endpoints(data)) is None:
-        if process.poll() is not None or time.monotonic() > deadline:
-            sys.exit("reflow up did not start:\n" + log.read_text()[-3000:])
-        time.sleep(1)
+def start_reflow(dtype: str, data: Path) -> Server:
+    """`reflow up` with one worker serving SmolLM2 in float32, with an int4 copy where asked; once
+    it wrote its endpoints."""
+    env = {"REFLOW_DATA_DIR": str(data), "REFLOW_ISOLATION": "none", "REFLOW_DTYPE": "float32",
+           "REFLOW_VARIANTS": "" if dtype == "float32" else dtype}  # fmt: skip
+    imported = reflow("models", "import", str(smollm2_gguf()), "--name", "smollm2", env=env)
+    if imported.returncode != 0:
+        sys.exit(f"reflow models import failed:\n{imported.stderr}")
+    up = Up(data, "--model", "smollm2", "--workers", "1", env=env)
+    try:
+        endpoints = up.endpoints(timeout_s=600)
+    except AssertionError as error:
+        sys.exit(f"reflow up did not start: {error}")
     extra: dict[str, object] = {} if dtype == "float32" else {"variant": dtype}
-    return Server(f"reflow {dtype}", str(endpoints["http"]), "smollm2", extra, process,
-                  {"authorization": f"Bearer {KEY}"})  # fmt: skip
+    return Server(f"reflow {dtype}", str(endpoints["http"]), "smollm2", extra,
+                  {"authorization": f"Bearer {API_KEY}"}, up.stop)  # fmt: skip
 
 
-def start_peer(peers: Path, kind: str, dtype: str, log: Path) -> Server:
+def start_peer(peers: Path, kind: str, dtype: str, log: Path, timeout_s: float = 900) -> Server:
+    """A peer by the setup's start_peer.sh, once it answers /v1/models."""
     port = free_port()
     # llama-cpp-python's server stops the request it runs when another arrives (the other gets an
     # empty stream) unless told to queue them
@@ -168,19 +156,29 @@ def start_peer(peers: Path, kind: str, dtype: str, log: Path) -> Server:
             [str(peers / "start_peer.sh"), kind, str(port), *args], stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
-    return Server(f"{kind} {dtype}", f"http://127.0.0.1:{port}", PEER_MODEL, {}, process, {})
 
+    def stop() -> None:  # its whole process group: start_peer.sh execs into the server
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=120)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            process.kill()
 
-def stop(server: Server) -> None:
-    """SIGTERM to the server (a peer's whole process group, as start_peer.sh execs into it)."""
+    server = Server(f"{kind} {dtype}", f"http://127.0.0.1:{port}", PEER_MODEL, {}, {}, stop)
+
+    def answers() -> bool:
+        if process.poll() is not None:
+            sys.exit(f"{server.name} exited:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{server.url}/v1/models", timeout=5).status_code == 200
+        return False
+
     try:
-        if server.name.startswith("reflow"):
-            server.process.terminate()
-        else:
-            os.killpg(server.process.pid, 15)
-        server.process.wait(timeout=120)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        server.process.kill()
+        wait_for(answers, timeout_s, what=f"{server.name} to answer", interval_s=2)
+    except AssertionError:
+        stop()
+        sys.exit(f"{server.name} did not answer within {timeout_s:.0f}s:\n{log.read_text()[-3000:]}")
+    return server
 
 
 def cpu() -> str:
@@ -212,18 +210,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for entry in args.servers:
             kind, dtype = entry.split(":")
-            log = Path(tmp) / f"{kind}-{dtype}.log"
             if kind == "reflow":
-                server = start_reflow(dtype, Path(tmp) / f"reflow-{dtype}", log)
+                server = start_reflow(dtype, Path(tmp) / f"reflow-{dtype}")
             elif not (args.peers / "start_peer.sh").is_file():
                 sys.exit(f"no peers in {args.peers}: run ../shared/peers/setup.sh {args.peers} first")
             else:
-                server = start_peer(args.peers, kind, dtype, log)
+                server = start_peer(args.peers, kind, dtype, Path(tmp) / f"{kind}-{dtype}.log")
             try:
-                wait_ready(server, log)
                 results[server.name] = [asyncio.run(level(server, c, args.tokens)) for c in args.levels]
             finally:
-                stop(server)
+                server.stop()
             for r in results[server.name]:
                 print(f"{server.name:<16} C={r.concurrency:<3} {r.tokens_per_s:7.1f} tok/s  TPOT p50 "
                       f"{r.tpot_ms:6.1f} ms  TTFT p50 {r.ttft_ms:7.1f} ms"

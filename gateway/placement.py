@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from gateway.latency import Key, LatencyModel, Load, Observation, Prediction, VariantLatency
 from gateway.quotas import prompt_chars
-from gateway.routing import ModelSpec, WorkerHandle, WorkerPool
+from gateway.routing import ModelSpec, WorkerHandle, WorkerPool, holds_variants
 from gateway.validation import RequestLimits, max_tokens_for
 from reflow.errors import NotFound
 from reflow.v1 import inference_pb2, worker_pb2
@@ -81,7 +81,7 @@ class Option:
     def variant(self) -> str:
         """The copy as clients are told it (Routing.variant): its name, or "" where its worker holds
         the reference alone (no REFLOW_VARIANTS), as ListModels lists no variants there."""
-        return self.name if len(self.loaded.variants) > 1 else ""
+        return self.name if holds_variants(self.loaded) else ""
 
     @property
     def agreement(self) -> float:

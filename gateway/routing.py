@@ -67,7 +67,7 @@ class ServedVersion:
         self.aliases = sorted({*self.aliases, *loaded.aliases})
         self.ready_workers += 1
         self.tenant = loaded.tenant
-        if len(loaded.variants) == 1:
+        if not holds_variants(loaded):
             return  # its reference alone, which is the version itself: listed beside variants only
         for v in loaded.variants:
             seen = self.variants.get(v.name)
@@ -77,6 +77,12 @@ class ServedVersion:
                 token_agreement=min(v.token_agreement, seen.token_agreement if seen else 1.0),
                 task_score=_lowest(v, seen),
             )
+
+
+def holds_variants(loaded: worker_pb2.LoadedVersion) -> bool:
+    """Whether a worker holds variants of `loaded` beside its reference copy (REFLOW_VARIANTS):
+    where it holds the reference alone, clients are told of no variants."""
+    return len(loaded.variants) > 1
 
 
 def _lowest(variant: worker_pb2.LoadedVariant, seen: inference_pb2.ModelVariant | None) -> float | None:

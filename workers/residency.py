@@ -175,7 +175,7 @@ class Residency:
         """The copy a request for `name`/`version` runs on and the adapter slot on it: the
         reference for "" or its own name (its dtype), else the variant named `copy`; None when
         either is not resident."""
-        resident = self._residents.get((name, version))
+        resident = self.get(name, version)
         if resident is None:
             return None
         found = resident.copies.get(copy or resident.reference.name)
