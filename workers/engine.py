@@ -143,7 +143,9 @@ class Engine:
         )  # fmt: skip
         runner = ModelRunner(version, copy, n_blocks, scheduler, config.compile)
         if config.compile:
-            runner.warm_up((runner.min_rows, config.max_batch_size))
+            # the largest batch first: compiled at sizes that differ from the blocks read (2), its
+            # graph takes every batch; at equal sizes torch would tie them and compile again
+            runner.warm_up((config.max_batch_size, runner.min_rows))
         return runner
 
     def remove(self, name: str, version: str) -> bool:

@@ -39,11 +39,19 @@ class ModelRunner:
         self._open: set[str] = set()  # slots new requests may go through
         self._adapters_lock = threading.Lock()  # a request never joins an adapter being unstacked
         self.cache = self.model.new_cache(n_blocks)  # the scratch block included
+        if compile:  # every step writes the pool in place: at a fixed address, CUDA graphs replay over it
+            for pool in (self.cache.k, self.cache.v):  # [L, slots, KVH, D]
+                torch._dynamo.mark_static_address(pool)
+                for dim in (0, 2, 3):  # the model's, never tied to a batch's sizes; slots vary by pool
+                    torch._dynamo.mark_static(pool, dim)
         self.scheduler = scheduler  # plans the steps over the blocks of this cache
         self.banned = version.banned_tokens  # [V] bool
         # padded to the model's min_batch_rows, a forward gives every row the same bits in any
-        # batch mix on the CPU (docs/batching.md)
-        self.min_rows = self.model.min_batch_rows
+        # batch mix on the CPU (docs/batching.md). Compiled, a size of 1 gets a graph of its own
+        # (torch.compile specialises 0 and 1): rows and blocks read are padded to 2, so the one
+        # graph compiled at warm-up serves every batch (each compile of SmolLM2 took ~50 s on an H200).
+        self.min_rows = max(self.model.min_batch_rows, 2 if compile else 1)
+        self.min_blocks = 2 if compile else 1
         # Never inductor `freezing`: it bakes weights in, and in-place weight loads go silently wrong.
         self.decode_step: Callable[[Tensor, CacheView, AdapterRows | None], Tensor] = (
             torch.compile(self._decode_step, dynamic=True) if compile else self._decode_step
@@ -94,7 +102,9 @@ class ModelRunner:
         device = self.device
         for rows in batch_sizes:
             tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
-            self.decode_step(tokens, self.cache.view([[]] * rows, [[-1]] * rows, device), None)
+            self.decode_step(
+                tokens, self.cache.view([[]] * rows, [[-1]] * rows, device, self.min_blocks), None
+            )
 
     @torch.inference_mode()
     def step(self, metrics: WorkerMetrics | None) -> list[Output]:
@@ -158,7 +168,7 @@ class ModelRunner:
         tokens = [r.next_input for r in requests] + [0] * pad
         positions = [[r.sequence.total_len - 1] for r in requests] + [[-1]] * pad
         device = self.device
-        view = self.cache.view([r.blocks for r in requests] + [[]] * pad, positions, device)
+        view = self.cache.view([r.blocks for r in requests] + [[]] * pad, positions, device, self.min_blocks)
         adapters = self._adapter_rows(requests, len(requests) + pad)
         logits = self.decode_step(torch.tensor(tokens, device=device)[:, None], view, adapters)  # [B, V]
         return logits[: len(requests)]

@@ -71,3 +71,20 @@ def tiny_chat_checkpoint(smollm2: Path, directory: Path) -> Path:
 def _copy_tokenizer(source: Path, directory: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(source / name, directory / name)
+
+
+def random_smollm2(shape: Path, directory: Path) -> Path:
+    """A checkpoint of SmolLM2's shape with random weights (transformers' initialisation, seeded) and
+    SmolLM2's tokenizer, from the config.json and tokenizer files in `shape`, in `directory`: speed
+    does not depend on the weights, and a machine that cannot fetch the GGUF file gets 4 MB of
+    files instead of 92."""
+    import torch
+
+    from tests.support.hf import transformers
+
+    library = transformers()
+    torch.manual_seed(0)
+    config = json.loads((shape / "config.json").read_text())
+    library.LlamaForCausalLM(library.LlamaConfig(**config)).save_pretrained(directory)
+    _copy_tokenizer(shape, directory)
+    return directory

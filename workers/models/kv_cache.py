@@ -47,15 +47,20 @@ class PagedKVCache:
         return 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize
 
     def view(
-        self, tables: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], device: torch.device
+        self,
+        tables: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int]],
+        device: torch.device,
+        min_blocks: int = 1,
     ) -> CacheView:
         """Where one forward's tokens go: row b holds tokens at `positions[b]` (-1 = padding) of
-        the sequence whose blocks are `tables[b]` (empty = a padding row)."""
+        the sequence whose blocks are `tables[b]` (empty = a padding row); every row reads at
+        least `min_blocks` blocks (scratch past its own, which the mask hides)."""
         bs = self.block_size
         width = max(len(row) for row in positions)
         pos = torch.tensor([[*row, *[-1] * (width - len(row))] for row in positions])  # [B, T]
         n_read = -(-(int(pos.max()) + 1) // bs)  # blocks every row reads: the longest row's
-        table = torch.full((len(tables), max(n_read, 1)), SCRATCH_BLOCK)  # [B, n_read]
+        table = torch.full((len(tables), max(n_read, min_blocks)), SCRATCH_BLOCK)  # [B, n_read]
         for row, blocks in enumerate(tables):
             held = list(blocks[:n_read])
             table[row, : len(held)] = torch.tensor(held, dtype=torch.long)
