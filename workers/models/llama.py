@@ -191,6 +191,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one product (`fuse`)
+        self.widths = (q_dim, kv_dim, kv_dim)
+
+    def fuse(self) -> None:
+        """Computes q, k and v in one product instead of three: their weights stacked in `qkv_proj`,
+        the three removed. For a copy that serves no adapter and is never saved (a variant)."""
+        self.qkv_proj = stacked(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -204,11 +212,15 @@ class Attention(nn.Module):
     ) -> Tensor:
         b, t, _ = x.shape
         names = self.names
-        q = project(self.q_proj, x, adapters, names["q_proj"]).view(
-            b, t, self.heads, self.head_dim
-        )  # [B, T, H, D]
-        k = project(self.k_proj, x, adapters, names["k_proj"]).view(b, t, self.kv_heads, self.head_dim)
-        v = project(self.v_proj, x, adapters, names["v_proj"]).view(b, t, self.kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            check_unadapted(adapters)
+            q, k, v = self.qkv_proj(x).split(self.widths, dim=-1)
+        else:
+            q = project(self.q_proj, x, adapters, names["q_proj"])
+            k = project(self.k_proj, x, adapters, names["k_proj"])
+            v = project(self.v_proj, x, adapters, names["v_proj"])
+        q = q.view(b, t, self.heads, self.head_dim)  # [B, T, H, D]
+        k, v = k.view(b, t, self.kv_heads, self.head_dim), v.view(b, t, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
@@ -239,12 +251,50 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one product (`fuse`)
+
+    def fuse(self) -> None:
+        """Computes gate and up in one product instead of two (as `Attention.fuse`)."""
+        self.gate_up_proj = stacked(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor, adapters: AdapterRows | None) -> Tensor:
         names = self.names
-        gate = project(self.gate_proj, x, adapters, names["gate_proj"])
-        up = project(self.up_proj, x, adapters, names["up_proj"])
+        if self.gate_up_proj is not None:
+            check_unadapted(adapters)
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate = project(self.gate_proj, x, adapters, names["gate_proj"])
+            up = project(self.up_proj, x, adapters, names["up_proj"])
         return project(self.down_proj, F.silu(gate) * up, adapters, names["down_proj"])
+
+
+def stacked(*linears: nn.Linear) -> nn.Linear:
+    """One linear layer giving each of `linears`' outputs on the same input, side by side."""
+    first = linears[0]
+    weight = first.weight
+    joined = nn.Linear(
+        first.in_features, sum(linear.out_features for linear in linears), bias=first.bias is not None,
+        device=weight.device, dtype=weight.dtype,
+    )  # fmt: skip
+    with torch.no_grad():
+        joined.weight.copy_(torch.cat([linear.weight for linear in linears]))
+        if joined.bias is not None:
+            joined.bias.copy_(torch.cat([linear.bias for linear in linears if linear.bias is not None]))
+    return joined
+
+
+def check_unadapted(adapters: AdapterRows | None) -> None:
+    """A fused copy's products have no per-projection adapter updates: it serves no adapter."""
+    if adapters is not None:
+        raise ValueError("a copy with fused projections (a variant) serves no LoRA adapter")
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Fuses every layer's q/k/v and gate/up products (`Attention.fuse`, `MLP.fuse`), in place."""
+    for module in model.modules():
+        if isinstance(module, Attention | MLP):
+            module.fuse()
 
 
 class DecoderLayer(nn.Module):

@@ -4,12 +4,16 @@ were made from untouched."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
+from tests.support.hf import random_adapter
 from tests.support.models import tiny_model
-from workers.models.precision import Int4Linear, Int8Linear, in_precision, quantized
+from workers.models.lora import LoraConfig
+from workers.models.precision import Int4Linear, Int8Linear, in_precision, quantize_linears, quantized
 from workers.variants import weight_bytes
 
 # Relative error bounds of one layer's output against float32 (||y - y_float|| / ||y_float||) on
@@ -49,7 +53,8 @@ def test_an_int4_copy_keeps_its_head_in_int8_and_leaves_its_model_as_it_was() ->
     int4 = in_precision(model, "int4")
     layers = dict(int4.named_modules())  # type: ignore[attr-defined]  # a CausalLM is an nn.Module
     assert isinstance(layers["lm_head"], Int8Linear)
-    assert isinstance(layers["model.layers.0.self_attn.q_proj"], Int4Linear)
+    assert isinstance(layers["model.layers.0.self_attn.qkv_proj"], Int4Linear)  # q, k and v fused
+    assert isinstance(layers["model.layers.0.mlp.gate_up_proj"], Int4Linear)
     assert isinstance(layers["model.layers.0.mlp.down_proj"], Int4Linear)
     assert not any(isinstance(m, nn.Linear) for m in layers.values())
     assert int4.dtype == torch.float32  # activations, embeddings and norms stay float
@@ -59,3 +64,19 @@ def test_an_int4_copy_keeps_its_head_in_int8_and_leaves_its_model_as_it_was() ->
     assert torch.equal(model(tokens), before)  # the reference copy is untouched
     assert isinstance(dict(model.named_modules())["lm_head"], nn.Linear)  # type: ignore[attr-defined]
     assert weight_bytes(int4) < weight_bytes(in_precision(model, "int8")) < weight_bytes(model)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@torch.inference_mode()
+def test_a_copy_with_fused_projections_gives_the_logits_of_its_layers_quantized_one_by_one(name: str) -> None:
+    # q/k/v and gate/up in one product each: per output channel the same quantized weights and the
+    # same kernel, so the same bits; a fused copy refuses adapters rather than ignore them
+    model = tiny_model(0)
+    tokens = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(1))
+    separate = copy.deepcopy(model)
+    quantize_linears(separate, name, model.vocab_size)  # type: ignore[arg-type]  # an nn.Module
+    fused = in_precision(model, name)
+    assert torch.equal(fused(tokens), separate(tokens))
+    adapter = random_adapter(model, LoraConfig(), seed=0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="serves no LoRA adapter"):
+        fused(tokens, adapters=adapter.rows(3))
