@@ -6,8 +6,8 @@ and how the fine-tune job scores them on its task before they are ever served.
 kernels for such weights (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) on bfloat16
 activations, cast from and back to the model's float around it. Everything else (embeddings, norms,
 attention, the KV cache) stays as loaded. A variant serves no adapter and is never saved, so its q/k/v
-and gate/up projections are fused first (`llama.fuse_projections`): one product of each kind a layer
-instead of five, the same bits (per output channel the same quantized weights and kernel), 7% less
+and gate/up projections are fused first (`llama.fuse_projections`): four products a layer instead
+of seven, the same bits (per output channel the same quantized weights and kernel), 7% less
 time a decode step of SmolLM2 at batch 1 in int4 and within the noise at 16 (benchmarks/fusion.py).
 
 - `int8`: one symmetric scale per output channel (absmax / 127).
