@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from real_model import chat_prompts, describe  # this script's directory is on sys.path
+from real_model import chat_prompts, describe, pct  # this script's directory is on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
@@ -69,8 +69,7 @@ class Phase:
     failed: int = 0
 
     def line(self, label: str) -> str:
-        ordered = sorted(self.tpot) or [float("nan")]
-        p50, p99 = (1000 * ordered[round(q * (len(ordered) - 1))] for q in (0.5, 0.99))
+        p50, p99 = (pct(self.tpot, q) if self.tpot else float("nan") for q in (50, 99))
         return (
             f"{label:<44} {self.tokens / self.seconds:8.1f} tok/s   TPOT p50/p99 {p50:6.1f} / {p99:6.1f} ms  "
             f"longest wait {1000 * self.longest_wait:7.0f} ms   failed {self.failed}"

@@ -260,7 +260,6 @@ def reflow_arm(
     """reflow at each level on one engine: eager, compiled, or compiled with CUDA graphs."""
     import torch._inductor.config as inductor  # what mode="reduce-overhead" sets, for this engine's compile
 
-    inductor.triton.cudagraphs = arm == "graphs"
     # One engine per arm, and every torch kernel on its thread, transformers' included: a second
     # thread running kernels would throttle both (workers/engine.py says why).
     engine = Engine(
@@ -274,6 +273,8 @@ def reflow_arm(
     )
     name = str(dtype).removeprefix("torch.")
     try:
+        # set on the engine's thread, which compiles: torch's settings are per thread (2.13)
+        engine.run(lambda: setattr(inductor.triton, "cudagraphs", arm == "graphs"))
         started = time.perf_counter()
         loaded = engine.run(lambda: load_directory(checkpoint, "smollm2", name, device, dtype=dtype))
         loaded.tokenizer = EndlessTokenizer(loaded.tokenizer)  # type: ignore[assignment]

@@ -49,7 +49,8 @@ class ModelRunner:
         # padded to the model's min_batch_rows, a forward gives every row the same bits in any
         # batch mix on the CPU (docs/batching.md). Compiled, a size of 1 gets a graph of its own
         # (torch.compile specialises 0 and 1): rows and blocks read are padded to 2, so the one
-        # graph compiled at warm-up serves every batch (each compile of SmolLM2 took ~50 s on an H200).
+        # graph compiled at warm-up serves every batch (a compile of SmolLM2 took 50 s to 2 minutes
+        # on an H200's host).
         self.min_rows = max(self.model.min_batch_rows, 2 if compile else 1)
         self.min_blocks = 2 if compile else 1
         # Never inductor `freezing`: it bakes weights in, and in-place weight loads go silently wrong.
