@@ -148,6 +148,18 @@ class Settings(BaseSettings):
             "(docs/batching.md#exactness); false prefills every prompt whole."
         ),
     )
+    speculative_tokens: int = Field(
+        5,
+        ge=0,
+        le=16,
+        description=(
+            "Most tokens drafted per sequence and step by prompt lookup: where a sequence's last "
+            "tokens occurred before in its prompt or output, what followed them is checked in the "
+            "same decode forward, and the tokens the model picks too are kept, several a step. "
+            "Greedy outputs are the same as without (docs/batching.md#exactness), sampled ones come "
+            "from the same distribution; drafts fill a step up to 8 decode rows. 0 = off."
+        ),
+    )
     prefill_chunk: int = Field(
         64,
         ge=1,

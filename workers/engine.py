@@ -54,6 +54,7 @@ class EngineConfig:
     kv_cache_mb: int = 0  # per loaded version; 0 = auto (see AUTO_KV_CACHE_MB)
     max_model_len: int = 0  # 0 = the model's own context
     prefix_cache: bool = True  # reuse the KV blocks of prompt prefixes (workers/block_pool.py)
+    speculative_tokens: int = 5  # most tokens drafted by prompt lookup per sequence and step
 
 
 class Engine:
@@ -140,6 +141,7 @@ class Engine:
             max_running=config.max_batch_size, max_waiting=config.max_waiting,
             prefill_chunk=config.prefill_chunk, max_prefill_tokens=config.max_prefill_tokens,
             n_blocks=n_blocks, block_size=BLOCK_SIZE, prefix_cache=config.prefix_cache,
+            speculative_tokens=config.speculative_tokens,
         )  # fmt: skip
         runner = ModelRunner(version, copy, n_blocks, scheduler, config.compile)
         if config.compile:

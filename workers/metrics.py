@@ -55,6 +55,16 @@ class WorkerMetrics:
             ["finish_reason"],
             registry=r,
         )
+        self.draft_tokens = Counter(
+            "reflow_worker_draft_tokens",
+            "Tokens prompt lookup drafted and a decode step checked (REFLOW_SPECULATIVE_TOKENS).",
+            registry=r,
+        )
+        self.accepted_draft_tokens = Counter(
+            "reflow_worker_draft_tokens_accepted",
+            "Of reflow_worker_draft_tokens, those the model picked too (the ratio: acceptance rate).",
+            registry=r,
+        )
         self.running = Gauge("reflow_worker_running_sequences", "Sequences admitted to a batch.", registry=r)
         self.waiting = Gauge(
             "reflow_worker_waiting_sequences", "Sequences queued for a batch row and KV blocks.", registry=r
@@ -139,6 +149,11 @@ class WorkerMetrics:
         self.waiting.set(waiting)
         self.kv_blocks_used.set(blocks_used)
         self.kv_cache_usage.set(blocks_used / blocks_total if blocks_total else 0.0)
+
+    def observe_drafts(self, drafted: int, accepted: int) -> None:
+        """After a step that checked drafts: how many tokens were drafted, how many were kept."""
+        self.draft_tokens.inc(drafted)
+        self.accepted_draft_tokens.inc(accepted)
 
     def observe_outputs(self, outputs: Seq[Output], step_seconds: float) -> None:
         """Per-token latencies and counts of one step's outputs."""

@@ -18,6 +18,7 @@ from workers.models.kv_cache import CacheView
 from workers.models.lora import Adapter, AdapterRows, AdapterSet
 from workers.residency import Copy, ResidentVersion
 from workers.sampling import sample
+from workers.sequence import Delta
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class ModelRunner:
         if metrics is not None and plan.decode:
             metrics.batch_size.observe(len(plan.decode))
         outputs: list[Output] = []
-        ready: list[tuple[Request, Tensor]] = []  # requests with logits for their next token
+        ready: list[tuple[Request, Tensor]] = []  # requests with logits for their next tokens: [n, V]
         if plan.prefill:
             try:
                 last = self._prefill(plan.prefill)  # [N, V]
@@ -127,28 +128,50 @@ class ModelRunner:
                 for (request, _, end), row in zip(plan.prefill, last, strict=True):
                     self.scheduler.prefilled(request, end)
                     if end == request.prompt_len:
-                        ready.append((request, row))
+                        ready.append((request, row[None]))
         if plan.decode:
             try:
-                ready += zip(plan.decode, self._decode(plan.decode), strict=True)
+                rows = self._decode(plan.decode).split([1 + len(r.draft) for r in plan.decode])
             except Exception as error:
                 for request in plan.decode:
                     self._fail(request, error, outputs)
+            else:
+                ready += zip(plan.decode, rows, strict=True)
         if not ready:
             return outputs
-        logits = torch.stack([row for _, row in ready]).masked_fill(self.banned, float("-inf"))  # [N, V]
+        logits = torch.cat([rows for _, rows in ready]).masked_fill(self.banned, float("-inf"))  # [N, V]
         greedy = logits.argmax(dim=-1).tolist()  # [N]
-        for i, (request, _) in enumerate(ready):
+        drafted = accepted = end = 0
+        for request, rows in ready:
+            start, end = end, end + len(rows)
             try:
-                delta = request.sequence.append(self._pick(request, logits[i], greedy[i]))
+                delta, kept = self._advance(request, logits[start:end], greedy[start:end])
             except Exception as error:
                 self._fail(request, error, outputs)
                 continue
+            drafted, accepted = drafted + len(request.draft), accepted + kept
             request.next_input = delta.token_ids[-1]
             outputs.append((request, delta))
             if delta.finish_reason is not None:
                 self.scheduler.finish(request)
+        if metrics is not None and drafted:
+            metrics.observe_drafts(drafted, accepted)
         return outputs
+
+    def _advance(self, request: Request, logits: Tensor, greedy: list[int]) -> tuple[Delta, int]:
+        """Appends the tokens a request's rows give, [n, V]: row i's token, then row i+1's while the
+        token row i picked is the draft token row i+1 was fed. Returns what they add, and how many
+        drafted tokens were kept."""
+        draft = request.draft
+        delta, kept = Delta(), 0
+        for i, row in enumerate(logits):
+            proposed = draft[i] if i < len(draft) else None  # None on the last row
+            token = self._pick(request, row, greedy[i], proposed)
+            delta.merge(request.sequence.append(token))
+            kept += int(token == proposed)
+            if token != proposed or delta.finish_reason is not None:
+                break
+        return delta, kept
 
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> Tensor:
         """Runs every chunk prompt[start:end] in one forward, rows padded to a common length:
@@ -164,23 +187,32 @@ class ModelRunner:
         return logits[torch.arange(len(chunks), device=device), last]
 
     def _decode(self, requests: list[Request]) -> Tensor:
-        """Feeds each request's last token at its own position in one batch: logits [B, V]."""
-        pad = max(len(requests), self.min_rows) - len(requests)
-        tokens = [r.next_input for r in requests] + [0] * pad
-        positions = [[r.sequence.total_len - 1] for r in requests] + [[-1]] * pad
+        """Feeds each request's last token at its own position, then its draft's tokens at the
+        positions after it, a row each, in one batch: logits [sum of 1 + draft, V]. A draft row reads
+        the keys the rows before it write in the same forward, just as it would a step later."""
+        rows = [
+            (r, r.sequence.total_len - 1 + i, token)
+            for r in requests
+            for i, token in enumerate([r.next_input, *r.draft])
+        ]
+        pad = max(len(rows), self.min_rows) - len(rows)
+        tokens = [token for _, _, token in rows] + [0] * pad
+        positions = [[position] for _, position, _ in rows] + [[-1]] * pad
         device = self.device
-        view = self.cache.view([r.blocks for r in requests] + [[]] * pad, positions, device, self.min_blocks)
-        adapters = self._adapter_rows(requests, len(requests) + pad)
+        tables = [r.blocks for r, _, _ in rows] + [[]] * pad
+        view = self.cache.view(tables, positions, device, self.min_blocks)
+        adapters = self._adapter_rows([r for r, _, _ in rows], len(rows) + pad)
         logits = self.decode_step(torch.tensor(tokens, device=device)[:, None], view, adapters)  # [B, V]
-        return logits[: len(requests)]
+        return logits[: len(rows)]
 
     @staticmethod
-    def _pick(request: Request, logits: Tensor, greedy: int) -> int:
+    def _pick(request: Request, logits: Tensor, greedy: int, draft: int | None) -> int:
+        """The next token from its row's logits; `draft` is the token the next row was fed, if any."""
         forced = request.sequence.forced_token()
         if forced is not None:
             return forced
         params = request.sequence.params.sampling
-        return greedy if params.temperature <= 0 else sample(logits, params, request.generator)
+        return greedy if params.temperature <= 0 else sample(logits, params, request.generator, draft)
 
     def _fail(self, request: Request, error: Exception, outputs: list[Output]) -> None:
         logger.exception("sequence failed in model=%s version=%s", self.name, self.version)

@@ -272,6 +272,7 @@ def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
         kv_cache_mb=settings.kv_cache_mb,
         max_model_len=settings.max_model_len,
         prefix_cache=settings.prefix_cache,
+        speculative_tokens=settings.speculative_tokens,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from reflow.errors import NotFound
 from tests.support.hf import EOS, VOCAB, random_adapter, tiny_checkpoint, transformers
 from workers.engine import Engine, EngineConfig
 from workers.loading import load_adapter, load_directory
+from workers.metrics import WorkerMetrics
 from workers.models.lora import LoraConfig
 from workers.residency import ResidentAdapter, ResidentVersion
 from workers.sequence import GenerationParams, SamplingParams
@@ -78,6 +80,29 @@ def test_champion_and_challenger_rows_in_one_step_get_the_tokens_each_gets_alone
     assert [m.version for m in engine.loaded()] == ["1", "2"]
     assert engine.get("tiny", "2").base_version == "1"
     assert engine.kv_slots == engine.config.max_batch_size  # one pool: the adapter holds no cache
+
+
+def test_drafted_tokens_through_the_base_and_an_adapter_in_one_step_change_no_greedy_token(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    work = [(version, p) for p in prompts(4) for version in ("1", "2")]
+    outputs, accepted = [], []
+    for drafts in (0, 4):
+        config = EngineConfig(max_batch_size=8, prefill_chunk=16, max_prefill_tokens=64)
+        engine = Engine(replace(config, speculative_tokens=drafts), WorkerMetrics())
+        try:
+            serve(engine, checkpoint, tmp_path / str(drafts))
+
+            async def together(engine: Engine = engine) -> list[list[int]]:
+                return list(await asyncio.gather(*(generate(engine, v, p) for v, p in work)))
+
+            outputs.append(asyncio.run(together()))
+        finally:
+            engine.close()
+        assert engine.metrics is not None
+        accepted.append(engine.metrics.accepted_draft_tokens._value.get())
+    assert outputs[1] == outputs[0]
+    assert accepted[0] == 0 < accepted[1]
 
 
 def test_an_adapter_served_gives_the_greedy_tokens_of_transformers_plus_peft(

@@ -1,6 +1,7 @@
 """The scheduler's plans: admission by batch rows and KV blocks, prefill chunks that depend on nothing
 but the request, blocks taken as sequences grow and given back when they end, and prompt prefixes
-mapped from the blocks an earlier prompt prefilled (the prefix cache)."""
+mapped from the blocks an earlier prompt prefilled (the prefix cache), and drafts within a step's
+rows and a sequence's blocks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from reflow.errors import NotFound, ResourceExhausted
-from workers.batch_scheduler import BatchScheduler, Request
+from workers.batch_scheduler import SPECULATIVE_ROWS, BatchScheduler, Request
 from workers.models.builtin import TOKENIZER
 from workers.sequence import GenerationParams, Sequence
 
@@ -21,7 +22,13 @@ def request(prompt: str, max_tokens: int = 4, adapter: str = "") -> Request:
 
 
 def new_scheduler(
-    rows: int = 8, waiting: int = 8, chunk: int = 64, budget: int = 64, blocks: int = 65, cache: bool = True
+    rows: int = 8,
+    waiting: int = 8,
+    chunk: int = 64,
+    budget: int = 64,
+    blocks: int = 65,
+    cache: bool = True,
+    drafts: int = 0,
 ) -> BatchScheduler:
     return BatchScheduler(
         max_running=rows,
@@ -31,6 +38,7 @@ def new_scheduler(
         n_blocks=blocks,
         block_size=4,
         prefix_cache=cache,
+        speculative_tokens=drafts,
     )
 
 
@@ -97,6 +105,32 @@ def test_blocks_are_taken_as_a_sequence_grows_and_given_back_at_its_end() -> Non
     assert scheduler.blocks_used == 4
     scheduler.finish(r)
     assert (scheduler.blocks_used, scheduler.running) == (0, 0)
+
+
+def test_drafts_fill_a_step_up_to_its_rows_and_stay_within_the_tokens_reserved() -> None:
+    assert SPECULATIVE_ROWS == 8
+    scheduler = new_scheduler(drafts=3)
+    requests = [request("1+2=1+2=1+2=", max_tokens=m) for m in (10, 10, 3, 10)]
+    for r in requests:
+        scheduler.submit(r)
+    prefill(scheduler)
+    for r in requests:
+        r.sequence.output_ids.append(TOK.encode("1")[-1])  # "…1+2=1": "+2=1" recurs, then "+2="
+        r.next_input = r.sequence.output_ids[-1]
+    plan = scheduler.schedule()
+    assert plan.decode == requests
+    # 4 decode rows leave 4 of the step's rows for drafts: 3 to the first, 1 to the next, then none
+    assert [r.draft for r in requests] == [TOK.encode("+2=")[-3:], TOK.encode("+")[-1:], [], []]
+    for r in requests:
+        assert len(r.blocks) == -(-(r.sequence.total_len + len(r.draft)) // 4)  # room for each row
+    alone = new_scheduler(drafts=3)
+    r = request("1+2=1+2=1+2=", max_tokens=3)
+    alone.submit(r)
+    prefill(alone)
+    r.sequence.output_ids.append(TOK.encode("1")[-1])
+    r.next_input = r.sequence.output_ids[-1]
+    alone.schedule()
+    assert len(r.draft) == 1  # 1 output, 1 drafted kept, 1 from the last row: its 3 max_tokens
 
 
 def test_a_request_waits_until_the_pool_covers_its_longest_completion() -> None:
