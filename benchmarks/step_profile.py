@@ -60,7 +60,7 @@ async def run(engine: Engine, variant: str, prompt: list[int], concurrency: int,
 
 
 def main(dtype: torch.dtype, tokens: int, variant: str) -> None:
-    engine = Engine(EngineConfig(max_batch_size=16, kv_cache_mb=256))
+    engine = Engine(EngineConfig(max_batch_size=16, kv_cache_mb=256, speculative_tokens=0))  # a token a step
     checkpoint = converted_smollm2(Path(tempfile.mkdtemp(prefix="reflow-profile-")))
     loaded = engine.run(lambda: load_directory(checkpoint, "smollm2", "1", torch.device("cpu"), dtype=dtype))
     loaded.tokenizer = EndlessTokenizer(loaded.tokenizer)  # type: ignore[assignment]  # every step decodes

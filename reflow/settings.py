@@ -156,8 +156,8 @@ class Settings(BaseSettings):
             "Most tokens drafted per sequence and step by prompt lookup: where a sequence's last "
             "tokens occurred before in its prompt or output, what followed them is checked in the "
             "same decode forward, and the tokens the model picks too are kept, several a step. "
-            "Greedy outputs are the same as without (docs/batching.md#exactness), sampled ones come "
-            "from the same distribution; drafts fill a step up to 8 decode rows. 0 = off."
+            "Outputs, greedy or seeded, are the same as without (docs/batching.md#exactness); drafts "
+            "fill a step up to 8 decode rows. 0 = off."
         ),
     )
     prefill_chunk: int = Field(

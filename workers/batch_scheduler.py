@@ -50,7 +50,7 @@ class Request:
     prefix: list[bytes] = field(default_factory=list)  # hashes of its prompt's full blocks
     next_input: int | None = None  # the sampled token the next decode step feeds in
     draft: list[int] = field(default_factory=list)  # tokens the step's decode checks after next_input
-    lookup: PromptLookup | None = None  # where its drafts come from (made at its first decode)
+    lookup: PromptLookup | None = None  # where its drafts come from (made when it first may draft)
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.perf_counter)
     admitted_at: float = 0.0
@@ -77,7 +77,8 @@ def hit_rate(cached_tokens: int, prompt_tokens: int) -> float:
 
 @dataclass
 class StepPlan:
-    """What one step runs: prompt chunks to prefill and sequences to decode by one token."""
+    """What one step runs: prompt chunks to prefill and sequences to decode, each by one token and
+    the tokens drafted for it (`Request.draft`) that the model picks too."""
 
     prefill: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, end)
     decode: list[Request] = field(default_factory=list)
@@ -223,7 +224,7 @@ class BatchScheduler:
         if most <= 0:
             return []
         if request.lookup is None:
-            request.lookup = PromptLookup(sequence.prompt_ids)
+            request.lookup = PromptLookup(sequence.prompt_ids, request.most_tokens)
         return request.lookup.draft(sequence.output_ids, most)
 
     def _admit(self, request: Request, hits: list[int]) -> None:

@@ -27,7 +27,7 @@ from typing import TypeVar
 
 from reflow.errors import InvalidArgument, NotFound, Unavailable
 from reflow.streaming import Mailbox
-from workers.batch_scheduler import BatchScheduler, Output, Request, hit_rate
+from workers.batch_scheduler import SPECULATIVE_ROWS, BatchScheduler, Output, Request, hit_rate
 from workers.metrics import WorkerMetrics
 from workers.models.kv_cache import BLOCK_SIZE
 from workers.residency import Copy, Residency, Resident, ResidentAdapter, ResidentVersion, Route
@@ -146,8 +146,10 @@ class Engine:
         runner = ModelRunner(version, copy, n_blocks, scheduler, config.compile)
         if config.compile:
             # the largest batch first: compiled at sizes that differ from the blocks read (2), its
-            # graph takes every batch; at equal sizes torch would tie them and compile again
-            runner.warm_up((config.max_batch_size, runner.min_rows))
+            # graph takes every batch; at equal sizes torch would tie them and compile again. Drafts
+            # may fill a forward up to SPECULATIVE_ROWS rows, more than a small max_batch_size.
+            largest = max(config.max_batch_size, SPECULATIVE_ROWS if config.speculative_tokens else 0)
+            runner.warm_up((largest, runner.min_rows))
         return runner
 
     def remove(self, name: str, version: str) -> bool:

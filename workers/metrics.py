@@ -57,7 +57,7 @@ class WorkerMetrics:
         )
         self.draft_tokens = Counter(
             "reflow_worker_draft_tokens",
-            "Tokens prompt lookup drafted and a decode step checked (REFLOW_SPECULATIVE_TOKENS).",
+            "Tokens prompt lookup drafted, each a decode row (REFLOW_SPECULATIVE_TOKENS).",
             registry=r,
         )
         self.accepted_draft_tokens = Counter(
@@ -151,7 +151,7 @@ class WorkerMetrics:
         self.kv_cache_usage.set(blocks_used / blocks_total if blocks_total else 0.0)
 
     def observe_drafts(self, drafted: int, accepted: int) -> None:
-        """After a step that checked drafts: how many tokens were drafted, how many were kept."""
+        """After a step with drafts: how many tokens were drafted (rows spent), how many were kept."""
         self.draft_tokens.inc(drafted)
         self.accepted_draft_tokens.inc(accepted)
 
@@ -163,10 +163,12 @@ class WorkerMetrics:
             if isinstance(output, BaseException):
                 self.finished.labels("ERROR").inc()
                 continue
-            self.tokens.inc(len(output.token_ids))
-            if request.last_token_at:
-                self.inter_token.observe(now - request.last_token_at)
-            else:
+            tokens = len(output.token_ids)  # several where drafted tokens were kept
+            self.tokens.inc(tokens)
+            if request.last_token_at:  # the gap since its last delta, spread over the tokens it brought
+                for _ in range(tokens):
+                    self.inter_token.observe((now - request.last_token_at) / tokens)
+            else:  # its first delta: the one token its prefill gave
                 self.ttft.observe(now - request.enqueued_at)
                 self.queue_time.observe(request.admitted_at - request.enqueued_at)
                 self.prompt_tokens.inc(request.prompt_len)

@@ -159,19 +159,17 @@ class ModelRunner:
         return outputs
 
     def _advance(self, request: Request, logits: Tensor, greedy: list[int]) -> tuple[Delta, int]:
-        """Appends the tokens a request's rows give, [n, V]: row i's token, then row i+1's while the
-        token row i picked is the draft token row i+1 was fed. Returns what they add, and how many
-        drafted tokens were kept."""
-        draft = request.draft
-        delta, kept = Delta(), 0
-        for i, row in enumerate(logits):
-            proposed = draft[i] if i < len(draft) else None  # None on the last row
-            token = self._pick(request, row, greedy[i], proposed)
+        """Appends the tokens a request's rows give, [n, V]: row 0's token, then row i+1's while the
+        token row i picked is the draft token row i+1 was fed (so each row's token is picked, and
+        drawn from the request's generator, exactly as a step without drafts would). Returns what
+        they add and how many drafted tokens were kept."""
+        draft, delta = request.draft, Delta()
+        for i, row in enumerate(logits):  # draft[i] is what row i+1 was fed
+            token = self._pick(request, row, greedy[i])
             delta.merge(request.sequence.append(token))
-            kept += int(token == proposed)
-            if token != proposed or delta.finish_reason is not None:
+            if i == len(draft) or token != draft[i] or delta.finish_reason is not None:
                 break
-        return delta, kept
+        return delta, i + int(i < len(draft) and token == draft[i])
 
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> Tensor:
         """Runs every chunk prompt[start:end] in one forward, rows padded to a common length:
@@ -206,13 +204,12 @@ class ModelRunner:
         return logits[: len(rows)]
 
     @staticmethod
-    def _pick(request: Request, logits: Tensor, greedy: int, draft: int | None) -> int:
-        """The next token from its row's logits; `draft` is the token the next row was fed, if any."""
+    def _pick(request: Request, logits: Tensor, greedy: int) -> int:
         forced = request.sequence.forced_token()
         if forced is not None:
             return forced
         params = request.sequence.params.sampling
-        return greedy if params.temperature <= 0 else sample(logits, params, request.generator, draft)
+        return greedy if params.temperature <= 0 else sample(logits, params, request.generator)
 
     def _fail(self, request: Request, error: Exception, outputs: list[Output]) -> None:
         logger.exception("sequence failed in model=%s version=%s", self.name, self.version)

@@ -1,5 +1,4 @@
-"""Picks the next token from logits: greedy, temperature, top-k and top-p, with a seeded generator,
-and whether to keep a drafted token (speculative sampling)."""
+"""Picks the next token from logits: greedy, temperature, top-k and top-p, with a seeded generator."""
 
 from __future__ import annotations
 
@@ -26,16 +25,8 @@ def make_generator(params: SamplingParams) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def sample(
-    logits: Tensor, params: SamplingParams, generator: torch.Generator, draft: int | None = None
-) -> int:
-    """Next token id from one row of logits [V]; the same seed and logits give the same token.
-
-    With a `draft` (a token proposed for this position with certainty, as prompt lookup proposes
-    it), the draft is kept with its probability p(draft), and otherwise a token is drawn from the
-    others, renormalised: speculative sampling (Leviathan et al., 2023) for a draft distribution
-    that is all on one token, so the token returned is a draw from the very same distribution.
-    """
+def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Next token id from one row of logits [V]; the same seed and logits give the same token."""
     if params.temperature <= 0.0:
         return int(torch.argmax(logits))
     scores = logits.detach().float().cpu() / params.temperature  # [V]
@@ -49,8 +40,4 @@ def sample(
         drop = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scores, dim=-1)
-    if draft is not None:
-        if float(torch.rand((), generator=generator)) < float(probs[draft]):
-            return draft
-        probs[draft] = 0.0  # rejected: p(draft) < 1, so the rest holds the other 1 - p(draft)
     return int(torch.multinomial(probs, 1, generator=generator))

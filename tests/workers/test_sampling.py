@@ -1,4 +1,4 @@
-"""Sampling: greedy, seeded reproducibility, top-k and top-p bounds, and keeping a drafted token."""
+"""Sampling: greedy, seeded reproducibility, top-k and top-p bounds."""
 
 from __future__ import annotations
 
@@ -38,23 +38,3 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
 def test_unseeded_requests_are_not_all_identical() -> None:
     params = SamplingParams(temperature=1.0)
     assert len({tuple(draws(params, 30)) for _ in range(3)}) > 1
-
-
-def test_a_draft_is_kept_with_its_probability_and_the_tokens_drawn_keep_the_distribution() -> None:
-    params = SamplingParams(temperature=1.0, seed=3)
-    probs = torch.softmax(LOGITS, dim=-1)
-    generator = make_generator(params)
-    n = 20_000
-    for draft in (0, 3):
-        tokens = torch.tensor([sample(LOGITS, params, generator, draft) for _ in range(n)])
-        frequencies = torch.bincount(tokens, minlength=len(LOGITS)) / n
-        # a token of probability p is drawn n*p times, give or take sqrt(n*p): 5 of those either way
-        assert torch.all((frequencies - probs).abs() < 5 * (probs / n).sqrt()), (draft, frequencies)
-
-
-def test_a_draft_the_distribution_excludes_is_never_kept_and_greedy_ignores_drafts() -> None:
-    params = SamplingParams(temperature=1.0, top_k=2, seed=9)
-    generator = make_generator(params)
-    assert {sample(LOGITS, params, generator, draft=5) for _ in range(300)} == {0, 1}
-    greedy = SamplingParams(seed=9)
-    assert {sample(LOGITS, greedy, make_generator(greedy), draft=1) for _ in range(20)} == {0}
