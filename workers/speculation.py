@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# The n-grams looked up, longest first. Four tokens rarely recur by chance; a single token recurs
-# all the time, whatever follows it. Looking up 3 and 4 only measured no different from 2 to 4
-# (docs/benchmarks.md#speculative-decoding-prompt-lookup).
+# The n-grams looked up, longest first. A single token recurs all the time whatever follows it, and
+# so do pairs ("of the"): with pairs looked up too, int4 SmolLM2 lost 10% on free text at 4 streams
+# where 3 and 4 tokens did not (docs/benchmarks.md#speculative-decoding-prompt-lookup).
 LONGEST_NGRAM = 4
-SHORTEST_NGRAM = 2
+SHORTEST_NGRAM = 3
 
 
 class PromptLookup:

@@ -94,7 +94,8 @@ def test_drafted_tokens_through_the_base_and_an_adapter_in_one_step_change_no_gr
             serve(engine, checkpoint, tmp_path / str(drafts))
 
             async def together(engine: Engine = engine) -> list[list[int]]:
-                return list(await asyncio.gather(*(generate(engine, v, p) for v, p in work)))
+                long = GenerationParams(max_tokens=64)  # long enough to run into loops drafts predict
+                return list(await asyncio.gather(*(generate(engine, v, p, long) for v, p in work)))
 
             outputs.append(asyncio.run(together()))
         finally:

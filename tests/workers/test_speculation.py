@@ -10,28 +10,29 @@ from workers.speculation import LONGEST_NGRAM, SHORTEST_NGRAM, PromptLookup
 
 def test_a_draft_is_what_followed_the_sequences_last_tokens_in_its_prompt() -> None:
     lookup = PromptLookup([5, 6, 7, 8, 9, 10], 64)
-    assert lookup.draft([1, 6, 7], 3) == [8, 9, 10]
-    assert lookup.draft([1, 6, 7], 2) == [8, 9]  # never more than asked
-    assert lookup.draft([1, 6, 7, 8, 9], 3) == [10, 1, 6]  # on into the output after it
+    assert lookup.draft([1, 5, 6, 7], 3) == [8, 9, 10]
+    assert lookup.draft([1, 5, 6, 7], 2) == [8, 9]  # never more than asked
+    assert lookup.draft([1, 5, 6, 7, 8, 9], 3) == [10, 1, 5]  # on into the output after it
 
 
 def test_the_latest_occurrence_of_the_longest_ngram_wins() -> None:
-    #            0  1  2  3  4  5  6  7  8  9
-    prompt = [1, 2, 3, 40, 9, 2, 3, 50, 1, 2]
+    #         0  1  2  3  4   5  6  7  8  9   10 11 12
+    prompt = [1, 2, 3, 4, 40, 9, 2, 3, 4, 50, 1, 2, 3]
     lookup = PromptLookup(prompt, 64)
-    assert lookup.draft([3], 1) == [40]  # "1 2 3" (at 0) beats "2 3", which recurs later (at 5)
-    assert PromptLookup(prompt[1:], 64).draft([3], 1) == [50]  # without it, the latest "2 3"
+    assert lookup.draft([4], 1) == [40]  # "1 2 3 4" (at 0) beats "2 3 4", which recurs later (at 6)
+    assert PromptLookup(prompt[1:], 64).draft([4], 1) == [50]  # without it, the latest "2 3 4"
 
 
 def test_the_output_is_looked_up_as_it_grows() -> None:
     lookup = PromptLookup([100, 101], 64)
     assert lookup.draft([7, 8, 9], 2) == []
-    assert lookup.draft([7, 8, 9, 7, 8], 2) == [9, 7]  # its own output repeats
+    assert lookup.draft([7, 8, 9, 7, 8, 9], 2) == [7, 8]  # its own output repeats
 
 
 def test_no_draft_without_a_recurring_ngram_or_room() -> None:
-    assert SHORTEST_NGRAM >= 2 and LONGEST_NGRAM >= SHORTEST_NGRAM
+    assert SHORTEST_NGRAM == 3 and LONGEST_NGRAM == 4
     assert PromptLookup([1, 2, 3, 4], 64).draft([9, 4], 3) == []  # one token alone recurs by chance
+    assert PromptLookup([1, 2, 3, 4], 64).draft([9, 3, 4], 3) == []  # and so do two
     assert PromptLookup([1, 2, 3, 4], 64).draft([1, 2], 0) == []
     assert PromptLookup([], 64).draft([], 3) == []
 
