@@ -169,7 +169,7 @@ class ModelRunner:
             delta.merge(request.sequence.append(token))
             if i == len(draft) or token != draft[i] or delta.finish_reason is not None:
                 break
-        return delta, i + int(i < len(draft) and token == draft[i])
+        return delta, i + 1 if i < len(draft) and token == draft[i] else i  # draft[:i] were kept
 
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> Tensor:
         """Runs every chunk prompt[start:end] in one forward, rows padded to a common length:

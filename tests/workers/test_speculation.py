@@ -33,7 +33,8 @@ def test_no_draft_without_a_recurring_ngram_or_room() -> None:
     assert SHORTEST_NGRAM == 3 and LONGEST_NGRAM == 4
     assert PromptLookup([1, 2, 3, 4], 64).draft([9, 4], 3) == []  # one token alone recurs by chance
     assert PromptLookup([1, 2, 3, 4], 64).draft([9, 3, 4], 3) == []  # and so do two
-    assert PromptLookup([1, 2, 3, 4], 64).draft([1, 2], 0) == []
+    assert PromptLookup([1, 2, 3, 4], 64).draft([1, 2, 3], 3) == [4, 1, 2]  # "1 2 3" recurs:
+    assert PromptLookup([1, 2, 3, 4], 64).draft([1, 2, 3], 0) == []  # yet no room, no draft
     assert PromptLookup([], 64).draft([], 3) == []
 
 
