@@ -8,14 +8,14 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from reflow.api_keys import MIN_API_KEY_LENGTH, display_prefix, hash_key, new_key
-from reflow.store.tables import TRAINS, TRAINS_OWN, TRAINS_SHARED, Tenant, utcnow
+from reflow.store.tables import DEFAULT_MAX_STREAMS, TRAINS, TRAINS_OWN, TRAINS_SHARED, Tenant, utcnow
 
 
 @dataclass(frozen=True)
 class Limits:
     """A tenant's quotas (gateway/quotas.py); 0 = no limit. The defaults are a new tenant's."""
 
-    max_concurrent_streams: int = 32
+    max_concurrent_streams: int = DEFAULT_MAX_STREAMS
     requests_per_minute: int = 600
     tokens_per_minute: int = 0  # prompt + completion tokens, the unit LLM use is billed in
 

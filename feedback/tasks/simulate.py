@@ -26,12 +26,17 @@ from feedback.tasks.task import Task, as_prompt
 from reflow.errors import RETRY_PUSHBACK_KEY
 from reflow.gateway_tls import client_credentials
 from reflow.mtls import open_channel
+from reflow.store.tables import DEFAULT_MAX_STREAMS
 from reflow.v1 import inference_pb2, inference_pb2_grpc
 from workers.models.greedy import completions
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.prompts import prompt_ids
 
-MAX_IN_FLIGHT = 64  # requests a simulation keeps open at once; beyond that it falls behind its rate
+# Requests a simulation keeps open at once, beyond which it falls behind its rate: within a new
+# tenant's stream quota, so that its users, like a client that bounds its concurrency, are not
+# refused when answers slow down (a fine-tune training on the same cores); half of it, since a
+# stream its client has seen end still counts at the gateway until the gateway's handler returns
+MAX_IN_FLIGHT = DEFAULT_MAX_STREAMS // 2
 RETRIES = 20  # times a user comes back after RESOURCE_EXHAUSTED before giving up
 
 

@@ -44,6 +44,9 @@ TRAINS_NOTHING, TRAINS_SHARED, TRAINS_OWN = "nothing", "shared", "own"
 TRAINS = (TRAINS_NOTHING, TRAINS_SHARED, TRAINS_OWN)
 
 
+DEFAULT_MAX_STREAMS = 32  # a new tenant's concurrent streams
+
+
 class Tenant(Base):
     """A customer of the gateway: one API key (stored hashed), its quotas, and what its feedback trains."""
 
@@ -54,7 +57,7 @@ class Tenant(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the key
     key_prefix: Mapped[str] = mapped_column(String(16))  # first characters, to recognise a key
     # the quotas (gateway/quotas.py); 0 = no limit
-    max_concurrent_streams: Mapped[int] = mapped_column(Integer, default=32)
+    max_concurrent_streams: Mapped[int] = mapped_column(Integer, default=DEFAULT_MAX_STREAMS)
     requests_per_minute: Mapped[int] = mapped_column(Integer, default=600)
     tokens_per_minute: Mapped[int] = mapped_column(Integer, default=0)  # prompt + completion tokens
     trains: Mapped[str] = mapped_column(String(8), default=TRAINS_SHARED, server_default=TRAINS_SHARED)
