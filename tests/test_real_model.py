@@ -92,5 +92,6 @@ def test_reflow_up_serves_a_gguf_file_with_the_answer_transformers_gives(
         assert worker["kv_blocks_cached"] == prompt_tokens // 16
         assert worker["prefix_cache_hit_rate"] == pytest.approx(reused / (2 * prompt_tokens))
         assert [(v["model"], v["dtype"]) for v in worker["loaded"]] == [(NAME, "float32")]
+        assert worker["loaded"][0]["dtype_candidates"] == []  # REFLOW_DTYPE set: nothing measured
     finally:
         assert up.stop() == 0, up.output()

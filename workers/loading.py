@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from workers.dtype_choice import AutoDtype
 from workers.models.loader import load_checkpoint
 from workers.models.lora import Adapter
 from workers.residency import ResidentAdapter, ResidentVersion
@@ -21,12 +22,14 @@ def load_directory(
     aliases: set[str] | None = None,
     dtype: torch.dtype | None = None,
     max_len: int = 0,
+    auto: AutoDtype | None = None,
 ) -> ResidentVersion:
     """Loads the checkpoint in a local directory (safetensors weights, JSON config, tokenizer) in
-    `dtype` (None: the architecture's choice, REFLOW_DTYPE=auto), its context capped at `max_len`
-    (0: the model's own)."""
+    `dtype` (None: REFLOW_DTYPE=auto, the dtype `auto` measured fastest here where given, else the
+    architecture's choice), its context capped at `max_len` (0: the model's own)."""
     model, tokenizer = load_checkpoint(directory, device, dtype, max_len)
-    return ResidentVersion(name, version, model, tokenizer, device, aliases or set())
+    model, choice = auto.serve(model, tokenizer) if dtype is None and auto is not None else (model, None)
+    return ResidentVersion(name, version, model, tokenizer, device, aliases or set(), dtype_choice=choice)
 
 
 def load_adapter(

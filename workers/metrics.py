@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 
 from reflow.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
 from workers.batch_scheduler import Output
-from workers.residency import Quality
+from workers.residency import DtypeChoice, Quality
 
 
 class WorkerMetrics:
@@ -112,7 +112,23 @@ class WorkerMetrics:
             ["model", "version", "variant"],
             registry=r,
         )
-        self._per_variant = (self.variant_agreement, self.variant_token_agreement, self.variant_task_score)
+        self.dtype_step_seconds = Gauge(
+            "reflow_worker_dtype_step_seconds",
+            "Median seconds of a decode step of `rows` sequences in each dtype REFLOW_DTYPE=auto timed "
+            "a version's shape in on this CPU, measured at load.",
+            ["model", "version", "dtype", "rows"],
+            registry=r,
+        )
+        self.dtype_chosen = Gauge(
+            "reflow_worker_dtype_chosen",
+            "1 for the dtype REFLOW_DTYPE=auto chose to serve a version in, 0 for the others it timed.",
+            ["model", "version", "dtype"],
+            registry=r,
+        )
+        self._per_version = (
+            self.variant_agreement, self.variant_token_agreement, self.variant_task_score,
+            self.dtype_step_seconds, self.dtype_chosen,
+        )  # fmt: skip
 
     def observe_variant(
         self, model: str, version: str, variant: str, quality: Quality, task_score: float | None
@@ -124,9 +140,17 @@ class WorkerMetrics:
         if task_score is not None:
             self.variant_task_score.labels(*labels).set(task_score)
 
+    def observe_dtype_choice(self, model: str, version: str, choice: DtypeChoice) -> None:
+        """When a version loads in the dtype REFLOW_DTYPE=auto measured: what each dtype took."""
+        for candidate in choice.candidates:
+            for rows, ms in zip(choice.rows, candidate.step_ms, strict=True):
+                self.dtype_step_seconds.labels(model, version, candidate.dtype, str(rows)).set(ms / 1000)
+            self.dtype_chosen.labels(model, version, candidate.dtype).set(candidate.dtype == choice.chosen)
+
     def forget_version(self, model: str, version: str) -> None:
-        """When a version is unloaded: its variants' series go, so no dashboard shows it served."""
-        for gauge in self._per_variant:
+        """When a version is unloaded: its variants' and dtypes' series go, so no dashboard shows it
+        served."""
+        for gauge in self._per_version:
             gauge.remove_by_labels({"model": model, "version": version})
 
     def watch_isolation(self, stats: Callable[[], dict[str, int]]) -> None:

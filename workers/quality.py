@@ -22,6 +22,7 @@ import time
 import torch
 
 from workers.engine import Engine
+from workers.models.interface import CausalLM
 from workers.residency import Copy, Quality, ResidentVersion
 from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
@@ -53,7 +54,7 @@ async def measure_copies(engine: Engine, version: ResidentVersion, variants: lis
         got = await _greedy(engine, version, variant, prompts)
         agreement = sum(_agreed(e, g) for e, g in zip(expected, got, strict=True)) / len(prompts)
         token = await asyncio.to_thread(
-            engine.run, lambda v=variant: _token_agreement(v, version.device, prompts, expected)
+            engine.run, lambda v=variant: teacher_forced_agreement(v.model, prompts, expected)
         )
         variant.quality = await _timed(engine, version, variant, timing, agreement, token)
 
@@ -117,18 +118,16 @@ def _agreed(expected: list[int], got: list[int]) -> float:
     return same / max(len(expected), 1)
 
 
-def _token_agreement(
-    variant: Copy, device: torch.device, prompts: list[list[int]], expected: list[list[int]]
-) -> float:
-    """Share of the reference's greedy tokens `expected` that `variant` predicts as its top token,
+def teacher_forced_agreement(model: CausalLM, prompts: list[list[int]], expected: list[list[int]]) -> float:
+    """Share of the reference's greedy tokens `expected` that `model` predicts as its top token,
     each given the prompt and the reference's tokens before it: one causal pass per prompt."""
     agreed = total = 0
     with torch.inference_mode():
         for prompt, tokens in zip(prompts, expected, strict=True):
             if not tokens:
                 continue
-            row = torch.tensor([prompt + tokens[:-1]], device=device)
-            predicted = variant.model(row)[0, len(prompt) - 1 :].argmax(-1).tolist()
+            row = torch.tensor([prompt + tokens[:-1]], device=model.device)
+            predicted = model(row)[0, len(prompt) - 1 :].argmax(-1).tolist()
             agreed += sum(p == t for p, t in zip(predicted, tokens, strict=True))
             total += len(tokens)
     return agreed / max(total, 1)

@@ -8,6 +8,7 @@ The engine core (workers/engine.py) asks the catalog and queues the request on t
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeAlias
@@ -33,6 +34,30 @@ class Quality:
     prefill_ms_per_token: float  # prompt tokens over time to first token, one prompt alone
     decode_ms_per_token: float  # time per later token, one sequence alone
     weight_bytes: int  # of its weights as held (int8 ones packed)
+
+
+@dataclass(frozen=True)
+class DtypeCandidate:
+    """A dtype REFLOW_DTYPE=auto measured (workers/dtype_choice.py): the median milliseconds of a
+    decode step at each row count timed, and its teacher-forced token agreement with float32."""
+
+    dtype: str
+    step_ms: tuple[float, ...]  # at each of DtypeChoice.rows
+    token_agreement: float | None  # 1 for float32; None where not measured (a candidate not faster)
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """What REFLOW_DTYPE=auto measured for a model's shape on this worker, and the dtype it serves."""
+
+    rows: tuple[int, ...]  # sequences in the decode steps timed
+    candidates: tuple[DtypeCandidate, ...]  # float32 first
+    chosen: str
+
+    def speedup(self, candidate: DtypeCandidate) -> float:
+        """float32's step time over `candidate`'s: the geometric mean over the row counts."""
+        ratios = [f / c for f, c in zip(self.candidates[0].step_ms, candidate.step_ms, strict=True)]
+        return math.prod(ratios) ** (1 / len(ratios))
 
 
 # A reference copy nobody measured (its version has no variants): agreement 1 by definition, speeds 0.
@@ -68,6 +93,7 @@ class ResidentVersion:
     tenant: str = ""  # the tenant whose own version it is (reflow.registry.TENANT_TAG); "" = anyone's
     last_request: float = field(default_factory=time.monotonic)  # when a Generate last asked for it
     task_scores: dict[str, float] = field(default_factory=dict)  # by copy name, from its version's tags
+    dtype_choice: DtypeChoice | None = None  # how REFLOW_DTYPE=auto chose its dtype; None: not measured
     copies: dict[str, Copy] = field(init=False)  # by name, the reference first
     adapters: dict[str, ResidentAdapter] = field(init=False, default_factory=dict)  # by version
     banned_tokens: torch.Tensor = field(init=False)  # [V] bool

@@ -39,7 +39,14 @@ from workers.isolation.host import DEFAULT_OBJECT
 from workers.metrics import WorkerMetrics
 from workers.models.loader import resolve_device, resolve_dtype
 from workers.models.prompts import prompt_ids
-from workers.residency import UNMEASURED_REFERENCE, Copy, Resident, ResidentAdapter
+from workers.residency import (
+    UNMEASURED_REFERENCE,
+    Copy,
+    DtypeChoice,
+    Resident,
+    ResidentAdapter,
+    ResidentVersion,
+)
 from workers.sampling import SamplingParams
 from workers.sequence import Delta, GenerationParams
 from workers.variants import check_variants
@@ -107,6 +114,7 @@ def loaded_to_pb(loaded: Resident, engine: Engine) -> worker_pb2.LoadedVersion:
     pool = held[0][1]  # the reference copy's scheduler (an adapter's base's)
     listed = [(c, s) for c, s in held if c.reference or c.quality is not None]
     adapter = loaded.adapter if isinstance(loaded, ResidentAdapter) else None
+    choice = loaded.dtype_choice if isinstance(loaded, ResidentVersion) else None
     return worker_pb2.LoadedVersion(
         model=loaded.name,
         version=loaded.version,
@@ -125,7 +133,17 @@ def loaded_to_pb(loaded: Resident, engine: Engine) -> worker_pb2.LoadedVersion:
         kv_blocks_cached=pool.blocks_cached,
         prefix_cache_hit_rate=pool.hit_rate,
         reasons=loaded.tokenizer.reasoning_markers is not None,
+        dtype_candidates=dtype_choice_to_pb(choice) if choice is not None else [],
     )
+
+
+def dtype_choice_to_pb(choice: DtypeChoice) -> list[worker_pb2.DtypeCandidate]:
+    """Wire form of what REFLOW_DTYPE=auto measured for a version's shape."""
+    return [
+        worker_pb2.DtypeCandidate(dtype=c.dtype, rows=choice.rows, step_ms=c.step_ms,
+                                  token_agreement=c.token_agreement, chosen=c.dtype == choice.chosen)
+        for c in choice.candidates
+    ]  # fmt: skip
 
 
 def copy_to_pb(copy: Copy, scheduler: BatchScheduler, task_score: float | None) -> worker_pb2.LoadedVariant:

@@ -11,6 +11,7 @@ import torch
 
 from reflow.errors import NotFound
 from reflow.registry import BASE_VERSION_TAG, TENANT_TAG, Registry
+from workers.dtype_choice import AutoDtype
 from workers.engine import Engine
 from workers.loading import load_adapter, load_directory
 from workers.quality import measure_copies
@@ -36,7 +37,8 @@ class Versions:
         self.registry = registry  # None: nothing can be loaded (a worker given its versions)
         self.cache_dir = cache_dir
         self.device = device
-        self.dtype = dtype  # None: each architecture's choice (REFLOW_DTYPE=auto)
+        self.dtype = dtype  # None: REFLOW_DTYPE=auto, measured per model shape where it can be
+        self.auto_dtype = AutoDtype(engine.config.max_batch_size)
         self.variants = variants  # REFLOW_VARIANTS: built beside each version with weights of its own
 
     async def load(self, name: str, *, version: str = "", alias: str = "") -> Resident:
@@ -79,6 +81,7 @@ class Versions:
                     aliases=aliases,
                     dtype=self.dtype,
                     max_len=max_len,
+                    auto=self.auto_dtype,
                 )
             resident.tenant = tags.get(TENANT_TAG, "")
             self.engine.add(resident)  # compiles and warms up first when enabled
@@ -86,6 +89,8 @@ class Versions:
 
         resident = await asyncio.to_thread(self.engine.run, build)
         if isinstance(resident, ResidentVersion):
+            if resident.dtype_choice is not None and self.engine.metrics is not None:
+                self.engine.metrics.observe_dtype_choice(name, ref.version, resident.dtype_choice)
             await self._add_variants(resident, tags)
         else:  # an adapter's one copy is its base's reference, measured (or not) with it
             resident.task_scores = task_scores(tags, resident.copies.values())

@@ -56,7 +56,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadedVersion(_message.Message):
-    __slots__ = ("model", "version", "aliases", "parameters", "device", "max_sequence_length", "dtype", "base_version", "adapter_parameters", "variants", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "reasons", "kv_blocks_cached", "prefix_cache_hit_rate", "tenant")
+    __slots__ = ("model", "version", "aliases", "parameters", "device", "max_sequence_length", "dtype", "base_version", "adapter_parameters", "variants", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "reasons", "kv_blocks_cached", "prefix_cache_hit_rate", "tenant", "dtype_candidates")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class LoadedVersion(_message.Message):
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
@@ -91,7 +92,22 @@ class LoadedVersion(_message.Message):
     kv_blocks_cached: int
     prefix_cache_hit_rate: float
     tenant: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., base_version: _Optional[str] = ..., adapter_parameters: _Optional[int] = ..., variants: _Optional[_Iterable[_Union[LoadedVariant, _Mapping]]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., reasons: _Optional[bool] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., tenant: _Optional[str] = ...) -> None: ...
+    dtype_candidates: _containers.RepeatedCompositeFieldContainer[DtypeCandidate]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., base_version: _Optional[str] = ..., adapter_parameters: _Optional[int] = ..., variants: _Optional[_Iterable[_Union[LoadedVariant, _Mapping]]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., reasons: _Optional[bool] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., tenant: _Optional[str] = ..., dtype_candidates: _Optional[_Iterable[_Union[DtypeCandidate, _Mapping]]] = ...) -> None: ...
+
+class DtypeCandidate(_message.Message):
+    __slots__ = ("dtype", "rows", "step_ms", "token_agreement", "chosen")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    step_ms: _containers.RepeatedScalarFieldContainer[float]
+    token_agreement: float
+    chosen: bool
+    def __init__(self, dtype: _Optional[str] = ..., rows: _Optional[_Iterable[int]] = ..., step_ms: _Optional[_Iterable[float]] = ..., token_agreement: _Optional[float] = ..., chosen: _Optional[bool] = ...) -> None: ...
 
 class LoadedVariant(_message.Message):
     __slots__ = ("name", "reference", "greedy_agreement", "prefill_ms_per_token", "decode_ms_per_token", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "weight_bytes", "token_agreement", "task_score")

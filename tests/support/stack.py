@@ -30,6 +30,7 @@ from tests.support.models import MODEL
 from tests.support.waiting import eventually
 from workers.engine import Engine, EngineConfig
 from workers.metrics import WorkerMetrics
+from workers.models.loader import resolve_dtype
 from workers.server import WorkerServicer
 from workers.server import create_server as create_worker
 from workers.versions import Versions
@@ -93,7 +94,8 @@ async def start_worker(
     registry = Registry.from_settings(settings)
     engine = Engine(config, WorkerMetrics())
     cpu = torch.device("cpu")
-    versions = Versions(engine, registry, settings.model_cache_dir, cpu, variants=tuple(settings.variants))
+    dtype = resolve_dtype(settings.dtype)
+    versions = Versions(engine, registry, settings.model_cache_dir, cpu, dtype, tuple(settings.variants))
     await versions.load(model, alias=alias)
     servicer = WorkerServicer(versions)
     server, port, _ = await create_worker(servicer, "127.0.0.1", 0, credentials)

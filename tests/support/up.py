@@ -58,6 +58,7 @@ class Up:
             "REFLOW_MODEL_PRESET": "tiny",
             "REFLOW_BOOTSTRAP_STEPS": "5",
             "REFLOW_DEVICE": "cpu",
+            "REFLOW_DTYPE": "float32",  # not `auto`, which measures the machine (as tests/conftest.py)
             "REFLOW_API_KEY": API_KEY,
             **(env or {}),
         }

@@ -52,6 +52,14 @@ def completions(
     return found
 
 
+def greedy_ids(
+    model: CausalLM, tokenizer: Tokenizer, prompts: Sequence[Prompt], *, max_new_tokens: int
+) -> list[list[int]]:
+    """The greedy token ids after each prompt (one batch), each ending at `<eos>` or after
+    `max_new_tokens`."""
+    return _continuations(model, tokenizer, prompts, max_new_tokens, 0.0, None)
+
+
 def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     """The next token of each row of [B, V] logits: the likeliest, or drawn at `temperature`."""
     if temperature == 0:
