@@ -14,9 +14,9 @@ bfloat16 when:
   (workers/quality.py) is at least AGREEMENT_FLOOR, the bar a quantized copy must pass too
   (measured only when it is faster: the forward passes cost a load time too).
 
-bfloat16 passes the batching policy by construction: oneDNN gives every row the same bits in any
-batch (docs/batching.md#exactness). The built-in model, on CUDA, or with REFLOW_DTYPE set, nothing
-is measured. A worker measures once per model shape: later versions of it (fine-tunes of the same
+bfloat16 meets the batching policy too: oneDNN gave every row the same bits in every batch tried
+(docs/batching.md#exactness). For the built-in model, on CUDA, or with REFLOW_DTYPE set, nothing is
+measured. A worker measures once per model shape: later versions of it (fine-tunes of the same
 base, hot-swapped in) are served in the same dtype without a stall, so a champion and its challenger
 always compare in one dtype.
 """
@@ -28,6 +28,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -35,7 +36,7 @@ from workers.models.builtin import MODEL_TYPE as BUILTIN
 from workers.models.greedy import greedy_ids
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.kv_cache import BLOCK_SIZE
-from workers.models.precision import in_precision
+from workers.models.loader import load_checkpoint
 from workers.quality import QUALITY_PROMPTS, QUALITY_TOKENS, teacher_forced_agreement
 from workers.residency import DtypeCandidate, DtypeChoice, dtype_name
 
@@ -55,19 +56,28 @@ class AutoDtype:
         self.max_batch_size = max_batch_size  # the larger row count timed
         self.choices: dict[tuple[str, int, int, int], DtypeChoice] = {}  # by shape_key
 
-    def serve(self, model: CausalLM, tokenizer: Tokenizer) -> tuple[CausalLM, DtypeChoice | None]:
-        """`model`, loaded in its auto dtype, in the dtype to serve it in, and how that was chosen
-        (None where nothing is measured: see `measures_dtype`)."""
+    def load(
+        self, directory: Path, device: torch.device, max_len: int = 0
+    ) -> tuple[CausalLM, Tokenizer, DtypeChoice | None]:
+        """The checkpoint in `directory` (`load_checkpoint`'s arguments) in the dtype REFLOW_DTYPE=auto
+        serves it in, and how that was chosen (None where nothing is measured: `measures_dtype`). A
+        dtype other than the one it loads in by default is read from the files, as REFLOW_DTYPE set to
+        it reads them, never cast from the float32 copy."""
+        model, tokenizer = load_checkpoint(directory, device, None, max_len)
         if not measures_dtype(model):
-            return model, None
+            return model, tokenizer, None
         key = shape_key(model)
-        if (choice := self.choices.get(key)) is not None:
-            return in_chosen_dtype(model, choice), choice
-        model, choice = choose_dtype(model, tokenizer, self.max_batch_size)
-        self.choices[key] = choice
-        logger.info("REFLOW_DTYPE=auto measured %s model=%s: %s", torch.backends.cpu.get_cpu_capability(),
-                    model.model_type, describe(choice))  # fmt: skip
-        return model, choice
+        if (choice := self.choices.get(key)) is None:
+            candidate, _ = load_checkpoint(directory, device, getattr(torch, CANDIDATE), max_len)
+            choice = self.choices[key] = choose_dtype(model, candidate, tokenizer, self.max_batch_size)
+            capability = torch.backends.cpu.get_cpu_capability()
+            logger.info(
+                "REFLOW_DTYPE=auto measured %s model=%s: %s", capability, model.model_type, describe(choice)
+            )
+            return (candidate if choice.chosen == CANDIDATE else model), tokenizer, choice
+        if choice.chosen != dtype_name(model):
+            model, tokenizer = load_checkpoint(directory, device, getattr(torch, choice.chosen), max_len)
+        return model, tokenizer, choice
 
 
 def measures_dtype(model: CausalLM) -> bool:
@@ -81,14 +91,13 @@ def shape_key(model: CausalLM) -> tuple[str, int, int, int]:
     return model.model_type, model.parameter_count(), model.vocab_size, model.kv_bytes_per_token
 
 
-def choose_dtype(model: CausalLM, tokenizer: Tokenizer, max_batch_size: int) -> tuple[CausalLM, DtypeChoice]:
-    """Measures `model` (float32) against its CANDIDATE copy on this CPU: the copy to serve (the
-    other is dropped; both are held while measuring), and what was measured."""
+def choose_dtype(
+    model: CausalLM, candidate: CausalLM, tokenizer: Tokenizer, max_batch_size: int
+) -> DtypeChoice:
+    """Measures `model` (float32) against the same weights in CANDIDATE on this CPU."""
     rows = tuple(dict.fromkeys((1, max_batch_size)))
-    other = in_precision(model, CANDIDATE)
-    times = _median_ms({"float32": model, CANDIDATE: other}, rows)
-    choice = decide(rows, times["float32"], times[CANDIDATE], lambda: _agreement(model, other, tokenizer))
-    return (other if choice.chosen == CANDIDATE else model), choice
+    times = _median_ms({"float32": model, CANDIDATE: candidate}, rows)
+    return decide(rows, times["float32"], times[CANDIDATE], lambda: _agreement(model, candidate, tokenizer))
 
 
 def decide(
@@ -108,11 +117,6 @@ def decide(
     agreed = agreement()
     chosen = CANDIDATE if agreed >= AGREEMENT_FLOOR else "float32"
     return DtypeChoice(rows, (reference, replace(candidate, token_agreement=agreed)), chosen)
-
-
-def in_chosen_dtype(model: CausalLM, choice: DtypeChoice) -> CausalLM:
-    """`model` (float32) in the dtype `choice` chose for its shape."""
-    return model if choice.chosen == dtype_name(model) else in_precision(model, choice.chosen)
 
 
 def describe(choice: DtypeChoice) -> str:

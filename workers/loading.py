@@ -27,8 +27,10 @@ def load_directory(
     """Loads the checkpoint in a local directory (safetensors weights, JSON config, tokenizer) in
     `dtype` (None: REFLOW_DTYPE=auto, the dtype `auto` measured fastest here where given, else the
     architecture's choice), its context capped at `max_len` (0: the model's own)."""
-    model, tokenizer = load_checkpoint(directory, device, dtype, max_len)
-    model, choice = auto.serve(model, tokenizer) if dtype is None and auto is not None else (model, None)
+    if dtype is None and auto is not None:
+        model, tokenizer, choice = auto.load(directory, device, max_len)
+    else:
+        (model, tokenizer), choice = load_checkpoint(directory, device, dtype, max_len), None
     return ResidentVersion(name, version, model, tokenizer, device, aliases or set(), dtype_choice=choice)
 
 

@@ -26,7 +26,7 @@ from workers.dtype_choice import (
     MIN_SPEEDUP,
     AutoDtype,
     decide,
-    in_chosen_dtype,
+    shape_key,
 )
 from workers.engine import Engine, EngineConfig
 from workers.loading import load_directory
@@ -94,9 +94,7 @@ def test_a_model_is_measured_once_per_shape_and_served_in_what_the_rule_chose_fr
     # a fine-tune of the same shape is served in the same dtype, measured no more
     second = load_directory(checkpoint, "tiny", "2", CPU, auto=auto)
     assert second.dtype_choice is choice and second.model.dtype == first.model.dtype
-    assert list(auto.choices) == [
-        ("llama", first.model.parameter_count(), first.model.vocab_size, first.model.kv_bytes_per_token)
-    ]
+    assert list(auto.choices) == [shape_key(load_checkpoint(checkpoint, CPU)[0])]
     # REFLOW_DTYPE set by hand wins; the built-in model is served as trained; neither is measured
     set_by_hand = load_directory(checkpoint, "tiny", "3", CPU, dtype=torch.float32, auto=auto)
     assert (set_by_hand.dtype_choice, set_by_hand.model.dtype) == (None, torch.float32)
@@ -107,16 +105,18 @@ def test_a_model_is_measured_once_per_shape_and_served_in_what_the_rule_chose_fr
 
 
 @torch.inference_mode()
-def test_a_version_served_in_bfloat16_by_auto_computes_what_it_does_loaded_in_bfloat16(
+def test_a_shape_measured_faster_in_bfloat16_loads_later_versions_as_reflow_dtype_bfloat16_does(
     checkpoint: Path,
 ) -> None:
-    model, _ = load_checkpoint(checkpoint, CPU)
-    chose = DtypeChoice(ROWS, (), CANDIDATE)  # as the rule chooses on a CPU where bfloat16 wins
-    served = in_chosen_dtype(model, chose)
+    auto = AutoDtype(max_batch_size=8)
+    reference, _ = load_checkpoint(checkpoint, CPU)
+    earlier = DtypeChoice(ROWS, (), CANDIDATE)  # what a CPU where bfloat16 wins measured for the shape
+    auto.choices[shape_key(reference)] = earlier
+    served = load_directory(checkpoint, "tiny", "2", CPU, auto=auto)
     loaded, _ = load_checkpoint(checkpoint, CPU, torch.bfloat16)  # REFLOW_DTYPE=bfloat16
     tokens = torch.tensor([list(range(3, 40))])
-    assert served.dtype == torch.bfloat16 and torch.equal(served(tokens), loaded(tokens))
-    assert in_chosen_dtype(model, DtypeChoice(ROWS, (), "float32")) is model
+    assert served.dtype_choice is earlier and served.reference.name == CANDIDATE
+    assert torch.equal(served.model(tokens), loaded(tokens))
 
 
 @pytest.fixture
