@@ -17,6 +17,9 @@ from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+STATUS_TIMEOUT_S = 2.0  # a status poll's deadline
+MISSED_POLLS = 2  # status polls in a row a worker may let time out before it leaves routing
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -101,6 +104,7 @@ class WorkerHandle:
     loaded: list[worker_pb2.LoadedVersion] = field(default_factory=list)
     healthy: bool = False
     reported_running: int = 0  # sequences generating on it at its last status, from every gateway
+    missed_polls: int = 0  # status polls in a row it let time out
 
     def serves(self, spec: ModelSpec) -> worker_pb2.LoadedVersion | None:
         """The loaded version matching `spec`, if this worker has one."""
@@ -137,14 +141,19 @@ class WorkerPool:
         await asyncio.gather(*(self.refresh_one(w) for w in self.workers))
 
     async def refresh_one(self, worker: WorkerHandle) -> None:
-        """Asks one worker for its status; marks it unhealthy when it does not answer."""
+        """Asks one worker for its status; marks it unhealthy when it refuses or fails the call, or
+        lets MISSED_POLLS in a row time out (one slow answer, from a busy worker or a busy gateway,
+        does not take a worker that serves out of routing)."""
         try:
-            status = await worker.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=2.0)
+            status = await worker.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=STATUS_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
-            if worker.healthy:
+            timed_out = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            worker.missed_polls = worker.missed_polls + 1 if timed_out else MISSED_POLLS
+            if worker.healthy and worker.missed_polls >= MISSED_POLLS:
                 logger.warning("worker %s unavailable: %s", worker.address, error.code().name)
-            worker.healthy = False
+                worker.healthy = False
             return
+        worker.missed_polls = 0
         if not worker.healthy:
             logger.info(
                 "worker %s ready: %s", worker.address, [f"{v.model}/{v.version}" for v in status.loaded]
