@@ -117,5 +117,33 @@ def paged_attention(
     shape = (cache.n_blocks, cache.block_size, kv_heads, d)
     keys = cache.k[layer].view(shape).index_select(0, blocks).view(b, -1, kv_heads, d).transpose(1, 2)
     values = cache.v[layer].view(shape).index_select(0, blocks).view(b, -1, kv_heads, d).transpose(1, 2)
-    # [B, KVH, S, D]; enable_gqa: each group of query heads reads its key/value head in place
+    # [B, KVH, S, D]; each group of query heads reads its key/value head in place
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        return grouped_attention(q, keys, values, mask, scale)
+    return fused_attention(q, keys, values, mask, scale)
+
+
+def fused_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+    """torch's fused kernel (transformers' `sdpa` attention): float32 on the CPU, and on CUDA."""
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+    """Attention as three plain operators, as transformers' eager attention computes it (scores in
+    the query's dtype, softmax in float32), each key/value head serving its group of query heads
+    in place (never repeated): q [B, H, T, D], keys and values [B, KVH, S, D], mask [B, 1, T, S].
+
+    For bfloat16 and float16 on the CPU, where torch's fused kernel costs ~70 us a row at one
+    query a row (bfloat16, 9 heads of 64, 128 keys: 970 us for 16 rows against 170 us here), and
+    decode steps are made of such rows (benchmarks/decode_attention.py). It serves prefill too, so
+    that a token's attention is one computation however the tokens around it are batched (alone,
+    in a batch, drafted or not)."""
+    b, heads, t, d = q.shape
+    kv_heads, s = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    keys, values = keys.reshape(b * kv_heads, s, d), values.reshape(b * kv_heads, s, d)
+    scores = torch.bmm(q.reshape(b * kv_heads, group * t, d), keys.transpose(1, 2))
+    scores.mul_(d**-0.5 if scale is None else scale)  # [B*KVH, G*T, S]
+    scores.view(b, kv_heads, group, t, s).masked_fill_(~mask[:, :, None], float("-inf"))
+    weights = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(weights, values).view(b, heads, t, d)
