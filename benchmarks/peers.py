@@ -3,11 +3,13 @@ through each server's OpenAI API, one after another in one run:
 
     ../shared/peers/setup.sh ~/.cache/reflow-peers        # once: the peers, each in a venv of its own
     .venv/bin/python benchmarks/peers.py [--peers ~/.cache/reflow-peers] [--levels 1 16 64]
-        [--tokens 64] [--servers reflow:float32 reflow:int4 vllm:float32 vllm:bfloat16 llamacpp:q4_1]
+        [--tokens 64] [--servers reflow:float32 reflow:bfloat16 reflow:int4 vllm:float32 vllm:bfloat16
+        llamacpp:q4_1]
 
 Each server serves the model alone on this machine (`reflow up` with one worker; vLLM-CPU and
-llama.cpp's server by the setup's `start_peer.sh`), in the dtype its entry names: reflow in float32,
-or on its int4 copy (`REFLOW_VARIANTS=int4`, each request naming the variant); vLLM in float32 or
+llama.cpp's server by the setup's `start_peer.sh`), in the dtype its entry names: reflow in a
+`REFLOW_DTYPE` (float32, bfloat16, or auto, which measures them at load), or on its int8 or int4
+copy (`REFLOW_VARIANTS`, each request naming the variant); vLLM in float32 or
 bfloat16 (`--dtype`); llama.cpp on the Q4_1 GGUF file itself. One OpenAI-API load generator
 (streamed chat completions, greedy, up to `--tokens` output tokens, prompts that ask for a long
 story; each server's tokens are counted as it produced them) sends, at each concurrency C, max(2C,
@@ -43,6 +45,7 @@ from tests.support.cli import reflow
 from tests.support.smollm2 import smollm2_gguf
 from tests.support.up import API_KEY, Up
 from tests.support.waiting import wait_for
+from workers.models.precision import QUANTIZED
 
 PEER_MODEL = "smollm2-135m-instruct"  # what start_peer.sh serves it as
 TOPICS = ["the sea", "bread", "a clock", "rain", "a library", "bees", "snow", "a bridge"]
@@ -127,11 +130,15 @@ async def level(server: Server, concurrency: int, tokens: int) -> Level:
     )  # fmt: skip
 
 
-def start_reflow(dtype: str, data: Path) -> Server:
-    """`reflow up` with one worker serving SmolLM2 in float32, with an int4 copy where asked; once
-    it wrote its endpoints."""
-    env = {"REFLOW_DATA_DIR": str(data), "REFLOW_ISOLATION": "none", "REFLOW_DTYPE": "float32",
-           "REFLOW_VARIANTS": "" if dtype == "float32" else dtype}  # fmt: skip
+def start_reflow(copy: str, data: Path) -> Server:
+    """`reflow up` with one worker serving SmolLM2 in `copy`: a REFLOW_DTYPE (float32, bfloat16, auto),
+    or a quantized variant (int8, int4) of its float32 weights that each request names; once it
+    wrote its endpoints."""
+    variant = copy in QUANTIZED
+    env = {
+        "REFLOW_DATA_DIR": str(data), "REFLOW_ISOLATION": "none",
+        "REFLOW_DTYPE": "float32" if variant else copy, "REFLOW_VARIANTS": copy if variant else "",
+    }  # fmt: skip
     imported = reflow("models", "import", str(smollm2_gguf()), "--name", "smollm2", env=env)
     if imported.returncode != 0:
         sys.exit(f"reflow models import failed:\n{imported.stderr}")
@@ -140,8 +147,8 @@ def start_reflow(dtype: str, data: Path) -> Server:
         endpoints = up.endpoints(timeout_s=600)
     except AssertionError as error:
         sys.exit(f"reflow up did not start: {error}")
-    extra: dict[str, object] = {} if dtype == "float32" else {"variant": dtype}
-    return Server(f"reflow {dtype}", str(endpoints["http"]), "smollm2", extra,
+    extra: dict[str, object] = {"variant": copy} if variant else {}
+    return Server(f"reflow {copy}", str(endpoints["http"]), "smollm2", extra,
                   {"authorization": f"Bearer {API_KEY}"}, up.stop)  # fmt: skip
 
 
@@ -202,7 +209,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument(
         "--servers", nargs="+",
-        default=["reflow:float32", "reflow:int4", "vllm:float32", "vllm:bfloat16", "llamacpp:q4_1"],
+        default=[
+            "reflow:float32", "reflow:bfloat16", "reflow:int4",
+            "vllm:float32", "vllm:bfloat16", "llamacpp:q4_1",
+        ],
     )  # fmt: skip
     args = parser.parse_args()
     print(f"SmolLM2-135M-Instruct, {args.tokens} output tokens a request; {cpu()}")

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from workers.models.kv_cache import CacheView, PagedKVCache, paged_attention
-from workers.models.lora import Adapter, AdapterRows, project
+from workers.models.lora import Adapter, AdapterRows, StackedLinear, project, project_stacked
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -192,13 +192,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.qkv_proj: nn.Module | None = None  # q, k and v in one product (`fuse`)
-        self.widths = (q_dim, kv_dim, kv_dim)
+        names = self.names
+        self.qkv_parts = {names["q_proj"]: q_dim, names["k_proj"]: kv_dim, names["v_proj"]: kv_dim}
 
     def fuse(self) -> None:
         """Computes q, k and v in one product instead of three: their weights stacked in `qkv_proj`,
-        the three removed. For a copy that serves no adapter and is never saved (a variant)."""
-        self.qkv_proj = stacked(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
+        the three removed (once; a fused model is served, never saved)."""
+        if self.qkv_proj is None:
+            self.qkv_proj = StackedLinear(
+                {self.names[p]: getattr(self, p) for p in ("q_proj", "k_proj", "v_proj")}
+            )
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -213,8 +217,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         names = self.names
         if self.qkv_proj is not None:
-            check_unadapted(adapters)
-            q, k, v = self.qkv_proj(x).split(self.widths, dim=-1)
+            q, k, v = project_stacked(self.qkv_proj, x, adapters, self.qkv_parts)
         else:
             q = project(self.q_proj, x, adapters, names["q_proj"])
             k = project(self.k_proj, x, adapters, names["k_proj"])
@@ -252,49 +255,39 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None  # gate and up in one product (`fuse`)
+        width = config.intermediate_size
+        self.gate_up_parts = {self.names["gate_proj"]: width, self.names["up_proj"]: width}
 
     def fuse(self) -> None:
         """Computes gate and up in one product instead of two (as `Attention.fuse`)."""
-        self.gate_up_proj = stacked(self.gate_proj, self.up_proj)
-        del self.gate_proj, self.up_proj
+        if self.gate_up_proj is None:
+            self.gate_up_proj = StackedLinear(
+                {self.names[p]: getattr(self, p) for p in ("gate_proj", "up_proj")}
+            )
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor, adapters: AdapterRows | None) -> Tensor:
         names = self.names
         if self.gate_up_proj is not None:
-            check_unadapted(adapters)
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate, up = project_stacked(self.gate_up_proj, x, adapters, self.gate_up_parts)
         else:
             gate = project(self.gate_proj, x, adapters, names["gate_proj"])
             up = project(self.up_proj, x, adapters, names["up_proj"])
         return project(self.down_proj, F.silu(gate) * up, adapters, names["down_proj"])
 
 
-def stacked(*linears: nn.Linear) -> nn.Linear:
-    """One linear layer giving each of `linears`' outputs on the same input, side by side."""
-    first = linears[0]
-    weight = first.weight
-    joined = nn.Linear(
-        first.in_features, sum(linear.out_features for linear in linears), bias=first.bias is not None,
-        device=weight.device, dtype=weight.dtype,
-    )  # fmt: skip
-    with torch.no_grad():
-        joined.weight.copy_(torch.cat([linear.weight for linear in linears]))
-        if joined.bias is not None:
-            joined.bias.copy_(torch.cat([linear.bias for linear in linears if linear.bias is not None]))
-    return joined
-
-
-def check_unadapted(adapters: AdapterRows | None) -> None:
-    """A fused copy's products have no per-projection adapter updates: it serves no adapter."""
-    if adapters is not None:
-        raise ValueError("a copy with fused projections (a variant) serves no LoRA adapter")
-
-
 def fuse_projections(model: nn.Module) -> None:
-    """Fuses every layer's q/k/v and gate/up products (`Attention.fuse`, `MLP.fuse`), in place."""
+    """Fuses every layer's q/k/v and gate/up products (`Attention.fuse`, `MLP.fuse`), in place:
+    how a worker serves a model. Its logits are the same bits (each output channel the same
+    product), adapters apply to each part by its name, and it is never saved."""
     for module in model.modules():
         if isinstance(module, Attention | MLP):
             module.fuse()
+
+
+def is_fused(model: nn.Module) -> bool:
+    """Whether `fuse_projections` fused `model`."""
+    return any(isinstance(module, Attention) and module.qkv_proj is not None for module in model.modules())
 
 
 class DecoderLayer(nn.Module):
@@ -474,6 +467,8 @@ class LlamaForCausalLM(nn.Module):
         if self.adapter is not None:
             self.adapter.save(directory, base_model="")
             return
+        if is_fused(self):
+            raise ValueError("a model fused for serving is not saved: save the model as loaded")
         directory.mkdir(parents=True, exist_ok=True)
         state = {n: t.detach().contiguous().cpu() for n, t in self.state_dict().items()}
         if self.config.tie_word_embeddings:

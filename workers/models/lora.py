@@ -92,13 +92,11 @@ class LoraConfig:
         )
 
 
-def target_modules(model: nn.Module, targets: Iterable[str]) -> dict[str, nn.Linear]:
-    """The model's linear layers whose last name part is a target, by their full names."""
+def target_modules(model: nn.Module, targets: Iterable[str]) -> dict[str, tuple[nn.Linear, int]]:
+    """The linear layers of `model` whose last name part is a target (`adaptable_linears`)."""
     wanted = set(targets)
     found = {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in wanted
+        name: found for name, found in adaptable_linears(model).items() if name.rsplit(".", 1)[-1] in wanted
     }
     if not found:
         raise ValueError(f"the model has no linear layer named {', '.join(sorted(wanted))} to adapt")
@@ -118,10 +116,10 @@ class Adapter:
         as nn.Linear's weights), B zero; float32 on the model's device."""
         generator = torch.Generator().manual_seed(seed)
         weights = {}
-        for name, linear in sorted(target_modules(model, config.targets).items()):
+        for name, (linear, out_features) in sorted(target_modules(model, config.targets).items()):
             bound = 1.0 / math.sqrt(linear.in_features)  # kaiming_uniform_(a=sqrt(5))'s bound
             a = (torch.rand(config.rank, linear.in_features, generator=generator) * 2 - 1) * bound
-            b = torch.zeros(linear.out_features, config.rank)
+            b = torch.zeros(out_features, config.rank)
             device = linear.weight.device
             weights[name] = (a.to(device).requires_grad_(), b.to(device).requires_grad_())
         return cls(config, weights)
@@ -157,26 +155,32 @@ class Adapter:
         return AdapterRows(self.weights, mask)
 
     def check(self, model: nn.Module) -> None:
-        """ValueError unless every adapted module is a linear layer of `model` of the right shape."""
-        modules = dict(model.named_modules())
+        """ValueError unless every adapted module is a linear layer of `model` (or a part of a
+        stacked one) of the right shape."""
+        linears = adaptable_linears(model)
         for name, (a, b) in self.weights.items():
-            linear = modules.get(name)
-            if not isinstance(linear, nn.Linear):
+            if name not in linears:
                 raise ValueError(f"the adapter adapts {name}, which the base model has no linear layer for")
-            if a.shape[1] != linear.in_features or b.shape[0] != linear.out_features:
+            linear, out_features = linears[name]
+            in_features = linear.in_features
+            if a.shape[1] != in_features or b.shape[0] != out_features:
                 raise ValueError(
                     f"the adapter's {name} is {b.shape[0]}x{a.shape[1]}; the base model's is "
-                    f"{linear.out_features}x{linear.in_features}"
+                    f"{out_features}x{in_features}"
                 )
 
     @torch.no_grad()
     def merge_into(self, model: nn.Module) -> None:
-        """Adds scale * B A to each adapted weight of `model`, in place: the base with the adapter
-        folded in (logits equal base + adapter to float rounding)."""
+        """Adds scale * B A to each adapted weight of `model` (a model as loaded: its projections
+        separate), in place: the base with the adapter folded in (logits equal base + adapter to
+        float rounding)."""
         self.check(model)
         modules = dict(model.named_modules())
         for name, (a, b) in self.weights.items():
-            weight = modules[name].weight  # checked: an nn.Linear's
+            linear = modules.get(name)
+            if not isinstance(linear, nn.Linear):
+                raise ValueError(f"{name} is stacked with others for serving; merge into the model as loaded")
+            weight = linear.weight
             delta = (b.float() @ a.float()) * self.config.scale  # [out, in]
             weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
 
@@ -244,6 +248,48 @@ def project(linear: nn.Linear, x: Tensor, adapters: AdapterRows | None, name: st
     """linear(x), with each row's adapter update when there are adapters."""
     y = linear(x)
     return y if adapters is None else adapters.add(name, x, y)
+
+
+class StackedLinear(nn.Linear):
+    """Linear layers that read one input, computed as one: their weights (and biases) stacked, one
+    product instead of several, each part still adapted under its own name (`project_stacked`)."""
+
+    def __init__(self, parts: Mapping[str, nn.Linear]):
+        linears = list(parts.values())
+        first = linears[0]
+        super().__init__(
+            first.in_features, sum(linear.out_features for linear in linears), bias=first.bias is not None,
+            device=first.weight.device, dtype=first.weight.dtype,
+        )  # fmt: skip
+        with torch.no_grad():
+            self.weight.copy_(torch.cat([linear.weight for linear in linears]))
+            if self.bias is not None:
+                self.bias.copy_(torch.cat([linear.bias for linear in linears if linear.bias is not None]))
+        self.parts = {name: linear.out_features for name, linear in parts.items()}  # full name -> width
+
+
+def project_stacked(
+    linear: nn.Module, x: Tensor, adapters: AdapterRows | None, parts: Mapping[str, int]
+) -> tuple[Tensor, ...]:
+    """The outputs of the linear layers `parts` (full name -> width) stacked into `linear` (a
+    StackedLinear, or a quantized copy of one), each with each row's adapter update of its name:
+    what each layer alone with its adapter gives."""
+    outputs = linear(x).split(list(parts.values()), dim=-1)
+    if adapters is None:
+        return tuple(outputs)
+    return tuple(adapters.add(name, x, y) for name, y in zip(parts, outputs, strict=True))
+
+
+def adaptable_linears(model: nn.Module) -> dict[str, tuple[nn.Linear, int]]:
+    """Every linear layer of `model` an adapter can adapt, by full name, with its width (out
+    features): each part of a stacked layer under its own name, with the layer that computes it."""
+    found: dict[str, tuple[nn.Linear, int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, StackedLinear):
+            found.update({part: (module, width) for part, width in module.parts.items()})
+        elif isinstance(module, nn.Linear):
+            found[name] = (module, module.out_features)
+    return found
 
 
 @dataclass

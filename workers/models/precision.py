@@ -5,10 +5,11 @@ and how the fine-tune job scores them on its task before they are ever served.
 (gpt-fast's recipe): the weights are stored in 8 or 4 bits, and each product runs in torch's CPU
 kernels for such weights (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) on bfloat16
 activations, cast from and back to the model's float around it. Everything else (embeddings, norms,
-attention, the KV cache) stays as loaded. A variant serves no adapter and is never saved, so its q/k/v
-and gate/up projections are fused first (`llama.fuse_projections`): four products a layer instead
-of seven, the same bits (per output channel the same quantized weights and kernel), 7% less
-time a decode step of SmolLM2 at batch 1 in int4 and within the noise at 16 (benchmarks/fusion.py).
+attention, the KV cache) stays as loaded. A copy's q/k/v and gate/up projections are fused before
+they are quantized, as every served copy's are (`llama.fuse_projections`): four products a layer
+instead of seven, the same bits (per output channel the same quantized weights and kernel), 7%
+less time a decode step of SmolLM2 at batch 1 in int4 and within the noise at 16
+(benchmarks/fusion.py).
 
 - `int8`: one symmetric scale per output channel (absmax / 127).
 - `int4`: asymmetric, a scale and a zero point per GROUP_SIZE inputs of each output channel. The
@@ -51,7 +52,7 @@ def in_precision(model: CausalLM, name: str) -> CausalLM:
     if name not in QUANTIZED:
         return copied.to(getattr(torch, name))  # type: ignore[attr-defined]
     module: nn.Module = copied  # type: ignore[assignment]  # a CausalLM is an nn.Module
-    fuse_projections(module)  # a variant serves no adapter: q/k/v and gate/up in one product each
+    fuse_projections(module)  # q/k/v and gate/up in one product each, quantized as one
     quantize_linears(module, name, model.vocab_size)
     return copied
 

@@ -3,6 +3,7 @@ of several adapters in one forward, and PEFT's format both ways against transfor
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 
 from tests.support.hf import VOCAB, random_adapter, tiny_checkpoint, transformers
 from workers.models.greedy import greedy_answers
-from workers.models.llama import LlamaForCausalLM
+from workers.models.llama import LlamaForCausalLM, fuse_projections
 from workers.models.loader import load_checkpoint
 from workers.models.lora import ADAPTER_CONFIG_FILE, Adapter, AdapterSet, LoraConfig
 
@@ -74,6 +75,34 @@ def test_rows_of_two_adapters_and_of_none_in_one_forward_each_get_their_own_logi
     assert served.rows([None, None, None]) is None  # base rows alone run the base model untouched
     served.remove(0)
     torch.testing.assert_close(model(batch[2:], adapters=served.rows([0])), alone[2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@torch.inference_mode()
+def test_a_model_fused_for_serving_gives_each_row_the_logits_of_the_model_as_loaded_with_its_adapter(
+    checkpoint: Path, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    # q/k/v and gate/up in one product each: every output channel is the same product, and each
+    # part gets its own adapter's update by its name, as the separate layers do
+    model, _ = load_checkpoint(checkpoint, dtype=dtype)
+    fused = copy.deepcopy(model)
+    fuse_projections(fused)  # type: ignore[arg-type]  # an nn.Module
+    assert not hasattr(fused.model.layers[0].self_attn, "q_proj")  # type: ignore[attr-defined]
+    first = random_adapter(fused, LoraConfig(rank=4), seed=1)  # type: ignore[arg-type]  # made on the fused one
+    second = random_adapter(model, LoraConfig(rank=2, alpha=4, targets=("k_proj", "up_proj")), seed=2)  # type: ignore[arg-type]
+    served = AdapterSet([first.to(CPU, dtype), second.to(CPU, dtype)])
+    rows = served.rows([None, 0, 1])
+    batch = tokens(3)
+    assert torch.equal(fused(batch, adapters=rows), model(batch, adapters=rows))
+    assert (model(batch, adapters=rows) - model(batch)).abs().max() > 0.01  # the adapters matter
+    second.check(fused)  # type: ignore[arg-type]
+    first.weights["model.layers.1.self_attn.v_proj"] = (torch.zeros(4, 64), torch.zeros(63, 4))
+    with pytest.raises(ValueError, match="v_proj is 63x64; the base model's is 32x64"):
+        first.check(fused)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fused for serving is not saved"):
+        fused.save(tmp_path / "fused")
+    with pytest.raises(ValueError, match="stacked with others for serving"):
+        second.merge_into(fused)  # type: ignore[arg-type]
 
 
 def test_the_base_weights_are_untouched_by_training_an_adapter(checkpoint: Path) -> None:
