@@ -19,6 +19,10 @@ MAX_STOP_CHARS = 64
 MAX_LABELS = 32
 MAX_LABEL_CHARS = 256
 MAX_VARIANT_CHARS = 64  # variant names are dtype names ("bfloat16")
+MAX_PENALTY = 2.0  # OpenAI's bound on the presence and frequency penalties, either sign
+MAX_REPETITION_PENALTY = 10.0  # past it every seen token is as good as banned
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias, either sign: 100 forces a token, -100 bans it
+MAX_LOGIT_BIAS_ENTRIES = 1024  # a bound on what one request makes every step do
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ def check_request(request: inference_pb2.GenerateRequest, limits: RequestLimits)
         )
     if not math.isfinite(s.top_p) or not 0.0 <= s.top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p must be in [0, 1] (0 = off), got {s.top_p}")
+    _check_adjustments(s)
     if len(s.stop) > limits.max_stop_strings:
         raise InvalidArgument(f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}")
     if any(not stop or len(stop) > MAX_STOP_CHARS for stop in s.stop):
@@ -65,6 +70,34 @@ def check_request(request: inference_pb2.GenerateRequest, limits: RequestLimits)
         raise InvalidArgument(f"at most {MAX_LABELS} labels of at most {MAX_LABEL_CHARS} characters each")
     if len(request.variant) > MAX_VARIANT_CHARS:
         raise InvalidArgument(f"variant is longer than {MAX_VARIANT_CHARS} characters; ListModels names them")
+
+
+def _check_adjustments(s: inference_pb2.SamplingParams) -> None:
+    """InvalidArgument for a penalty or logit bias out of its range."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not math.isfinite(value) or abs(value) > MAX_PENALTY:
+            raise InvalidArgument(
+                f"sampling.{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}] (0 = off), got {value}"
+            )
+    penalty = s.repetition_penalty
+    if not math.isfinite(penalty) or not 0.0 <= penalty <= MAX_REPETITION_PENALTY:
+        raise InvalidArgument(
+            f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (0 or 1 = off), "
+            f"got {penalty}"
+        )
+    if len(s.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(
+            f"sampling.logit_bias has {len(s.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}"
+        )
+    bad = next(
+        (t for t, bias in s.logit_bias.items() if not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS), None
+    )
+    if bad is not None:
+        raise InvalidArgument(
+            f"sampling.logit_bias[{bad}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+            f"got {s.logit_bias[bad]}"
+        )
 
 
 def _check_messages(request: inference_pb2.GenerateRequest, limits: RequestLimits) -> None:

@@ -17,7 +17,7 @@ from workers.metrics import WorkerMetrics
 from workers.models.kv_cache import CacheView
 from workers.models.lora import Adapter, AdapterRows, AdapterSet
 from workers.residency import Copy, ResidentVersion
-from workers.sampling import sample
+from workers.sampling import adjust, sample
 from workers.sequence import Delta
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ class ModelRunner:
         if not ready:
             return outputs
         logits = torch.cat([rows for _, rows in ready]).masked_fill(self.banned, float("-inf"))  # [N, V]
+        self._adjust(ready, logits)
         greedy = logits.argmax(dim=-1).tolist()  # [N]
         drafted = accepted = end = 0
         for request, rows in ready:
@@ -157,6 +158,17 @@ class ModelRunner:
         if metrics is not None and drafted:
             metrics.observe_drafts(drafted, accepted)
         return outputs
+
+    @staticmethod
+    def _adjust(ready: list[tuple[Request, Tensor]], logits: Tensor) -> None:
+        """Applies each request's logit bias and penalties to its rows of `logits`, in place."""
+        end = 0
+        for request, rows in ready:
+            start, end = end, end + len(rows)
+            sequence = request.sequence
+            params = sequence.params.sampling
+            if params.logit_bias or params.penalizes:
+                adjust(logits[start:end], params, sequence.prompt_ids, sequence.output_ids, request.draft)
 
     def _advance(self, request: Request, logits: Tensor, greedy: list[int]) -> tuple[Delta, int]:
         """Appends the tokens a request's rows give, [n, V]: row 0's token, then row i+1's while the

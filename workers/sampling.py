@@ -1,4 +1,5 @@
-"""Picks the next token from logits: greedy, temperature, top-k and top-p, with a seeded generator."""
+"""Picks the next token from logits: the request's logit bias and repetition penalties first, then
+greedy, or temperature, top-k and top-p with a seeded generator."""
 
 from __future__ import annotations
 
@@ -17,12 +18,52 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0  # 0 = a fresh random seed
+    presence_penalty: float = 0.0  # OpenAI's: off at 0
+    frequency_penalty: float = 0.0  # OpenAI's: off at 0
+    repetition_penalty: float = 1.0  # transformers' and vLLM's: off at 1
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), OpenAI's
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a repetition, frequency or presence penalty is set."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:
     """A CPU generator seeded from `params.seed` (or at random when it is 0)."""
     seed = params.seed or secrets.randbits(63)
     return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def adjust(
+    logits: Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], draft: list[int]
+) -> None:
+    """Applies the request's logit bias, then its repetition, frequency and presence penalties (in
+    vLLM's order), in place, to its rows of logits [n, V]: row i follows the completion so far and
+    the first i tokens of its draft, so that a drafted row is adjusted as the same row a step later.
+
+    As OpenAI defines them, the frequency and presence penalties count the completion's tokens only;
+    the repetition penalty, as transformers defines it, also the prompt's."""
+    rows, vocab = logits.shape
+    device = logits.device
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias, strict=True)
+        logits[:, list(ids)] += torch.tensor(biases, device=device, dtype=logits.dtype)
+    if not params.penalizes:
+        return
+    held = torch.tensor([*output_ids, *draft[: rows - 1]], dtype=torch.long, device=device)
+    counts = torch.zeros(rows, vocab, device=device, dtype=logits.dtype)  # row i: completion + draft[:i]
+    for row in range(rows):
+        counts[row] = torch.bincount(held[: len(output_ids) + row], minlength=vocab)[:vocab]
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[:, torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+        penalty = params.repetition_penalty
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits))
+    if params.frequency_penalty:
+        logits -= params.frequency_penalty * counts
+    if params.presence_penalty:
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import grpc
@@ -56,17 +56,37 @@ logger = logging.getLogger(__name__)
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
-def params_from_pb(request: worker_pb2.WorkerGenerateRequest) -> GenerationParams:
-    """Decode parameters of a worker request (the gateway has applied defaults and limits)."""
+def params_from_pb(request: worker_pb2.WorkerGenerateRequest, vocab_size: int) -> GenerationParams:
+    """Decode parameters of a worker request (the gateway has applied defaults and limits; the
+    logit bias's token ids are checked against the model's vocabulary here)."""
     s = request.sampling
     if s.max_tokens == 0:
         raise InvalidArgument("sampling.max_tokens must be at least 1")
+    check_vocabulary(request, s.logit_bias, vocab_size, "sampling.logit_bias")
+    sampling = SamplingParams(
+        s.temperature, s.top_p or 1.0, s.top_k, s.seed,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0, logit_bias=tuple(sorted(s.logit_bias.items())),
+    )  # fmt: skip
     return GenerationParams(
         max_tokens=s.max_tokens,
-        sampling=SamplingParams(s.temperature, s.top_p or 1.0, s.top_k, s.seed),
+        sampling=sampling,
         stop=tuple(s.stop),
         reasoning_budget=request.reasoning_budget,
     )
+
+
+def check_vocabulary(
+    request: worker_pb2.WorkerGenerateRequest, token_ids: Iterable[int], vocab_size: int, param: str
+) -> None:
+    """InvalidArgument naming `param` for a token id past the vocabulary of the requested model."""
+    bad = next((i for i in token_ids if i >= vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(
+            f"{param} holds {bad}, past the vocabulary of {request.model}/{request.version} "
+            f"(ids 0 to {vocab_size - 1})",
+            param=param,
+        )
 
 
 def prompt_ids_of(request: worker_pb2.WorkerGenerateRequest, loaded: Resident) -> list[int]:
@@ -74,14 +94,7 @@ def prompt_ids_of(request: worker_pb2.WorkerGenerateRequest, loaded: Resident) -
     rendered with the model's chat template (which carries its own bos token), else the prompt text."""
     tokenizer = loaded.tokenizer
     if request.prompt_token_ids:
-        vocab_size = loaded.model.vocab_size
-        bad = next((i for i in request.prompt_token_ids if i >= vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(
-                f"prompt_token_ids holds {bad}, past the vocabulary of {request.model}/{request.version} "
-                f"(ids 0 to {vocab_size - 1})",
-                param="prompt_token_ids",
-            )
+        check_vocabulary(request, request.prompt_token_ids, loaded.model.vocab_size, "prompt_token_ids")
         return list(request.prompt_token_ids)
     if not request.messages:
         return tokenizer.encode(request.prompt)
@@ -195,7 +208,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         loaded = self.engine.get(request.model, request.version)
         loaded.last_request = time.monotonic()
-        params = params_from_pb(request)
+        params = params_from_pb(request, loaded.model.vocab_size)
         prompt_ids = prompt_ids_of(request, loaded)
         stream = self.engine.generate(
             request.model, request.version, prompt_ids, params, request.variant, cache_salt=request.cache_salt

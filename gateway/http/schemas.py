@@ -3,8 +3,9 @@ validates requests against and what `/openapi.json` documents.
 
 Fields reflow does not implement are declared too, so that asking for them (`n` > 1, tools,
 logprobs, ...) is refused by name rather than ignored; fields it has never heard of are ignored,
-as OpenAI's clients send new ones first. reflow's own fields (`top_k`, `reasoning_budget`,
-`latency_budget_ms`, `variant`) are extra body fields (`extra_body=` in the `openai` SDK).
+as OpenAI's clients send new ones first. reflow's own fields (`top_k`, `repetition_penalty`,
+`reasoning_budget`, `latency_budget_ms`, `variant`) are extra body fields (`extra_body=` in the
+`openai` SDK).
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from feedback.events import MAX_USER_ID_CHARS
-from gateway.validation import MAX_LABEL_CHARS, MAX_TEMPERATURE, MAX_VARIANT_CHARS
+from gateway.validation import (
+    MAX_LABEL_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_VARIANT_CHARS,
+)
 
 UINT32 = 2**32 - 1
 UINT64 = 2**64 - 1
@@ -75,11 +84,28 @@ class _CompletionParameters(_Body):
     variant: Annotated[str, Field(max_length=MAX_VARIANT_CHARS)] | None = Field(
         None, description="The variant to run on (`int8`, as /v1/models lists them); unset = reflow chooses."
     )
-    # refused unless asked for as reflow serves (one choice, no penalties, no logprobs)
+    repetition_penalty: (
+        Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)] | None
+    ) = Field(
+        None,
+        description="vLLM's: a seen token's logit (prompt or completion) is divided by it where positive, "
+        "multiplied where negative; 1 or omitted = off.",
+    )
+    presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] | None = (
+        Field(None, description="Subtracted from the logit of every token the completion holds; 0 = off.")
+    )
+    frequency_penalty: (
+        Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] | None
+    ) = Field(None, description="Subtracted once for each time the completion holds a token; 0 = off.")
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]],
+            Field(max_length=MAX_LOGIT_BIAS_ENTRIES),
+        ]
+        | None
+    ) = Field(None, description="Token id (as a string) -> added to its logit; 100 forces it, -100 bans it.")
+    # refused unless asked for as reflow serves (one choice, no logprobs)
     n: int | None = Field(None, description="Only 1 is supported.")
-    presence_penalty: float | None = Field(None, description="Only 0 is supported.")
-    frequency_penalty: float | None = Field(None, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported.")
 
 
 class ContentPart(_Body):

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.http.schemas import UINT32, ChatCompletionRequest, CompletionRequest
 from reflow.errors import InvalidArgument
 from reflow.v1 import inference_pb2
 
@@ -33,6 +33,9 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest) -> inferen
             sampling=P.SamplingParams(
                 max_tokens=max_tokens or 0, temperature=temperature, top_p=body.top_p or 0.0,
                 top_k=body.top_k or 0, seed=(body.seed or 0) % 2**64, stop=stop,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=body.repetition_penalty or 0.0, logit_bias=_logit_bias(body),
             ),
             user_id=body.user or "",
             reasoning_budget=body.reasoning_budget or 0,
@@ -54,9 +57,6 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
     tools = "tools (function calling) are not supported"
     refusals: list[tuple[str, bool, str]] = [
         ("n", body.n not in (None, 1), "reflow returns one choice per request; send n=1 (or omit it)"),
-        ("presence_penalty", bool(body.presence_penalty), "presence_penalty is not supported; omit it"),
-        ("frequency_penalty", bool(body.frequency_penalty), "frequency_penalty is not supported; omit it"),
-        ("logit_bias", bool(body.logit_bias), "logit_bias is not supported; omit it"),
         ("logprobs", bool(body.logprobs), "logprobs are not supported; omit logprobs"),
         (
             "stream_options",
@@ -81,6 +81,19 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
     for param, refused, message in refusals:
         if refused:
             raise InvalidArgument(message, param=param)
+
+
+def _logit_bias(body: ChatCompletionRequest | CompletionRequest) -> dict[int, float]:
+    """The logit bias by token id; InvalidArgument for a key that is not one (a decimal integer)."""
+    biases = {}
+    for key, bias in (body.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit() and int(key) <= UINT32):
+            raise InvalidArgument(
+                f'logit_bias keys are token ids, integers written as strings ("50256"), got {key!r}',
+                param="logit_bias",
+            )
+        biases[int(key)] = bias
+    return biases
 
 
 def _messages(body: ChatCompletionRequest) -> list[inference_pb2.ChatMessage]:

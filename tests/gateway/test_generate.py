@@ -282,13 +282,26 @@ async def test_stop_strings_and_reasoning_budget_reach_the_worker(stack: Stack) 
     # The whole conversion chain, gateway request -> worker request -> decode parameters:
     loaded = stack.workers[0].servicer.engine.get("arith", "1")
     outgoing = worker_request(
-        P.GenerateRequest(prompt="1+1=", reasoning_budget=7, sampling=P.SamplingParams(stop=["x"], top_k=3)),
+        P.GenerateRequest(
+            prompt="1+1=", reasoning_budget=7,
+            sampling=P.SamplingParams(
+                stop=["x"], top_k=3, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.25,
+                logit_bias={9: -100.0, 3: 2.5},
+            ),
+        ),
         request_limits(stack.settings),
         request_id="r",
         loaded=loaded_to_pb(loaded, stack.workers[0].servicer.engine),
-    )
-    params = params_from_pb(outgoing)
+    )  # fmt: skip
+    params = params_from_pb(outgoing, loaded.model.vocab_size)
     assert (params.reasoning_budget, params.stop, params.sampling.top_k) == (7, ("x",), 3)
+    sampling = params.sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (
+        0.5,
+        -1,
+        1.25,
+    )
+    assert sampling.logit_bias == ((3, 2.5), (9, -100.0))
     assert params.max_tokens == min(stack.settings.default_max_tokens, loaded.max_len - 1)
 
 

@@ -140,6 +140,28 @@ async def test_text_completions_stream_and_not_with_reasoning_apart(stack: Stack
     await sdk.close()
 
 
+async def test_a_logit_bias_and_penalties_reach_the_model_and_bad_ones_are_refused_by_name(
+    stack: Stack,
+) -> None:
+    sdk = client(stack)
+    ask = {"model": "arith", "prompt": "47+38=", "max_tokens": 6, "temperature": 0}
+    five = await asyncio.to_thread(sdk.completions.create, **ask, logit_bias={"53": 100})  # the byte "5"
+    assert five.choices[0].text == "555555" and five.usage.completion_tokens == 6
+    plain = await asyncio.to_thread(sdk.completions.create, **ask)
+    repeated = await asyncio.to_thread(
+        sdk.completions.create, **ask, logit_bias={"53": 100}, frequency_penalty=2,
+        extra_body={"repetition_penalty": 10},
+    )  # fmt: skip
+    assert repeated.choices[0].text != five.choices[0].text  # a "5" is penalised once it has been said
+    with pytest.raises(openai.BadRequestError) as refused:
+        await asyncio.to_thread(sdk.completions.create, **ask, presence_penalty=2.5)
+    assert refused.value.body["param"] == "presence_penalty"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await asyncio.to_thread(sdk.completions.create, **ask, logit_bias={"9999999": 1})
+    assert "sampling.logit_bias holds 9999999, past the vocabulary of arith/1" in refused.value.message
+    assert plain.choices[0].text != five.choices[0].text
+
+
 async def test_curl_shows_the_stream_as_a_person_reads_it(stack: Stack) -> None:
     if shutil.which("curl") is None:
         pytest.skip("needs curl")

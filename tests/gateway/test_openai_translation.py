@@ -61,6 +61,25 @@ def test_a_chat_body_becomes_the_generate_request_it_asks_for() -> None:
         chat(top_p=0)
 
 
+def test_penalties_and_a_logit_bias_are_what_openai_and_vllm_clients_send() -> None:
+    sampling = generate_request(
+        chat(
+            presence_penalty=0.5,
+            frequency_penalty=-1.5,
+            repetition_penalty=1.2,
+            logit_bias={"53": 100, "7": -2.5},
+        )
+    ).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.5)
+    assert sampling.repetition_penalty == pytest.approx(1.2)
+    assert dict(sampling.logit_bias) == {53: 100.0, 7: -2.5}
+    too_many = {str(i): 1.0 for i in range(1025)}
+    for fields in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0},
+                   {"logit_bias": {"1": 101}}, {"logit_bias": too_many}):  # fmt: skip
+        with pytest.raises(ValidationError, match=next(iter(fields))):
+            chat(**fields)
+
+
 def test_a_text_body_takes_a_prompt_or_a_list_of_one() -> None:
     assert generate_request(CompletionRequest(prompt="1+1=")).prompt == "1+1="
     assert generate_request(CompletionRequest(prompt=["1+1="], stop=["a", "b"])).sampling.stop == ["a", "b"]
@@ -73,8 +92,9 @@ def test_a_text_body_takes_a_prompt_or_a_list_of_one() -> None:
     ("fields", "param"),
     [
         ({"n": 3}, "n"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+        ({"logit_bias": {"one": 2.0}}, "logit_bias"),
+        ({"logit_bias": {"-1": 2.0}}, "logit_bias"),
+        ({"logit_bias": {str(2**32): 2.0}}, "logit_bias"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),

@@ -26,3 +26,28 @@ def test_the_documented_temperatures_pass_as_float32_carries_them(temperature: f
 def test_temperatures_out_of_range_are_refused(temperature: float) -> None:
     with pytest.raises(InvalidArgument, match=r"sampling\.temperature must be 0"):
         check_request(sampled(temperature), LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "refused"),
+    [
+        ({"presence_penalty": 2.01}, r"sampling\.presence_penalty must be in \[-2\.0, 2\.0\]"),
+        ({"frequency_penalty": float("nan")}, r"sampling\.frequency_penalty must be in"),
+        ({"repetition_penalty": -0.5}, r"sampling\.repetition_penalty must be in \(0, 10\.0\]"),
+        ({"repetition_penalty": 10.5}, r"sampling\.repetition_penalty"),
+        ({"logit_bias": {7: 100.5}}, r"sampling\.logit_bias\[7\] must be in \[-100\.0, 100\.0\]"),
+        ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, r"sampling\.logit_bias has 1025 entries"),
+    ],
+)
+def test_penalties_and_logit_biases_out_of_range_are_refused(
+    sampling: dict[str, object], refused: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=refused):
+        check_request(P.GenerateRequest(prompt="1+1=", sampling=P.SamplingParams(**sampling)), LIMITS)
+
+
+def test_penalties_and_logit_biases_at_their_bounds_pass() -> None:
+    bounds = P.SamplingParams(
+        presence_penalty=-2, frequency_penalty=2, repetition_penalty=10, logit_bias={0: -100, 5: 100}
+    )
+    check_request(P.GenerateRequest(prompt="1+1=", sampling=bounds), LIMITS)

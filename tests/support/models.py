@@ -16,6 +16,7 @@ from workers.models.builtin import TOKENIZER, new_model
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import save_checkpoint
+from workers.sampling import SamplingParams, adjust
 from workers.sequence import Delta, GenerationParams
 
 MODEL = "arith"  # the registered model the tests serve
@@ -39,8 +40,11 @@ def tiny_model(seed: int = 0) -> CausalLM:
     return model.eval()
 
 
-def reference_greedy(model: CausalLM, prompt: str, max_new_tokens: int) -> list[int]:
-    """Greedy decoding by full causal passes, no cache: the ground truth for every cached path."""
+def reference_greedy(
+    model: CausalLM, prompt: str, max_new_tokens: int, adjusted: SamplingParams | None = None
+) -> list[int]:
+    """Greedy decoding by full causal passes, no cache: the ground truth for every cached path
+    (with the logit bias and penalties of `adjusted` applied to each step's logits)."""
     ids = TOKENIZER.encode(prompt)
     banned = TOKENIZER.never_generated(model.vocab_size)
     generated: list[int] = []
@@ -48,6 +52,8 @@ def reference_greedy(model: CausalLM, prompt: str, max_new_tokens: int) -> list[
         for _ in range(max_new_tokens):
             logits = model(torch.tensor([ids + generated]))[0, -1]  # [V]
             logits[banned] = float("-inf")
+            if adjusted is not None:
+                adjust(logits[None], adjusted, ids, generated, [])
             token = int(logits.argmax())
             generated.append(token)
             if token in TOKENIZER.eos_ids:

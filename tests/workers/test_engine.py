@@ -312,3 +312,36 @@ async def test_drafted_tokens_change_no_output_greedy_or_seeded_alone_or_in_any_
     assert tokens == sum(len(ids) for ids in alone) * 2
     # every token after a sequence's first has its gap, several tokens a step or not
     assert count("reflow_worker_inter_token_seconds_count") == tokens - 2 * len(REPEATING)
+
+
+async def test_penalties_and_a_logit_bias_give_their_tokens_with_drafts_alone_and_in_any_mix() -> None:
+    plain, speculative = new_engine(speculative_tokens=0), new_engine(speculative_tokens=4)
+    five = TOKENIZER.encode("5", bos=False)[0]
+    adjusted = SamplingParams(  # penalties that favour repeats, which drafts predict
+        repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=-0.2, logit_bias=((five, 1.5),)
+    )
+    params = [GenerationParams(max_tokens=12 + 4 * i, sampling=adjusted if i % 2 == 0 else SamplingParams())
+              for i in range(len(REPEATING))]  # fmt: skip
+    metrics = speculative.metrics
+    assert metrics is not None
+    kept = metrics.accepted_draft_tokens._value.get
+    try:
+        alone, kept_adjusted = [], 0.0
+        for i, p in enumerate(REPEATING):
+            before = kept()
+            alone.append((await collect(speculative, p, params[i])).token_ids)
+            kept_adjusted += (kept() - before) * (i % 2 == 0)
+        together = await asyncio.gather(
+            *(collect(speculative, p, params[i]) for i, p in enumerate(REPEATING))
+        )
+        without = [(await collect(plain, p, params[i])).token_ids for i, p in enumerate(REPEATING)]
+    finally:
+        plain.close()
+        speculative.close()
+    assert alone == without  # a drafted row is adjusted as the row a step later would be
+    assert [d.token_ids for d in together] == alone  # and a row's adjustments are its own
+    model, n = tiny_model(0), params[0].max_tokens
+    assert alone[0] == reference_greedy(model, REPEATING[0], n, adjusted)
+    assert alone[0] != reference_greedy(model, REPEATING[0], n)  # they change the answer
+    assert alone[1] == reference_greedy(model, REPEATING[1], params[1].max_tokens)  # not its neighbours'
+    assert kept_adjusted > 0  # adjusted rows kept drafts
