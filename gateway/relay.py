@@ -175,7 +175,9 @@ class Relay:
                     delta = await mailbox.get()
                 except grpc.aio.AioRpcError as error:
                     raise _worker_error(worker, error, started=first_token_at is not None) from None
-                message = inference_pb2.GenerateResponse(text=delta.text, reasoning_text=delta.reasoning_text)
+                message = inference_pb2.GenerateResponse(
+                    text=delta.text, reasoning_text=delta.reasoning_text, logprobs=delta.logprobs
+                )
                 now = time.perf_counter()
                 tracked.tokens_arrived(len(delta.token_ids), now)
                 later_tokens = len(delta.token_ids)  # tokens after the first one of the stream
@@ -233,6 +235,7 @@ def merge_worker_deltas(
 ) -> None:
     """Folds a later worker delta into an earlier one that has not been relayed yet."""
     earlier.token_ids.extend(later.token_ids)
+    earlier.logprobs.extend(later.logprobs)
     earlier.text += later.text
     earlier.reasoning_text += later.reasoning_text
     if later.finish_reason:

@@ -23,6 +23,7 @@ MAX_PENALTY = 2.0  # OpenAI's bound on the presence and frequency penalties, eit
 MAX_REPETITION_PENALTY = 10.0  # past it every seen token is as good as banned
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias, either sign: 100 forces a token, -100 bans it
 MAX_LOGIT_BIAS_ENTRIES = 1024  # a bound on what one request makes every step do
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the alternatives reported at each position
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,11 @@ def check_request(request: inference_pb2.GenerateRequest, limits: RequestLimits)
     if not math.isfinite(s.top_p) or not 0.0 <= s.top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p must be in [0, 1] (0 = off), got {s.top_p}")
     _check_adjustments(s)
+    if request.top_logprobs > MAX_TOP_LOGPROBS:
+        message = f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {request.top_logprobs}"
+        raise InvalidArgument(message, param="top_logprobs")
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs: set logprobs too", param="top_logprobs")
     if len(s.stop) > limits.max_stop_strings:
         raise InvalidArgument(f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}")
     if any(not stop or len(stop) > MAX_STOP_CHARS for stop in s.stop):
@@ -159,4 +165,6 @@ def worker_request(
         reasoning_budget=request.reasoning_budget if reasoning_budget is None else reasoning_budget,
         variant=variant,
         cache_salt=cache_salt,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
     )

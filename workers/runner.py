@@ -17,7 +17,7 @@ from workers.metrics import WorkerMetrics
 from workers.models.kv_cache import CacheView
 from workers.models.lora import Adapter, AdapterRows, AdapterSet
 from workers.residency import Copy, ResidentVersion
-from workers.sampling import adjust, sample
+from workers.sampling import adjust, sample, token_logprob
 from workers.sequence import Delta
 
 logger = logging.getLogger(__name__)
@@ -176,9 +176,12 @@ class ModelRunner:
         drawn from the request's generator, exactly as a step without drafts would). Returns what
         they add and how many drafted tokens were kept."""
         draft, delta = request.draft, Delta()
+        top = request.sequence.params.top_logprobs
         for i, row in enumerate(logits):  # draft[i] is what row i+1 was fed
             token = self._pick(request, row, greedy[i])
             delta.merge(request.sequence.append(token))
+            if top is not None:  # of the logits it was picked from, adjusted, before temperature
+                delta.logprobs.append(token_logprob(torch.log_softmax(row.float(), dim=-1), token, top))
             if i == len(draft) or token != draft[i] or delta.finish_reason is not None:
                 break
         return delta, i + 1 if i < len(draft) and token == draft[i] else i  # draft[:i] were kept

@@ -29,6 +29,27 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
+LOGPROB_FLOOR = -9999.0  # what a token that cannot occur (-inf) is reported at, as OpenAI reports it
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A picked token's log probability, and the `top` most likely tokens' at its position (id,
+    log probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logprobs: Tensor, token_id: int, top: int) -> TokenLogprob:
+    """The entry of `token_id` from one row of log probabilities [V] (`log_softmax` of the logits it
+    was picked from), with the `top` most likely (at most the vocabulary)."""
+    values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
+    ranked = tuple(zip(ids.tolist(), (max(v, LOGPROB_FLOOR) for v in values.tolist()), strict=True))
+    return TokenLogprob(token_id, max(float(logprobs[token_id]), LOGPROB_FLOOR), ranked)
+
+
 def make_generator(params: SamplingParams) -> torch.Generator:
     """A CPU generator seeded from `params.seed` (or at random when it is 0)."""
     seed = params.seed or secrets.randbits(63)

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from workers.models.interface import Tokenizer
-from workers.sampling import SamplingParams
+from workers.sampling import SamplingParams, TokenLogprob
 
 
 class FinishReason(enum.Enum):
@@ -26,6 +26,7 @@ class GenerationParams:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     reasoning_budget: int = 0  # 0 = bounded only by max_tokens
+    top_logprobs: int | None = None  # None: no log probabilities; k: each token's and the k likeliest
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,12 @@ class Delta:
     reasoning_text: str = ""
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # on the last delta only
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked for
 
     def merge(self, later: Delta) -> None:
         """Appends `later` to this delta, in order."""
         self.token_ids.extend(later.token_ids)
+        self.logprobs.extend(later.logprobs)
         self.text += later.text
         self.reasoning_text += later.reasoning_text
         self.finish_reason = later.finish_reason or self.finish_reason

@@ -30,13 +30,14 @@ from reflow.serving import (
     write_ready_file,
 )
 from reflow.settings import Settings
-from reflow.v1 import worker_pb2, worker_pb2_grpc
+from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from workers.batch_scheduler import BatchScheduler
 from workers.engine import Engine, EngineConfig
 from workers.follower import AliasFollower
 from workers.isolation import Isolation, IsolationConfig, NoIsolation, isolate
 from workers.isolation.host import DEFAULT_OBJECT
 from workers.metrics import WorkerMetrics
+from workers.models.interface import Tokenizer
 from workers.models.loader import resolve_device, resolve_dtype
 from workers.models.prompts import prompt_ids
 from workers.residency import (
@@ -47,7 +48,7 @@ from workers.residency import (
     ResidentAdapter,
     ResidentVersion,
 )
-from workers.sampling import SamplingParams
+from workers.sampling import SamplingParams, TokenLogprob
 from workers.sequence import Delta, GenerationParams
 from workers.variants import check_variants
 from workers.versions import Versions
@@ -73,6 +74,7 @@ def params_from_pb(request: worker_pb2.WorkerGenerateRequest, vocab_size: int) -
         sampling=sampling,
         stop=tuple(s.stop),
         reasoning_budget=request.reasoning_budget,
+        top_logprobs=request.top_logprobs if request.logprobs else None,
     )
 
 
@@ -104,13 +106,15 @@ def prompt_ids_of(request: worker_pb2.WorkerGenerateRequest, loaded: Resident) -
         raise InvalidArgument(f"{request.model}/{request.version}: {error}") from None
 
 
-def delta_to_pb(delta: Delta) -> worker_pb2.WorkerGenerateResponse:
-    """Wire form of one delta; the last one carries the token counts."""
+def delta_to_pb(delta: Delta, tokenizer: Tokenizer) -> worker_pb2.WorkerGenerateResponse:
+    """Wire form of one delta, its tokens' log probabilities with their text; the last one carries
+    the token counts."""
     message = worker_pb2.WorkerGenerateResponse(
         token_ids=delta.token_ids,
         text=delta.text,
         reasoning_text=delta.reasoning_text,
         finish_reason=f"FINISH_REASON_{delta.finish_reason.name}" if delta.finish_reason else None,
+        logprobs=[logprob_to_pb(entry, tokenizer) for entry in delta.logprobs],
     )
     if delta.usage is not None:
         message.prompt_tokens = delta.usage.prompt_tokens
@@ -118,6 +122,17 @@ def delta_to_pb(delta: Delta) -> worker_pb2.WorkerGenerateResponse:
         message.reasoning_tokens = delta.usage.reasoning_tokens
         message.cached_tokens = delta.usage.cached_tokens
     return message
+
+
+def logprob_to_pb(entry: TokenLogprob, tokenizer: Tokenizer) -> inference_pb2.TokenLogprob:
+    """Wire form of a token's log probability and its alternatives, each token with its text."""
+    top = [
+        inference_pb2.TokenLogprob(token_id=i, token=tokenizer.decode([i]), logprob=p) for i, p in entry.top
+    ]
+    token = tokenizer.decode([entry.token_id])
+    return inference_pb2.TokenLogprob(
+        token_id=entry.token_id, token=token, logprob=entry.logprob, top_logprobs=top
+    )
 
 
 def loaded_to_pb(loaded: Resident, engine: Engine) -> worker_pb2.LoadedVersion:
@@ -215,7 +230,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
         async with contextlib.aclosing(stream):  # a cancelled call frees its slot at once
             async for delta in stream:
-                yield delta_to_pb(delta)
+                yield delta_to_pb(delta, loaded.tokenizer)
 
     async def Status(
         self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext

@@ -247,10 +247,11 @@ async def _events(
     """The SSE events of a completion whose first message is `first` and the rest `stream`."""
     async with contextlib.aclosing(stream):
         try:
-            message = first
+            message, offset = first, len(first.text)
             yield translation.chunk(shape, served, first, True, with_usage)
             async for message in stream:
-                yield translation.chunk(shape, served, message, False, with_usage)
+                yield translation.chunk(shape, served, message, False, with_usage, offset)
+                offset += len(message.text)
             if with_usage:
                 yield translation.usage_chunk(shape, served, message)
         except ReflowError as error:

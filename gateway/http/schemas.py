@@ -2,7 +2,7 @@
 validates requests against and what `/openapi.json` documents.
 
 Fields reflow does not implement are declared too, so that asking for them (`n` > 1, tools,
-logprobs, ...) is refused by name rather than ignored; fields it has never heard of are ignored,
+`echo`, ...) is refused by name rather than ignored; fields it has never heard of are ignored,
 as OpenAI's clients send new ones first. reflow's own fields (`top_k`, `repetition_penalty`,
 `reasoning_budget`, `latency_budget_ms`, `variant`) are extra body fields (`extra_body=` in the
 `openai` SDK).
@@ -22,6 +22,7 @@ from gateway.validation import (
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
     MAX_VARIANT_CHARS,
 )
 
@@ -104,7 +105,7 @@ class _CompletionParameters(_Body):
         ]
         | None
     ) = Field(None, description="Token id (as a string) -> added to its logit; 100 forces it, -100 bans it.")
-    # refused unless asked for as reflow serves (one choice, no logprobs)
+    # refused unless asked for as reflow serves (one choice)
     n: int | None = Field(None, description="Only 1 is supported.")
 
 
@@ -131,8 +132,10 @@ class ChatCompletionRequest(_CompletionParameters):
     max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32)] | None = Field(
         None, description="The same as `max_tokens`, which it wins over."
     )
-    logprobs: bool | None = Field(None, description="Not supported.")
-    top_logprobs: int | None = Field(None, description="Not supported.")
+    logprobs: bool | None = Field(None, description="Report each generated token's log probability.")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
+        None, description="With `logprobs`, also the most likely tokens at each position."
+    )
     tools: list[Any] | None = Field(None, description="Not supported.")
     tool_choice: Any = Field(None, description="Only `none` is supported.")
     functions: list[Any] | None = Field(None, description="Not supported.")
@@ -141,7 +144,9 @@ class ChatCompletionRequest(_CompletionParameters):
 
 class CompletionRequest(_CompletionParameters):
     prompt: str | list[str] = Field(description="The text to complete; a list holds exactly one.")
-    logprobs: int | None = Field(None, description="Not supported.")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
+        None, description="Report each token's log probability and this many of the most likely ones'."
+    )
     echo: bool | None = Field(None, description="Not supported.")
     best_of: int | None = Field(None, description="Only 1 is supported.")
     suffix: str | None = Field(None, description="Not supported.")
@@ -172,11 +177,30 @@ class AssistantMessage(BaseModel):
     reasoning_content: str | None = Field(None, description="What the model thought, when it did.")
 
 
+class TopLogprob(BaseModel):
+    token: str = Field(description="The token's text, decoded alone.")
+    logprob: float = Field(
+        description="After the logit bias and penalties, before temperature; -9999 for -inf."
+    )
+    bytes: None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(
+        description="The most likely tokens at its position, likeliest first."
+    )
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = Field(description="One for each generated token (reasoning's too).")
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -199,7 +223,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -214,12 +238,19 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = Field(None, description="On the last chunk only, with `include_usage`.")
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int] = Field(description="Each token's first character in the completion's text.")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     reasoning_content: str | None = None
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

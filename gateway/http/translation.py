@@ -3,8 +3,10 @@ completions, chunks and usage, for chat (`/v1/chat/completions`) and text (`/v1/
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +15,7 @@ from reflow.errors import InvalidArgument
 from reflow.v1 import inference_pb2
 
 P = inference_pb2
+Logprobs = Sequence[inference_pb2.TokenLogprob]
 FINISH_REASONS = {P.FINISH_REASON_STOP: "stop", P.FINISH_REASON_LENGTH: "length"}
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # what OpenAI's API documents for an omitted temperature
 ROLES = {"developer": "system"}  # OpenAI's newer name for the system role, which templates know
@@ -42,6 +45,7 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest) -> inferen
             latency_budget_ms=body.latency_budget_ms or 0,
             variant=body.variant or "",
             labels=body.metadata or {},
+            **_logprobs_asked(body),
         )  # fmt: skip
         if isinstance(body, ChatCompletionRequest):
             request.messages.extend(_messages(body))
@@ -57,7 +61,6 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
     tools = "tools (function calling) are not supported"
     refusals: list[tuple[str, bool, str]] = [
         ("n", body.n not in (None, 1), "reflow returns one choice per request; send n=1 (or omit it)"),
-        ("logprobs", bool(body.logprobs), "logprobs are not supported; omit logprobs"),
         (
             "stream_options",
             body.stream_options is not None and not body.stream,
@@ -67,7 +70,6 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
     if isinstance(body, ChatCompletionRequest):
         response_type = (body.response_format or {}).get("type", "text")
         refusals += [
-            ("top_logprobs", bool(body.top_logprobs), "logprobs are not supported; omit top_logprobs"),
             ("tools", bool(body.tools) or bool(body.functions), tools),
             ("tool_choice", body.tool_choice not in (None, "none"), tools),
             ("response_format", response_type != "text", "only response_format type 'text' is supported"),
@@ -81,6 +83,14 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
     for param, refused, message in refusals:
         if refused:
             raise InvalidArgument(message, param=param)
+
+
+def _logprobs_asked(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """GenerateRequest's logprobs and top_logprobs: a chat body's as they are; a text body's
+    `logprobs` is how many alternatives it wants (0: the tokens' own log probabilities only)."""
+    if isinstance(body, ChatCompletionRequest):
+        return {"logprobs": bool(body.logprobs), "top_logprobs": body.top_logprobs or 0}
+    return {"logprobs": body.logprobs is not None, "top_logprobs": body.logprobs or 0}
 
 
 def _logit_bias(body: ChatCompletionRequest | CompletionRequest) -> dict[int, float]:
@@ -186,20 +196,36 @@ class ChatShape:
     chunk_object = "chat.completion.chunk"
 
     @staticmethod
-    def choice(answer: str, reasoning: str, last: inference_pb2.GenerateResponse) -> dict[str, Any]:
+    def choice(
+        answer: str, reasoning: str, last: inference_pb2.GenerateResponse, logprobs: Logprobs
+    ) -> dict[str, Any]:
         message = {"role": "assistant", "content": answer}
         if reasoning:
             message["reasoning_content"] = reasoning
-        return {"index": 0, "message": message, "finish_reason": finish_reason(last), "logprobs": None}
+        return {"index": 0, "message": message, "finish_reason": finish_reason(last),
+                "logprobs": ChatShape.logprobs(logprobs)}  # fmt: skip
 
     @staticmethod
-    def chunk_choice(message: inference_pb2.GenerateResponse, first: bool) -> dict[str, Any]:
+    def chunk_choice(message: inference_pb2.GenerateResponse, first: bool, offset: int) -> dict[str, Any]:
         delta: dict[str, str] = {"role": "assistant", "content": message.text} if first else {}
         if message.text:
             delta["content"] = message.text
         if message.reasoning_text:
             delta["reasoning_content"] = message.reasoning_text
-        return {"index": 0, "delta": delta, "finish_reason": finish_reason(message), "logprobs": None}
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason(message),
+                "logprobs": ChatShape.logprobs(message.logprobs)}  # fmt: skip
+
+    @staticmethod
+    def logprobs(entries: Logprobs) -> dict[str, Any] | None:
+        """OpenAI's chat logprobs of these tokens; None where none were asked for (or made)."""
+        if not entries:
+            return None
+
+        def entry(e: inference_pb2.TokenLogprob) -> dict[str, Any]:
+            return {"token": e.token, "logprob": e.logprob, "bytes": None}  # a token's bytes are not kept
+
+        content = [entry(e) | {"top_logprobs": [entry(t) for t in e.top_logprobs]} for e in entries]
+        return {"content": content, "refusal": None}
 
 
 class TextShape:
@@ -209,15 +235,33 @@ class TextShape:
     chunk_object = "text_completion"
 
     @staticmethod
-    def choice(answer: str, reasoning: str, last: inference_pb2.GenerateResponse) -> dict[str, Any]:
-        choice = {"index": 0, "text": answer, "finish_reason": finish_reason(last), "logprobs": None}
+    def choice(
+        answer: str, reasoning: str, last: inference_pb2.GenerateResponse, logprobs: Logprobs, offset: int = 0
+    ) -> dict[str, Any]:
+        choice = {"index": 0, "text": answer, "finish_reason": finish_reason(last),
+                  "logprobs": TextShape.logprobs(logprobs, offset)}  # fmt: skip
         if reasoning:
             choice["reasoning_content"] = reasoning
         return choice
 
     @staticmethod
-    def chunk_choice(message: inference_pb2.GenerateResponse, first: bool) -> dict[str, Any]:
-        return TextShape.choice(message.text, message.reasoning_text, message)
+    def chunk_choice(message: inference_pb2.GenerateResponse, first: bool, offset: int) -> dict[str, Any]:
+        return TextShape.choice(message.text, message.reasoning_text, message, message.logprobs, offset)
+
+    @staticmethod
+    def logprobs(entries: Logprobs, offset: int) -> dict[str, Any] | None:
+        """OpenAI's text-completion logprobs of these tokens, the first at character `offset` of the
+        completion (each token's offset counts the tokens' texts before it, as vLLM counts them);
+        None where none were asked for (or made)."""
+        if not entries:
+            return None
+        offsets = list(itertools.accumulate((len(e.token) for e in entries[:-1]), initial=offset))
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+            "text_offset": offsets,
+        }
 
 
 Shape = type[ChatShape] | type[TextShape]
@@ -229,16 +273,22 @@ def completion(
     """The whole completion of a stream's messages (the last carries finish_reason and usage)."""
     answer = "".join(m.text for m in messages)
     reasoning = "".join(m.reasoning_text for m in messages)
-    choice = shape.choice(answer, reasoning, messages[-1])
+    choice = shape.choice(answer, reasoning, messages[-1], [e for m in messages for e in m.logprobs])
     return served.envelope(shape.object) | {"choices": [choice], "usage": usage(messages[-1])}
 
 
 def chunk(
-    shape: Shape, served: Served, message: inference_pb2.GenerateResponse, first: bool, with_usage: bool
+    shape: Shape,
+    served: Served,
+    message: inference_pb2.GenerateResponse,
+    first: bool,
+    with_usage: bool,
+    offset: int = 0,
 ) -> str:
-    """One SSE event of a streamed completion; `with_usage` adds `"usage": null`, as OpenAI does
-    on every chunk but the last when usage was asked for."""
-    body = served.envelope(shape.chunk_object) | {"choices": [shape.chunk_choice(message, first)]}
+    """One SSE event of a streamed completion, whose text before it is `offset` characters long;
+    `with_usage` adds `"usage": null`, as OpenAI does on every chunk but the last when usage was
+    asked for."""
+    body = served.envelope(shape.chunk_object) | {"choices": [shape.chunk_choice(message, first, offset)]}
     if with_usage:
         body["usage"] = None
     return event(body)

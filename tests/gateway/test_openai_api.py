@@ -5,6 +5,7 @@ and feedback as the gRPC face, and each error as the status and SDK exception us
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import shutil
 import subprocess
@@ -120,6 +121,53 @@ async def test_a_streamed_chat_completion_with_usage_gives_the_same_text_and_cou
     await sdk.close()
 
 
+async def test_logprobs_come_with_each_token_whole_and_streamed_and_equal_the_grpc_ones(
+    chat_stack: Stack,
+) -> None:
+    greedy = {"max_tokens": 8, "temperature": 0}
+    asked = grpc_chat(**greedy)
+    asked.logprobs, asked.top_logprobs = True, 3
+    answer = await generate(chat_stack, asked)
+    tokens = [entry for m in answer for entry in m.logprobs]
+    assert len(tokens) == answer[-1].usage.completion_tokens > 0
+    for e in tokens:  # greedy: the token is the likeliest, and the alternatives come likeliest first
+        likelihoods = [t.logprob for t in e.top_logprobs]
+        assert likelihoods == sorted(likelihoods, reverse=True) and len(likelihoods) == 3
+        assert e.top_logprobs[0].token_id == e.token_id and e.logprob == likelihoods[0]
+    sdk = async_client(chat_stack)
+    whole = await sdk.chat.completions.create(
+        model=CHAT, messages=CONVERSATION, logprobs=True, top_logprobs=3, **greedy
+    )
+    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert [(c.token, c.logprob) for c in content] == [(e.token, pytest.approx(e.logprob)) for e in tokens]
+    assert [[t.token for t in c.top_logprobs] for c in content] == [
+        [t.token for t in e.top_logprobs] for e in tokens
+    ]
+    stream = await sdk.chat.completions.create(
+        model=CHAT, messages=CONVERSATION, logprobs=True, top_logprobs=3, stream=True, **greedy
+    )
+    streamed = []
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content or []
+    assert [c.model_dump() for c in streamed] == [c.model_dump() for c in content]
+    plain = await sdk.chat.completions.create(model=CHAT, messages=CONVERSATION, **greedy)
+    assert plain.choices[0].logprobs is None
+    text = await sdk.completions.create(model=CHAT, prompt="Hello there", logprobs=2, **greedy)
+    logprobs = text.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs and logprobs.text_offset
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == text.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs or [])  # two tokens may decode alike
+    assert logprobs.text_offset == list(
+        itertools.accumulate((len(t) for t in logprobs.tokens[:-1]), initial=0)
+    )
+    for refused in ({"top_logprobs": 3}, {"logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(openai.BadRequestError) as error:
+            await sdk.chat.completions.create(model=CHAT, messages=CONVERSATION, **refused, **greedy)  # type: ignore[call-overload]
+        assert error.value.body["param"] == "top_logprobs"  # type: ignore[index]
+    await sdk.close()
+
+
 async def test_text_completions_stream_and_not_with_reasoning_apart(stack: Stack) -> None:
     answer = await generate(stack, request("47+38=", max_tokens=24))
     text, reasoning = "".join(m.text for m in answer), "".join(m.reasoning_text for m in answer)
@@ -200,7 +248,7 @@ async def test_each_error_has_its_status_and_the_sdks_exception(stack: Stack) ->
         )
     assert unauthenticated.value.body["type"] == "authentication_error"  # type: ignore[index]
     refused = {
-        "n": {"n": 2}, "logprobs": {"logprobs": 2}, "echo": {"echo": True},
+        "n": {"n": 2}, "logprobs": {"logprobs": 21}, "echo": {"echo": True},
         "temperature": {"temperature": -1}, "max_tokens": {"max_tokens": 0},
     }  # fmt: skip
     for param, ask in refused.items():

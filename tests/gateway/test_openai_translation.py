@@ -95,7 +95,6 @@ def test_a_text_body_takes_a_prompt_or_a_list_of_one() -> None:
         ({"logit_bias": {"one": 2.0}}, "logit_bias"),
         ({"logit_bias": {"-1": 2.0}}, "logit_bias"),
         ({"logit_bias": {str(2**32): 2.0}}, "logit_bias"),
-        ({"top_logprobs": 2}, "top_logprobs"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),

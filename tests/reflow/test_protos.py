@@ -34,12 +34,13 @@ def test_public_contract_names() -> None:
     assert feedback.client_streaming and not feedback.server_streaming
     fields = {
         "GenerateRequest": ["model", "prompt", "sampling", "user_id", "reasoning_budget",
-                            "latency_budget_ms", "labels", "messages", "variant"],
+                            "latency_budget_ms", "labels", "messages", "variant", "logprobs", "top_logprobs"],
+        "TokenLogprob": ["token_id", "token", "logprob", "top_logprobs"],
         "ChatMessage": ["role", "content"],
         "SamplingParams": ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty",
                            "frequency_penalty", "repetition_penalty", "logit_bias"],
         "GenerateResponse": ["request_id", "model", "model_version", "arm", "text", "reasoning_text",
-                             "finish_reason", "usage", "routing"],
+                             "finish_reason", "usage", "routing", "logprobs"],
         "Routing": ["variant", "token_agreement", "predicted_time_to_first_token_ms", "predicted_total_ms",
                     "reasoning_budget", "predicted_to_meet_deadline"],
         "Usage": ["prompt_tokens", "completion_tokens", "reasoning_tokens", "time_to_first_token_ms",

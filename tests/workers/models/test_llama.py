@@ -15,6 +15,7 @@ from workers.engine import Engine, EngineConfig
 from workers.loading import load_directory
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_checkpoint
+from workers.sampling import TokenLogprob
 from workers.sequence import GenerationParams
 
 LLAMA3_ROPE = {
@@ -118,3 +119,36 @@ def test_the_engine_gives_the_same_greedy_tokens_alone_and_in_any_batch_as_trans
             for p in rows
         ]  # fmt: skip
     assert alone == expected
+
+
+def test_logprobs_are_transformers_log_softmax_of_the_logits_each_token_was_picked_from(
+    checkpoint: Path,
+) -> None:
+    prompt = prompts(2)[1]
+    engine = Engine(EngineConfig(max_batch_size=4))
+    try:
+        loaded = load_directory(checkpoint, "tiny", "1", CPU, dtype=torch.float32)
+        engine.add(loaded)
+
+        async def logprobs() -> tuple[list[int], list[TokenLogprob]]:
+            ids, entries = [], []
+            async for delta in engine.generate(
+                "tiny", "1", prompt, GenerationParams(max_tokens=12, top_logprobs=5)
+            ):
+                ids += delta.token_ids
+                entries += delta.logprobs
+            return ids, entries
+
+        ids, entries = asyncio.run(logprobs())
+    finally:
+        engine.close()
+    assert [e.token_id for e in entries] == ids and ids
+    with torch.inference_mode():
+        logits = reference_model(checkpoint)(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        logits[:, loaded.banned_tokens] = float("-inf")  # what a worker never generates, as it picks
+        expected = torch.log_softmax(logits.float(), dim=-1)  # [tokens, V]
+    for row, (token, entry) in enumerate(zip(ids, entries, strict=True)):
+        assert entry.logprob == pytest.approx(float(expected[row, token]), abs=1e-4)
+        values, likeliest = expected[row].topk(5)
+        assert [i for i, _ in entry.top] == likeliest.tolist() and entry.top[0][0] == token  # greedy
+        assert [p for _, p in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
