@@ -257,14 +257,16 @@ class StackedLinear(nn.Linear):
     def __init__(self, parts: Mapping[str, nn.Linear]):
         linears = list(parts.values())
         first = linears[0]
-        super().__init__(
-            first.in_features, sum(linear.out_features for linear in linears), bias=first.bias is not None,
-            device=first.weight.device, dtype=first.weight.dtype,
-        )  # fmt: skip
+        with torch.device("meta"):  # no memory and no initialisation: the parts' weights follow
+            super().__init__(
+                first.in_features, sum(lin.out_features for lin in linears), bias=first.bias is not None
+            )
+        grad = first.weight.requires_grad
         with torch.no_grad():
-            self.weight.copy_(torch.cat([linear.weight for linear in linears]))
-            if self.bias is not None:
-                self.bias.copy_(torch.cat([linear.bias for linear in linears if linear.bias is not None]))
+            self.weight = nn.Parameter(torch.cat([linear.weight for linear in linears]), requires_grad=grad)
+            if first.bias is not None:
+                biases: list[Tensor] = [linear.bias for linear in linears if linear.bias is not None]
+                self.bias = nn.Parameter(torch.cat(biases), requires_grad=grad)
         self.parts = {name: linear.out_features for name, linear in parts.items()}  # full name -> width
 
 
