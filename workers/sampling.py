@@ -1,5 +1,6 @@
 """Picks the next token from logits: the request's logit bias and repetition penalties first, then
-greedy, or temperature, top-k and top-p with a seeded generator."""
+greedy, or temperature, top-k and top-p with a seeded generator; and the log probabilities of what
+it picked, when asked for."""
 
 from __future__ import annotations
 
