@@ -176,8 +176,9 @@ class Relay:
                 except grpc.aio.AioRpcError as error:
                     raise _worker_error(worker, error, started=first_token_at is not None) from None
                 message = inference_pb2.GenerateResponse(
-                    text=delta.text, reasoning_text=delta.reasoning_text, logprobs=delta.logprobs
-                )
+                    text=delta.text, reasoning_text=delta.reasoning_text, logprobs=delta.logprobs,
+                    prompt_logprobs=delta.prompt_logprobs,
+                )  # fmt: skip
                 now = time.perf_counter()
                 tracked.tokens_arrived(len(delta.token_ids), now)
                 later_tokens = len(delta.token_ids)  # tokens after the first one of the stream
@@ -236,6 +237,7 @@ def merge_worker_deltas(
     """Folds a later worker delta into an earlier one that has not been relayed yet."""
     earlier.token_ids.extend(later.token_ids)
     earlier.logprobs.extend(later.logprobs)
+    earlier.prompt_logprobs.extend(later.prompt_logprobs)
     earlier.text += later.text
     earlier.reasoning_text += later.reasoning_text
     if later.finish_reason:

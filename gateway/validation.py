@@ -62,8 +62,10 @@ def check_request(request: inference_pb2.GenerateRequest, limits: RequestLimits)
     if request.top_logprobs > MAX_TOP_LOGPROBS:
         message = f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {request.top_logprobs}"
         raise InvalidArgument(message, param="top_logprobs")
-    if request.top_logprobs and not request.logprobs:
-        raise InvalidArgument("top_logprobs needs logprobs: set logprobs too", param="top_logprobs")
+    if request.top_logprobs and not (request.logprobs or request.prompt_logprobs):
+        raise InvalidArgument(
+            "top_logprobs needs logprobs (or prompt_logprobs): set logprobs too", param="top_logprobs"
+        )
     if len(s.stop) > limits.max_stop_strings:
         raise InvalidArgument(f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}")
     if any(not stop or len(stop) > MAX_STOP_CHARS for stop in s.stop):
@@ -167,4 +169,5 @@ def worker_request(
         cache_salt=cache_salt,
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
+        prompt_logprobs=request.prompt_logprobs,
     )

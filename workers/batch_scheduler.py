@@ -26,6 +26,7 @@ import torch
 
 from reflow.errors import NotFound, ResourceExhausted
 from workers.block_pool import BlockPool, block_hashes
+from workers.sampling import TokenLogprob
 from workers.sequence import Delta, Sequence
 from workers.speculation import PromptLookup
 
@@ -51,6 +52,7 @@ class Request:
     next_input: int | None = None  # the sampled token the next decode step feeds in
     draft: list[int] = field(default_factory=list)  # tokens the step's decode checks after next_input
     lookup: PromptLookup | None = None  # where its drafts come from (made when it first may draft)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # as its prompt is prefilled, if asked
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.perf_counter)
     admitted_at: float = 0.0
@@ -161,7 +163,9 @@ class BatchScheduler:
 
     def submit(self, request: Request) -> None:
         """Queues a request; ResourceExhausted with a retry hint when the queue is full."""
-        if self.prefix_cache:  # the keys differ through an adapter: never shared with the base
+        # the keys differ through an adapter: never shared with the base; a prompt whose log
+        # probabilities are asked for is computed whole
+        if self.prefix_cache and not request.sequence.params.prompt_logprobs:
             salt = f"{request.adapter}\0{request.cache_salt}"
             request.prefix = block_hashes(request.sequence.prompt_ids, self.block_size, salt)
         with self._lock:

@@ -5,6 +5,7 @@ over the copy join the same forwards."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ from workers.metrics import WorkerMetrics
 from workers.models.kv_cache import CacheView
 from workers.models.lora import Adapter, AdapterRows, AdapterSet
 from workers.residency import Copy, ResidentVersion
-from workers.sampling import adjust, sample, token_logprob
+from workers.sampling import TokenLogprob, adjust, sample, token_logprob
 from workers.sequence import Delta
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,8 @@ class ModelRunner:
         drawn from the request's generator, exactly as a step without drafts would). Returns what
         they add and how many drafted tokens were kept."""
         draft, delta = request.draft, Delta()
+        if not request.sequence.output_ids:  # its first token: the prompt's log probabilities come first
+            delta.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
         top = request.sequence.params.top_logprobs
         for i, row in enumerate(logits):  # draft[i] is what row i+1 was fed
             token = self._pick(request, row, greedy[i])
@@ -196,6 +199,9 @@ class ModelRunner:
         view = self.cache.view([r.blocks for r, _, _ in chunks], positions, device)
         adapters = self._adapter_rows([r for r, _, _ in chunks], len(chunks))
         logits = self.model(torch.tensor(tokens, device=device), self.cache, view, adapters)  # [N, T, V]
+        for row, (request, start, end) in enumerate(chunks):
+            if request.sequence.params.prompt_logprobs:
+                request.prompt_logprobs += prompt_logprobs(request, start, logits[row, : end - start])
         last = torch.tensor([e - s - 1 for _, s, e in chunks], device=device)  # [N]
         return logits[torch.arange(len(chunks), device=device), last]
 
@@ -230,3 +236,16 @@ class ModelRunner:
         logger.exception("sequence failed in model=%s version=%s", self.name, self.version)
         self.scheduler.finish(request)
         outputs.append((request, error))
+
+
+def prompt_logprobs(request: Request, start: int, logits: Tensor) -> list[TokenLogprob]:
+    """The log probabilities of the prompt tokens a prefill chunk's logits [T, V] predict (those after
+    `start` up to the next chunk's first), from the logits as they are; the prompt's first token
+    first, at NaN: nothing predicts it."""
+    prompt = request.sequence.prompt_ids
+    top = request.sequence.params.top_logprobs or 0
+    entries = [TokenLogprob(prompt[0], math.nan, ())] if start == 0 else []
+    rows = torch.log_softmax(logits.float(), dim=-1)
+    for offset, position in enumerate(range(start, min(start + len(logits), len(prompt) - 1))):
+        entries.append(token_logprob(rows[offset], prompt[position + 1], top))
+    return entries

@@ -27,6 +27,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     reasoning_budget: int = 0  # 0 = bounded only by max_tokens
     top_logprobs: int | None = None  # None: no log probabilities; k: each token's and the k likeliest
+    prompt_logprobs: bool = False  # the prompt tokens' too (with top_logprobs alternatives), sent first
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,13 @@ class Delta:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # on the last delta only
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt token, first delta
 
     def merge(self, later: Delta) -> None:
         """Appends `later` to this delta, in order."""
         self.token_ids.extend(later.token_ids)
         self.logprobs.extend(later.logprobs)
+        self.prompt_logprobs.extend(later.prompt_logprobs)
         self.text += later.text
         self.reasoning_text += later.reasoning_text
         self.finish_reason = later.finish_reason or self.finish_reason

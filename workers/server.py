@@ -75,6 +75,7 @@ def params_from_pb(request: worker_pb2.WorkerGenerateRequest, vocab_size: int) -
         stop=tuple(s.stop),
         reasoning_budget=request.reasoning_budget,
         top_logprobs=request.top_logprobs if request.logprobs else None,
+        prompt_logprobs=request.prompt_logprobs,
     )
 
 
@@ -115,6 +116,7 @@ def delta_to_pb(delta: Delta, tokenizer: Tokenizer) -> worker_pb2.WorkerGenerate
         reasoning_text=delta.reasoning_text,
         finish_reason=f"FINISH_REASON_{delta.finish_reason.name}" if delta.finish_reason else None,
         logprobs=[logprob_to_pb(entry, tokenizer) for entry in delta.logprobs],
+        prompt_logprobs=[logprob_to_pb(entry, tokenizer) for entry in delta.prompt_logprobs],
     )
     if delta.usage is not None:
         message.prompt_tokens = delta.usage.prompt_tokens

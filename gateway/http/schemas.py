@@ -147,7 +147,10 @@ class CompletionRequest(_CompletionParameters):
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
         None, description="Report each token's log probability and this many of the most likely ones'."
     )
-    echo: bool | None = Field(None, description="Not supported.")
+    echo: bool | None = Field(
+        None,
+        description="Start the text with the prompt; with `logprobs`, its tokens' log probabilities too.",
+    )
     best_of: int | None = Field(None, description="Only 1 is supported.")
     suffix: str | None = Field(None, description="Not supported.")
 
@@ -240,8 +243,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="None for an echoed prompt's first token.")
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int] = Field(description="Each token's first character in the completion's text.")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,7 +77,6 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
         ]  # fmt: skip
     else:
         refusals += [
-            ("echo", bool(body.echo), "echo is not supported; prepend the prompt yourself"),
             ("best_of", body.best_of not in (None, 1), "best_of is not supported; send 1 (or omit it)"),
             ("suffix", bool(body.suffix), "suffix (insertion) is not supported; omit it"),
         ]  # fmt: skip
@@ -90,7 +90,17 @@ def _logprobs_asked(body: ChatCompletionRequest | CompletionRequest) -> dict[str
     `logprobs` is how many alternatives it wants (0: the tokens' own log probabilities only)."""
     if isinstance(body, ChatCompletionRequest):
         return {"logprobs": bool(body.logprobs), "top_logprobs": body.top_logprobs or 0}
-    return {"logprobs": body.logprobs is not None, "top_logprobs": body.logprobs or 0}
+    asked = body.logprobs is not None
+    return {
+        "logprobs": asked,
+        "top_logprobs": body.logprobs or 0,
+        "prompt_logprobs": asked and bool(body.echo),
+    }
+
+
+def echoed(body: ChatCompletionRequest | CompletionRequest) -> str:
+    """The text a completion starts with before its own: a text body's prompt with `echo`."""
+    return _prompt(body) if isinstance(body, CompletionRequest) and body.echo else ""
 
 
 def _logit_bias(body: ChatCompletionRequest | CompletionRequest) -> dict[int, float]:
@@ -246,7 +256,8 @@ class TextShape:
 
     @staticmethod
     def chunk_choice(message: inference_pb2.GenerateResponse, first: bool, offset: int) -> dict[str, Any]:
-        return TextShape.choice(message.text, message.reasoning_text, message, message.logprobs, offset)
+        logprobs = [*message.prompt_logprobs, *message.logprobs]
+        return TextShape.choice(message.text, message.reasoning_text, message, logprobs, offset)
 
     @staticmethod
     def logprobs(entries: Logprobs, offset: int) -> dict[str, Any] | None:
@@ -256,10 +267,14 @@ class TextShape:
         if not entries:
             return None
         offsets = list(itertools.accumulate((len(e.token) for e in entries[:-1]), initial=offset))
+        predicted = [not math.isnan(e.logprob) for e in entries]  # an echoed prompt's first token is not
         return {
             "tokens": [e.token for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+            "token_logprobs": [e.logprob if p else None for e, p in zip(entries, predicted, strict=True)],
+            "top_logprobs": [
+                {t.token: t.logprob for t in e.top_logprobs} if p else None
+                for e, p in zip(entries, predicted, strict=True)
+            ],
             "text_offset": offsets,
         }
 
@@ -273,7 +288,8 @@ def completion(
     """The whole completion of a stream's messages (the last carries finish_reason and usage)."""
     answer = "".join(m.text for m in messages)
     reasoning = "".join(m.reasoning_text for m in messages)
-    choice = shape.choice(answer, reasoning, messages[-1], [e for m in messages for e in m.logprobs])
+    logprobs = [e for m in messages for e in (*m.prompt_logprobs, *m.logprobs)]
+    choice = shape.choice(answer, reasoning, messages[-1], logprobs)
     return served.envelope(shape.object) | {"choices": [choice], "usage": usage(messages[-1])}
 
 

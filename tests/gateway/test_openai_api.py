@@ -161,6 +161,16 @@ async def test_logprobs_come_with_each_token_whole_and_streamed_and_equal_the_gr
     assert logprobs.text_offset == list(
         itertools.accumulate((len(t) for t in logprobs.tokens[:-1]), initial=0)
     )
+    echoed = await sdk.completions.create(model=CHAT, prompt="Hello there", logprobs=1, echo=True, **greedy)
+    echo = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == "Hello there" + text.choices[0].text
+    assert echo is not None and echo.tokens and echo.token_logprobs and echo.top_logprobs
+    assert len(echo.tokens) == echoed.usage.prompt_tokens + echoed.usage.completion_tokens  # type: ignore[union-attr]
+    assert echo.token_logprobs[0] is None and echo.top_logprobs[0] is None  # nothing predicts the first
+    assert all(isinstance(p, float) for p in echo.token_logprobs[1:])
+    assert echo.token_logprobs[-len(logprobs.token_logprobs) :] == pytest.approx(logprobs.token_logprobs)
+    plain_echo = await sdk.completions.create(model=CHAT, prompt="Hello there", echo=True, **greedy)
+    assert plain_echo.choices[0].text == echoed.choices[0].text and plain_echo.choices[0].logprobs is None
     for refused in ({"top_logprobs": 3}, {"logprobs": True, "top_logprobs": 21}):
         with pytest.raises(openai.BadRequestError) as error:
             await sdk.chat.completions.create(model=CHAT, messages=CONVERSATION, **refused, **greedy)  # type: ignore[call-overload]
@@ -248,7 +258,7 @@ async def test_each_error_has_its_status_and_the_sdks_exception(stack: Stack) ->
         )
     assert unauthenticated.value.body["type"] == "authentication_error"  # type: ignore[index]
     refused = {
-        "n": {"n": 2}, "logprobs": {"logprobs": 21}, "echo": {"echo": True},
+        "n": {"n": 2}, "logprobs": {"logprobs": 21}, "best_of": {"best_of": 2},
         "temperature": {"temperature": -1}, "max_tokens": {"max_tokens": 0},
     }  # fmt: skip
     for param, ask in refused.items():

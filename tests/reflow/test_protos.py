@@ -34,13 +34,14 @@ def test_public_contract_names() -> None:
     assert feedback.client_streaming and not feedback.server_streaming
     fields = {
         "GenerateRequest": ["model", "prompt", "sampling", "user_id", "reasoning_budget",
-                            "latency_budget_ms", "labels", "messages", "variant", "logprobs", "top_logprobs"],
+                            "latency_budget_ms", "labels", "messages", "variant", "logprobs", "top_logprobs",
+                            "prompt_logprobs"],
         "TokenLogprob": ["token_id", "token", "logprob", "top_logprobs"],
         "ChatMessage": ["role", "content"],
         "SamplingParams": ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty",
                            "frequency_penalty", "repetition_penalty", "logit_bias"],
         "GenerateResponse": ["request_id", "model", "model_version", "arm", "text", "reasoning_text",
-                             "finish_reason", "usage", "routing", "logprobs"],
+                             "finish_reason", "usage", "routing", "logprobs", "prompt_logprobs"],
         "Routing": ["variant", "token_agreement", "predicted_time_to_first_token_ms", "predicted_total_ms",
                     "reasoning_budget", "predicted_to_meet_deadline"],
         "Usage": ["prompt_tokens", "completion_tokens", "reasoning_tokens", "time_to_first_token_ms",

@@ -5,6 +5,7 @@ batches) and the same greedy tokens through the engine."""
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import pytest
@@ -124,31 +125,42 @@ def test_the_engine_gives_the_same_greedy_tokens_alone_and_in_any_batch_as_trans
 def test_logprobs_are_transformers_log_softmax_of_the_logits_each_token_was_picked_from(
     checkpoint: Path,
 ) -> None:
-    prompt = prompts(2)[1]
-    engine = Engine(EngineConfig(max_batch_size=4))
+    prompt = prompts(3)[2]  # 40 tokens: three prefill chunks of 16
+    params = GenerationParams(max_tokens=12, top_logprobs=5, prompt_logprobs=True)
+    engine = Engine(EngineConfig(max_batch_size=4, prefill_chunk=16))
     try:
         loaded = load_directory(checkpoint, "tiny", "1", CPU, dtype=torch.float32)
         engine.add(loaded)
 
-        async def logprobs() -> tuple[list[int], list[TokenLogprob]]:
-            ids, entries = [], []
-            async for delta in engine.generate(
-                "tiny", "1", prompt, GenerationParams(max_tokens=12, top_logprobs=5)
-            ):
+        async def logprobs(
+            params: GenerationParams = params,
+        ) -> tuple[list[int], list[TokenLogprob], list[TokenLogprob], int]:
+            ids, entries, prompt_entries, cached = [], [], [], -1
+            async for delta in engine.generate("tiny", "1", prompt, params):
                 ids += delta.token_ids
                 entries += delta.logprobs
-            return ids, entries
+                prompt_entries += delta.prompt_logprobs
+                cached = delta.usage.cached_tokens if delta.usage else cached
+            return ids, entries, prompt_entries, cached
 
-        ids, entries = asyncio.run(logprobs())
+        plain = asyncio.run(logprobs(GenerationParams(max_tokens=12)))  # its prompt's blocks are cached
+        ids, entries, prompt_entries, cached = asyncio.run(logprobs())
     finally:
         engine.close()
+    assert plain[3] == 0 and plain[0] == ids and not plain[1] and not plain[2]
+    assert cached == 0  # a prompt whose log probabilities are asked for is computed whole
     assert [e.token_id for e in entries] == ids and ids
     with torch.inference_mode():
-        logits = reference_model(checkpoint)(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        logits = reference_model(checkpoint)(torch.tensor([prompt + ids])).logits[0]
+        raw = torch.log_softmax(logits[: len(prompt) - 1].float(), dim=-1)  # the prompt's, as they are
         logits[:, loaded.banned_tokens] = float("-inf")  # what a worker never generates, as it picks
-        expected = torch.log_softmax(logits.float(), dim=-1)  # [tokens, V]
+        expected = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)  # [tokens, V]
     for row, (token, entry) in enumerate(zip(ids, entries, strict=True)):
         assert entry.logprob == pytest.approx(float(expected[row, token]), abs=1e-4)
         values, likeliest = expected[row].topk(5)
         assert [i for i, _ in entry.top] == likeliest.tolist() and entry.top[0][0] == token  # greedy
         assert [p for _, p in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
+    assert [e.token_id for e in prompt_entries] == prompt and math.isnan(prompt_entries[0].logprob)
+    for position, entry in enumerate(prompt_entries[1:]):
+        assert entry.logprob == pytest.approx(float(raw[position, prompt[position + 1]]), abs=1e-4)
+        assert [i for i, _ in entry.top] == raw[position].topk(5).indices.tolist()
