@@ -129,7 +129,7 @@ def create_app(service: InferenceService, metrics: GatewayMetrics, limits: EdgeL
         if first is None:  # cancelling the wait for it ended the stream
             return Response(status_code=errors.CLIENT_GONE)
         served = Served.of(first)
-        first.text = translation.echoed(body) + first.text
+        first.text = translation.echoed(body) + first.text  # the inference event keeps its own text
         if body.stream:  # Starlette watches for the client leaving from here on
             with_usage = body.stream_options is not None and body.stream_options.include_usage
             return EventStream(_events(shape, served, first, stream, with_usage), served.headers())
