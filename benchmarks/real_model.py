@@ -198,15 +198,16 @@ def synchronize(device: torch.device) -> None:
 
 
 def agreement(ours: dict[int, list[int]], theirs: dict[int, list[int]]) -> str:
-    """How many requests got the same tokens, and the mean share of tokens before the first
-    difference."""
-    same = sum(ours[i] == theirs[i] for i in ours)
+    """How many of the requests both ran got the same tokens, and the mean share of tokens before
+    the first difference."""
+    both = [i for i in ours if i in theirs]  # a level above 1 runs more requests than `--sequential`
+    same = sum(ours[i] == theirs[i] for i in both)
     prefix = []  # per request: the share of its tokens before the first difference
-    for i, tokens in ours.items():
-        pairs = enumerate(zip(tokens, theirs[i], strict=False))
-        prefix.append(next((j for j, (a, b) in pairs if a != b), len(tokens)) / len(tokens))
+    for i in both:
+        pairs = enumerate(zip(ours[i], theirs[i], strict=False))
+        prefix.append(next((j for j, (a, b) in pairs if a != b), len(ours[i])) / len(ours[i]))
     mean = statistics.mean(prefix)
-    return f"{same}/{len(ours)} requests identical, {mean:.2f} of tokens before the first difference"
+    return f"{same}/{len(both)} requests identical, {mean:.2f} of tokens before the first difference"
 
 
 def main() -> None:
