@@ -4,6 +4,7 @@ over the copy join the same forwards."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -141,11 +142,18 @@ class ModelRunner:
         if not ready:
             return outputs
         logits = torch.cat([rows for _, rows in ready]).masked_fill(self.banned, float("-inf"))  # [N, V]
-        self._adjust(ready, logits)
+        bounds = list(itertools.accumulate((len(rows) for _, rows in ready), initial=0))
+        spans = [
+            (request, start, end)
+            for (request, _), start, end in zip(ready, bounds[:-1], bounds[1:], strict=True)
+        ]
+        for request, start, end in spans:  # each request's logit bias and penalties on its own rows
+            sequence, params = request.sequence, request.sequence.params.sampling
+            if params.logit_bias or params.penalizes:
+                adjust(logits[start:end], params, sequence.prompt_ids, sequence.output_ids, request.draft)
         greedy = logits.argmax(dim=-1).tolist()  # [N]
-        drafted = accepted = end = 0
-        for request, rows in ready:
-            start, end = end, end + len(rows)
+        drafted = accepted = 0
+        for request, start, end in spans:
             try:
                 delta, kept = self._advance(request, logits[start:end], greedy[start:end])
             except Exception as error:
@@ -159,17 +167,6 @@ class ModelRunner:
         if metrics is not None and drafted:
             metrics.observe_drafts(drafted, accepted)
         return outputs
-
-    @staticmethod
-    def _adjust(ready: list[tuple[Request, Tensor]], logits: Tensor) -> None:
-        """Applies each request's logit bias and penalties to its rows of `logits`, in place."""
-        end = 0
-        for request, rows in ready:
-            start, end = end, end + len(rows)
-            sequence = request.sequence
-            params = sequence.params.sampling
-            if params.logit_bias or params.penalizes:
-                adjust(logits[start:end], params, sequence.prompt_ids, sequence.output_ids, request.draft)
 
     def _advance(self, request: Request, logits: Tensor, greedy: list[int]) -> tuple[Delta, int]:
         """Appends the tokens a request's rows give, [n, V]: row 0's token, then row i+1's while the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -280,20 +281,29 @@ async def test_the_compiled_decode_step_gives_the_eager_tokens_from_one_graph() 
 REPEATING = ["1+1=1+1=1+", "12+34=12+3", "73+21=73+21", "8+88=8+88=8", "99+9=99+", "5+60=5+60=5+6"]
 
 
-async def test_drafted_tokens_change_no_output_greedy_or_seeded_alone_or_in_any_mix() -> None:
+@dataclass
+class DraftedRuns:
+    """The same requests on an engine that drafts, one by one and all at once, and on one that does not."""
+
+    alone: list[list[int]]
+    together: list[list[int]]
+    without: list[list[int]]
+    kept: list[float]  # drafted tokens kept, per request run alone
+    metrics: WorkerMetrics  # the drafting engine's
+
+
+async def drafted_runs(params: list[GenerationParams]) -> DraftedRuns:
+    """REPEATING, request i with params[i], on an engine drafting 4 tokens a step and on one not drafting."""
     plain, speculative = new_engine(speculative_tokens=0), new_engine(speculative_tokens=4)
-    seeded = SamplingParams(temperature=0.05, seed=5)  # sampled, yet often the token a draft has
-    params = [GenerationParams(max_tokens=10 + 5 * i, sampling=seeded if i % 2 else SamplingParams())
-              for i in range(len(REPEATING))]  # fmt: skip
     metrics = speculative.metrics
     assert metrics is not None
-    kept = metrics.accepted_draft_tokens._value.get
+    accepted = metrics.accepted_draft_tokens._value.get
     try:
-        alone, kept_sampled = [], 0.0
+        alone, kept = [], []
         for i, p in enumerate(REPEATING):
-            before = kept()
+            before = accepted()
             alone.append((await collect(speculative, p, params[i])).token_ids)
-            kept_sampled += (kept() - before) * (i % 2)
+            kept.append(accepted() - before)
         together = await asyncio.gather(
             *(collect(speculative, p, params[i]) for i, p in enumerate(REPEATING))
         )
@@ -302,11 +312,21 @@ async def test_drafted_tokens_change_no_output_greedy_or_seeded_alone_or_in_any_
     finally:
         plain.close()
         speculative.close()
-    assert alone == without  # each row's token picked, and drawn, as a step without drafts would
-    assert [d.token_ids for d in together] == alone
+    return DraftedRuns(alone, [d.token_ids for d in together], without, kept, metrics)
+
+
+async def test_drafted_tokens_change_no_output_greedy_or_seeded_alone_or_in_any_mix() -> None:
+    seeded = SamplingParams(temperature=0.05, seed=5)  # sampled, yet often the token a draft has
+    params = [GenerationParams(max_tokens=10 + 5 * i, sampling=seeded if i % 2 else SamplingParams())
+              for i in range(len(REPEATING))]  # fmt: skip
+    runs = await drafted_runs(params)
+    alone, metrics = runs.alone, runs.metrics
+    assert alone == runs.without  # each row's token picked, and drawn, as a step without drafts would
+    assert runs.together == alone
     assert alone[0] == reference_greedy(tiny_model(0), REPEATING[0], params[0].max_tokens)
-    assert 0 < kept() < metrics.draft_tokens._value.get()  # drafts were kept and drafts were refused
-    assert kept_sampled > 0  # sampled rows kept drafts too
+    kept = metrics.accepted_draft_tokens._value.get()
+    assert 0 < kept < metrics.draft_tokens._value.get()  # drafts were kept and drafts were refused
+    assert sum(runs.kept[1::2]) > 0  # sampled rows kept drafts too
     count = metrics.registry.get_sample_value
     tokens = count("reflow_worker_generated_tokens_total")
     assert tokens == sum(len(ids) for ids in alone) * 2
@@ -315,33 +335,18 @@ async def test_drafted_tokens_change_no_output_greedy_or_seeded_alone_or_in_any_
 
 
 async def test_penalties_and_a_logit_bias_give_their_tokens_with_drafts_alone_and_in_any_mix() -> None:
-    plain, speculative = new_engine(speculative_tokens=0), new_engine(speculative_tokens=4)
     five = TOKENIZER.encode("5", bos=False)[0]
     adjusted = SamplingParams(  # penalties that favour repeats, which drafts predict
         repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=-0.2, logit_bias=((five, 1.5),)
     )
     params = [GenerationParams(max_tokens=12 + 4 * i, sampling=adjusted if i % 2 == 0 else SamplingParams())
               for i in range(len(REPEATING))]  # fmt: skip
-    metrics = speculative.metrics
-    assert metrics is not None
-    kept = metrics.accepted_draft_tokens._value.get
-    try:
-        alone, kept_adjusted = [], 0.0
-        for i, p in enumerate(REPEATING):
-            before = kept()
-            alone.append((await collect(speculative, p, params[i])).token_ids)
-            kept_adjusted += (kept() - before) * (i % 2 == 0)
-        together = await asyncio.gather(
-            *(collect(speculative, p, params[i]) for i, p in enumerate(REPEATING))
-        )
-        without = [(await collect(plain, p, params[i])).token_ids for i, p in enumerate(REPEATING)]
-    finally:
-        plain.close()
-        speculative.close()
-    assert alone == without  # a drafted row is adjusted as the row a step later would be
-    assert [d.token_ids for d in together] == alone  # and a row's adjustments are its own
+    runs = await drafted_runs(params)
+    alone = runs.alone
+    assert alone == runs.without  # a drafted row is adjusted as the row a step later would be
+    assert runs.together == alone  # and a row's adjustments are its own
     model, n = tiny_model(0), params[0].max_tokens
     assert alone[0] == reference_greedy(model, REPEATING[0], n, adjusted)
     assert alone[0] != reference_greedy(model, REPEATING[0], n)  # they change the answer
     assert alone[1] == reference_greedy(model, REPEATING[1], params[1].max_tokens)  # not its neighbours'
-    assert kept_adjusted > 0  # adjusted rows kept drafts
+    assert sum(runs.kept[0::2]) > 0  # adjusted rows kept drafts
