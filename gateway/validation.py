@@ -7,6 +7,7 @@ import struct
 from dataclasses import dataclass
 
 from feedback.events import MAX_MESSAGES, MAX_ROLE_CHARS, MAX_USER_ID_CHARS
+from reflow import structured_output
 from reflow.errors import InvalidArgument
 from reflow.v1 import inference_pb2, worker_pb2
 
@@ -66,6 +67,7 @@ def check_request(request: inference_pb2.GenerateRequest, limits: RequestLimits)
         raise InvalidArgument(
             "top_logprobs needs logprobs (or prompt_logprobs): set logprobs too", param="top_logprobs"
         )
+    structured_output.check(request.structured_output)
     if len(s.stop) > limits.max_stop_strings:
         raise InvalidArgument(f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}")
     if any(not stop or len(stop) > MAX_STOP_CHARS for stop in s.stop):
@@ -170,4 +172,5 @@ def worker_request(
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
         prompt_logprobs=request.prompt_logprobs,
+        structured_output=request.structured_output,
     )

@@ -1,7 +1,7 @@
 """The real model, as a newcomer serves it: `reflow up --model FILE.gguf` imports SmolLM2-135M-Instruct
 from its GGUF file and streams a chat answer whose greedy text is the one transformers generates from
 the same file, over gRPC and through the `openai` SDK; the conversation and its rating reach the
-store, and the worker reports its KV cache."""
+store, the worker reports its KV cache, and a schema holds an answer to a type the SDK parses."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pydantic
 import pytest
 import torch
 
@@ -29,6 +30,11 @@ KEY = "rf_test_key_0123456789"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 MAX_TOKENS = 32
 NAME = "smollm2-135m-instruct-q4_1"  # what `--model` names the file's model
+
+
+class Capital(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=40)
+    country: str = pydantic.Field(max_length=40)
 
 
 def transformers_answer(read: Path) -> str:
@@ -93,5 +99,11 @@ def test_reflow_up_serves_a_gguf_file_with_the_answer_transformers_gives(
         assert worker["prefix_cache_hit_rate"] == pytest.approx(reused / (2 * prompt_tokens))
         assert [(v["model"], v["dtype"]) for v in worker["loaded"]] == [(NAME, "float32")]
         assert worker["loaded"][0]["dtype_candidates"] == []  # REFLOW_DTYPE set: nothing measured
+        # a structured answer as the SDK's users ask for one: parsed into their own type
+        parsed = sdk.chat.completions.parse(
+            model=NAME, messages=CHAT, response_format=Capital, temperature=0, max_tokens=MAX_TOKENS
+        )
+        capital = parsed.choices[0].message.parsed
+        assert isinstance(capital, Capital) and capital.city == "Paris", parsed.choices[0].message.content
     finally:
         assert up.stop() == 0, up.output()

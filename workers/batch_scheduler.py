@@ -26,6 +26,7 @@ import torch
 
 from reflow.errors import NotFound, ResourceExhausted
 from workers.block_pool import BlockPool, block_hashes
+from workers.grammar import Constraint
 from workers.sampling import TokenLogprob
 from workers.sequence import Delta, Sequence
 from workers.speculation import PromptLookup
@@ -53,6 +54,7 @@ class Request:
     draft: list[int] = field(default_factory=list)  # tokens the step's decode checks after next_input
     lookup: PromptLookup | None = None  # where its drafts come from (made when it first may draft)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # as its prompt is prefilled, if asked
+    constraint: Constraint | None = None  # where its answer is in the grammar it is held to, if any
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.perf_counter)
     admitted_at: float = 0.0
@@ -229,7 +231,8 @@ class BatchScheduler:
             return []
         if request.lookup is None:
             request.lookup = PromptLookup(sequence.prompt_ids, request.most_tokens)
-        return request.lookup.draft(sequence.output_ids, most)
+        draft = request.lookup.draft(sequence.output_ids, most)
+        return draft if request.constraint is None else request.constraint.usable_draft(sequence, draft)
 
     def _admit(self, request: Request, hits: list[int]) -> None:
         """Runs a request, its prompt's cached prefix (`hits`) mapped."""

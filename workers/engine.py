@@ -295,6 +295,8 @@ class Engine:
         request = Request(
             sequence, make_generator(params.sampling), (loop, mailbox), adapter=adapter, cache_salt=cache_salt
         )
+        if params.grammar is not None:  # compiled off the event loop and the engine thread (it frees the GIL)
+            request.constraint = await asyncio.to_thread(runner.grammars.constraint, params.grammar)
         runner.submit(request)
         self._wake.set()
         finished = False

@@ -15,6 +15,7 @@ from typing import NamedTuple, TypeAlias
 
 import torch
 
+from workers.grammar import Grammars
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.lora import Adapter
 
@@ -97,6 +98,7 @@ class ResidentVersion:
     copies: dict[str, Copy] = field(init=False)  # by name, the reference first
     adapters: dict[str, ResidentAdapter] = field(init=False, default_factory=dict)  # by version
     banned_tokens: torch.Tensor = field(init=False)  # [V] bool
+    grammars: Grammars = field(init=False)  # the structured outputs compiled for its vocabulary
 
     def __post_init__(self) -> None:
         reference = Copy(dtype_name(self.model), self.model, reference=True)
@@ -105,6 +107,7 @@ class ResidentVersion:
         banned = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
         banned[self.tokenizer.never_generated(vocab_size)] = True
         self.banned_tokens = banned
+        self.grammars = Grammars(self.tokenizer, vocab_size)
 
     @property
     def reference(self) -> Copy:

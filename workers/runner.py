@@ -35,6 +35,7 @@ class ModelRunner:
     ):
         self.name, self.version = version.name, version.version
         self.tokenizer = version.tokenizer
+        self.grammars = version.grammars
         self.device = version.device
         self.model = copy.model
         self._set = AdapterSet()  # what the forwards apply: open slots and closed ones still in use
@@ -147,13 +148,17 @@ class ModelRunner:
             (request, start, end)
             for (request, _), start, end in zip(ready, bounds[:-1], bounds[1:], strict=True)
         ]
-        for request, start, end in spans:  # each request's logit bias and penalties on its own rows
-            sequence, params = request.sequence, request.sequence.params.sampling
-            if params.logit_bias or params.penalizes:
-                adjust(logits[start:end], params, sequence.prompt_ids, sequence.output_ids, request.draft)
+        adjusted = []
+        for request, start, end in spans:
+            try:
+                self._adjust(request, logits[start:end])
+            except Exception as error:
+                self._fail(request, error, outputs)
+            else:
+                adjusted.append((request, start, end))
         greedy = logits.argmax(dim=-1).tolist()  # [N]
         drafted = accepted = 0
-        for request, start, end in spans:
+        for request, start, end in adjusted:
             try:
                 delta, kept = self._advance(request, logits[start:end], greedy[start:end])
             except Exception as error:
@@ -168,6 +173,15 @@ class ModelRunner:
             metrics.observe_drafts(drafted, accepted)
         return outputs
 
+    @staticmethod
+    def _adjust(request: Request, logits: Tensor) -> None:
+        """Applies a request's grammar, logit bias and penalties, in place, to its rows [n, V]."""
+        sequence, params = request.sequence, request.sequence.params.sampling
+        if request.constraint is not None:
+            request.constraint.restrict(logits, sequence, request.draft)
+        if params.logit_bias or params.penalizes:
+            adjust(logits, params, sequence.prompt_ids, sequence.output_ids, request.draft)
+
     def _advance(self, request: Request, logits: Tensor, greedy: list[int]) -> tuple[Delta, int]:
         """Appends the tokens a request's rows give, [n, V]: row 0's token, then row i+1's while the
         token row i picked is the draft token row i+1 was fed (so each row's token is picked, and
@@ -179,6 +193,8 @@ class ModelRunner:
         top = request.sequence.params.top_logprobs
         for i, row in enumerate(logits):  # draft[i] is what row i+1 was fed
             token = self._pick(request, row, greedy[i])
+            if request.constraint is not None:
+                request.constraint.accept(request.sequence, token)
             delta.merge(request.sequence.append(token))
             if top is not None:  # of the logits it was picked from, adjusted, before temperature
                 delta.logprobs.append(token_logprob(torch.log_softmax(row.float(), dim=-1), token, top))

@@ -28,6 +28,7 @@ class GenerationParams:
     reasoning_budget: int = 0  # 0 = bounded only by max_tokens
     top_logprobs: int | None = None  # None: no log probabilities; k: each token's and the k likeliest
     prompt_logprobs: bool = False  # the prompt tokens' too (with top_logprobs alternatives), sent first
+    grammar: str | None = None  # llguidance's grammar the answer is held to (reflow/structured_output.py)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import grpc
 import torch
 from grpc_health.v1 import health
 
+from reflow import structured_output
 from reflow.addresses import is_loopback
 from reflow.errors import FailedPrecondition, InvalidArgument, NotFound, ReflowError
 from reflow.mtls import TlsFiles, server_credentials
@@ -76,6 +77,7 @@ def params_from_pb(request: worker_pb2.WorkerGenerateRequest, vocab_size: int) -
         reasoning_budget=request.reasoning_budget,
         top_logprobs=request.top_logprobs if request.logprobs else None,
         prompt_logprobs=request.prompt_logprobs,
+        grammar=structured_output.grammar(request.structured_output),
     )
 
 

@@ -43,6 +43,43 @@ class StreamOptions(_Body):
     include_usage: bool = Field(False, description="Send a last chunk with the usage, before `[DONE]`.")
 
 
+class JsonSchema(_Body):
+    name: str = Field(min_length=1, max_length=64, description="The schema's name, as OpenAI requires one.")
+    description: str | None = Field(None, description="Accepted and not used.")
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="The JSON Schema; omitted = any JSON object."
+    )
+    strict: bool | None = Field(None, description="Always enforced strictly, whatever it says.")
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` extra: exactly one format."""
+
+    json_: dict[str, Any] | None = Field(None, alias="json", description="A JSON Schema.")
+    json_object: bool | None = Field(None, description="true: any JSON object.")
+    regex: str | None = Field(None, description="A regular expression the whole text matches.")
+    grammar: str | None = Field(None, description="A Lark grammar, llguidance's dialect.")
+    choice: Annotated[list[str], Field(min_length=1)] | None = Field(
+        None, description="The text is one of these."
+    )
+
+
 class _CompletionParameters(_Body):
     """What chat and text completions share."""
 
@@ -105,6 +142,14 @@ class _CompletionParameters(_Body):
         ]
         | None
     ) = Field(None, description="Token id (as a string) -> added to its logit; 100 forces it, -100 bans it.")
+    response_format: ResponseFormat | None = Field(
+        None,
+        description="`text`, `json_object` or `json_schema`: the text is held to it token by token "
+        "(docs/structured-outputs.md); on `/v1/completions` too, as vLLM takes it.",
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: a JSON Schema, a regular expression, a grammar or a choice of texts."
+    )
     # refused unless asked for as reflow serves (one choice)
     n: int | None = Field(None, description="Only 1 is supported.")
 
@@ -139,7 +184,6 @@ class ChatCompletionRequest(_CompletionParameters):
     tools: list[Any] | None = Field(None, description="Not supported.")
     tool_choice: Any = Field(None, description="Only `none` is supported.")
     functions: list[Any] | None = Field(None, description="Not supported.")
-    response_format: dict[str, Any] | None = Field(None, description="Only `{'type': 'text'}`.")
 
 
 class CompletionRequest(_CompletionParameters):

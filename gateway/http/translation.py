@@ -11,7 +11,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.http.schemas import UINT32, ChatCompletionRequest, CompletionRequest
+from gateway.http.schemas import (
+    UINT32,
+    ChatCompletionRequest,
+    CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    StructuredOutputs,
+)
+from reflow import structured_output
 from reflow.errors import InvalidArgument
 from reflow.v1 import inference_pb2
 
@@ -46,6 +54,7 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest) -> inferen
             latency_budget_ms=body.latency_budget_ms or 0,
             variant=body.variant or "",
             labels=body.metadata or {},
+            structured_output=_structured_output(body),
             **_logprobs_asked(body),
         )  # fmt: skip
         if isinstance(body, ChatCompletionRequest):
@@ -69,11 +78,9 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
         ),
     ]
     if isinstance(body, ChatCompletionRequest):
-        response_type = (body.response_format or {}).get("type", "text")
         refusals += [
             ("tools", bool(body.tools) or bool(body.functions), tools),
             ("tool_choice", body.tool_choice not in (None, "none"), tools),
-            ("response_format", response_type != "text", "only response_format type 'text' is supported"),
         ]  # fmt: skip
     else:
         refusals += [
@@ -83,6 +90,53 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
     for param, refused, message in refusals:
         if refused:
             raise InvalidArgument(message, param=param)
+
+
+def _structured_output(body: ChatCompletionRequest | CompletionRequest) -> inference_pb2.StructuredOutput:
+    """The format the text is held to: `response_format`'s, or `structured_outputs`'s (vLLM's);
+    InvalidArgument naming the field for one that cannot be enforced, or for both at once."""
+    response_format, asked = body.response_format, body.structured_outputs
+    if isinstance(response_format, JsonObjectFormat | JsonSchemaFormat):
+        if asked is not None:
+            raise InvalidArgument(
+                "send response_format or structured_outputs, not both", "structured_outputs"
+            )
+        format, param = _openai_format(response_format)
+    elif asked is not None:
+        format, param = _vllm_format(asked)
+    else:
+        return P.StructuredOutput()
+    structured_output.check(format, param)
+    return format
+
+
+def _openai_format(
+    response_format: JsonObjectFormat | JsonSchemaFormat,
+) -> tuple[inference_pb2.StructuredOutput, str]:
+    """OpenAI's `response_format` as a StructuredOutput, and the field that set it."""
+    schema = None if isinstance(response_format, JsonObjectFormat) else response_format.json_schema.schema_
+    if schema is None:
+        return P.StructuredOutput(json_object=True), "response_format"
+    return P.StructuredOutput(json_schema=json.dumps(schema)), "response_format.json_schema.schema"
+
+
+def _vllm_format(asked: StructuredOutputs) -> tuple[inference_pb2.StructuredOutput, str]:
+    """vLLM's `structured_outputs` as a StructuredOutput, and the field that set it; a choice of
+    texts becomes the grammar of their alternation (Lark's strings take JSON's escapes)."""
+    given = {name: value for name, value in asked.model_dump(by_alias=True).items() if value is not None}
+    if len(given) != 1:
+        names = "json, json_object, regex, grammar and choice"
+        raise InvalidArgument(
+            f"structured_outputs takes one of {names}; got {sorted(given)}", "structured_outputs"
+        )
+    [(name, value)] = given.items()
+    param = f"structured_outputs.{name}"
+    if name == "json":
+        return P.StructuredOutput(json_schema=json.dumps(value)), param
+    if name == "choice":
+        alternatives = " | ".join(json.dumps(text, ensure_ascii=False) for text in value)
+        return P.StructuredOutput(grammar=f"start: {alternatives}"), param
+    return P.StructuredOutput(**{name: value}), param
 
 
 def _logprobs_asked(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:

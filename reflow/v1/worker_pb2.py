@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from reflow.v1 import inference_pb2 as reflow_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16reflow/v1/worker.proto\x12\treflow.v1\x1a\x19reflow/v1/inference.proto\"\xcc\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.reflow.v1.SamplingParams\x12\x18\n\x10reasoning_budget\x18\x07 \x01(\r\x12(\n\x08messages\x18\x08 \x03(\x0b\x32\x16.reflow.v1.ChatMessage\x12\x0f\n\x07variant\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\r \x01(\x08\"\xc1\x02\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.reflow.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.reflow.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.reflow.v1.TokenLogprob\"\x15\n\x13WorkerStatusRequest\"\xc5\x03\n\rLoadedVersion\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x61liases\x18\x03 \x03(\t\x12\x12\n\nparameters\x18\x04 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x1b\n\x13max_sequence_length\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x08 \x01(\t\x12\x1a\n\x12\x61\x64\x61pter_parameters\x18\t \x01(\x04\x12*\n\x08variants\x18\n \x03(\x0b\x32\x18.reflow.v1.LoadedVariant\x12\x16\n\x0ekv_blocks_used\x18\x0b \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0c \x01(\r\x12\x15\n\rkv_block_size\x18\r \x01(\r\x12\x0f\n\x07reasons\x18\x0e \x01(\x08\x12\x18\n\x10kv_blocks_cached\x18\x0f \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x10 \x01(\x02\x12\x0e\n\x06tenant\x18\x11 \x01(\t\x12\x33\n\x10\x64type_candidates\x18\x12 \x03(\x0b\x32\x19.reflow.v1.DtypeCandidate\"\x80\x01\n\x0e\x44typeCandidate\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x03(\r\x12\x0f\n\x07step_ms\x18\x03 \x03(\x02\x12\x1c\n\x0ftoken_agreement\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x0e\n\x06\x63hosen\x18\x05 \x01(\x08\x42\x12\n\x10_token_agreement\"\xaf\x02\n\rLoadedVariant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\treference\x18\x02 \x01(\x08\x12\x18\n\x10greedy_agreement\x18\x03 \x01(\x02\x12\x1c\n\x14prefill_ms_per_token\x18\x04 \x01(\x02\x12\x1b\n\x13\x64\x65\x63ode_ms_per_token\x18\x05 \x01(\x02\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\r\x12\x14\n\x0cweight_bytes\x18\n \x01(\x04\x12\x17\n\x0ftoken_agreement\x18\x0b \x01(\x02\x12\x17\n\ntask_score\x18\x0c \x01(\x02H\x00\x88\x01\x01\x42\r\n\x0b_task_score\"\xef\x02\n\x14WorkerStatusResponse\x12(\n\x06loaded\x18\x01 \x03(\x0b\x32\x18.reflow.v1.LoadedVersion\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x05 \x01(\x04\x12\x10\n\x08kv_slots\x18\x06 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x07 \x01(\r\x12\x11\n\tisolation\x18\x08 \x01(\t\x12\x1b\n\x13\x63onnections_dropped\x18\t \x01(\x04\x12\x17\n\x0f\x63onnects_denied\x18\n \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x0c \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\r \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0e \x01(\x02\"<\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05\x61lias\x18\x03 \x01(\t\"8\n\x0cLoadResponse\x12(\n\x06loaded\x18\x01 \x01(\x0b\x32\x18.reflow.v1.LoadedVersion\"/\n\rUnloadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"\"\n\x0eUnloadResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x14\n\x12SyncAliasesRequest2\xed\x02\n\x06Worker\x12Q\n\x08Generate\x12 .reflow.v1.WorkerGenerateRequest\x1a!.reflow.v1.WorkerGenerateResponse0\x01\x12I\n\x06Status\x12\x1e.reflow.v1.WorkerStatusRequest\x1a\x1f.reflow.v1.WorkerStatusResponse\x12\x37\n\x04Load\x12\x16.reflow.v1.LoadRequest\x1a\x17.reflow.v1.LoadResponse\x12=\n\x06Unload\x12\x18.reflow.v1.UnloadRequest\x1a\x19.reflow.v1.UnloadResponse\x12M\n\x0bSyncAliases\x12\x1d.reflow.v1.SyncAliasesRequest\x1a\x1f.reflow.v1.WorkerStatusResponseBE\n\rdev.reflow.v1P\x01Z2github.com/reflow/reflow/gen/go/reflow/v1;reflowv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16reflow/v1/worker.proto\x12\treflow.v1\x1a\x19reflow/v1/inference.proto\"\x84\x03\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.reflow.v1.SamplingParams\x12\x18\n\x10reasoning_budget\x18\x07 \x01(\r\x12(\n\x08messages\x18\x08 \x03(\x0b\x32\x16.reflow.v1.ChatMessage\x12\x0f\n\x07variant\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\r \x01(\x08\x12\x36\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1b.reflow.v1.StructuredOutput\"\xc1\x02\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.reflow.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.reflow.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.reflow.v1.TokenLogprob\"\x15\n\x13WorkerStatusRequest\"\xc5\x03\n\rLoadedVersion\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x61liases\x18\x03 \x03(\t\x12\x12\n\nparameters\x18\x04 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x1b\n\x13max_sequence_length\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x08 \x01(\t\x12\x1a\n\x12\x61\x64\x61pter_parameters\x18\t \x01(\x04\x12*\n\x08variants\x18\n \x03(\x0b\x32\x18.reflow.v1.LoadedVariant\x12\x16\n\x0ekv_blocks_used\x18\x0b \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0c \x01(\r\x12\x15\n\rkv_block_size\x18\r \x01(\r\x12\x0f\n\x07reasons\x18\x0e \x01(\x08\x12\x18\n\x10kv_blocks_cached\x18\x0f \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x10 \x01(\x02\x12\x0e\n\x06tenant\x18\x11 \x01(\t\x12\x33\n\x10\x64type_candidates\x18\x12 \x03(\x0b\x32\x19.reflow.v1.DtypeCandidate\"\x80\x01\n\x0e\x44typeCandidate\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x03(\r\x12\x0f\n\x07step_ms\x18\x03 \x03(\x02\x12\x1c\n\x0ftoken_agreement\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x0e\n\x06\x63hosen\x18\x05 \x01(\x08\x42\x12\n\x10_token_agreement\"\xaf\x02\n\rLoadedVariant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\treference\x18\x02 \x01(\x08\x12\x18\n\x10greedy_agreement\x18\x03 \x01(\x02\x12\x1c\n\x14prefill_ms_per_token\x18\x04 \x01(\x02\x12\x1b\n\x13\x64\x65\x63ode_ms_per_token\x18\x05 \x01(\x02\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\r\x12\x14\n\x0cweight_bytes\x18\n \x01(\x04\x12\x17\n\x0ftoken_agreement\x18\x0b \x01(\x02\x12\x17\n\ntask_score\x18\x0c \x01(\x02H\x00\x88\x01\x01\x42\r\n\x0b_task_score\"\xef\x02\n\x14WorkerStatusResponse\x12(\n\x06loaded\x18\x01 \x03(\x0b\x32\x18.reflow.v1.LoadedVersion\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x05 \x01(\x04\x12\x10\n\x08kv_slots\x18\x06 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x07 \x01(\r\x12\x11\n\tisolation\x18\x08 \x01(\t\x12\x1b\n\x13\x63onnections_dropped\x18\t \x01(\x04\x12\x17\n\x0f\x63onnects_denied\x18\n \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x0c \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\r \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0e \x01(\x02\"<\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05\x61lias\x18\x03 \x01(\t\"8\n\x0cLoadResponse\x12(\n\x06loaded\x18\x01 \x01(\x0b\x32\x18.reflow.v1.LoadedVersion\"/\n\rUnloadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"\"\n\x0eUnloadResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x14\n\x12SyncAliasesRequest2\xed\x02\n\x06Worker\x12Q\n\x08Generate\x12 .reflow.v1.WorkerGenerateRequest\x1a!.reflow.v1.WorkerGenerateResponse0\x01\x12I\n\x06Status\x12\x1e.reflow.v1.WorkerStatusRequest\x1a\x1f.reflow.v1.WorkerStatusResponse\x12\x37\n\x04Load\x12\x16.reflow.v1.LoadRequest\x1a\x17.reflow.v1.LoadResponse\x12=\n\x06Unload\x12\x18.reflow.v1.UnloadRequest\x1a\x19.reflow.v1.UnloadResponse\x12M\n\x0bSyncAliases\x12\x1d.reflow.v1.SyncAliasesRequest\x1a\x1f.reflow.v1.WorkerStatusResponseBE\n\rdev.reflow.v1P\x01Z2github.com/reflow/reflow/gen/go/reflow/v1;reflowv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.reflow.v1P\001Z2github.com/reflow/reflow/gen/go/reflow/v1;reflowv1'
   _globals['_WORKERGENERATEREQUEST']._serialized_start=65
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=397
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=400
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=721
-  _globals['_WORKERSTATUSREQUEST']._serialized_start=723
-  _globals['_WORKERSTATUSREQUEST']._serialized_end=744
-  _globals['_LOADEDVERSION']._serialized_start=747
-  _globals['_LOADEDVERSION']._serialized_end=1200
-  _globals['_DTYPECANDIDATE']._serialized_start=1203
-  _globals['_DTYPECANDIDATE']._serialized_end=1331
-  _globals['_LOADEDVARIANT']._serialized_start=1334
-  _globals['_LOADEDVARIANT']._serialized_end=1637
-  _globals['_WORKERSTATUSRESPONSE']._serialized_start=1640
-  _globals['_WORKERSTATUSRESPONSE']._serialized_end=2007
-  _globals['_LOADREQUEST']._serialized_start=2009
-  _globals['_LOADREQUEST']._serialized_end=2069
-  _globals['_LOADRESPONSE']._serialized_start=2071
-  _globals['_LOADRESPONSE']._serialized_end=2127
-  _globals['_UNLOADREQUEST']._serialized_start=2129
-  _globals['_UNLOADREQUEST']._serialized_end=2176
-  _globals['_UNLOADRESPONSE']._serialized_start=2178
-  _globals['_UNLOADRESPONSE']._serialized_end=2212
-  _globals['_SYNCALIASESREQUEST']._serialized_start=2214
-  _globals['_SYNCALIASESREQUEST']._serialized_end=2234
-  _globals['_WORKER']._serialized_start=2237
-  _globals['_WORKER']._serialized_end=2602
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=453
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=456
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=777
+  _globals['_WORKERSTATUSREQUEST']._serialized_start=779
+  _globals['_WORKERSTATUSREQUEST']._serialized_end=800
+  _globals['_LOADEDVERSION']._serialized_start=803
+  _globals['_LOADEDVERSION']._serialized_end=1256
+  _globals['_DTYPECANDIDATE']._serialized_start=1259
+  _globals['_DTYPECANDIDATE']._serialized_end=1387
+  _globals['_LOADEDVARIANT']._serialized_start=1390
+  _globals['_LOADEDVARIANT']._serialized_end=1693
+  _globals['_WORKERSTATUSRESPONSE']._serialized_start=1696
+  _globals['_WORKERSTATUSRESPONSE']._serialized_end=2063
+  _globals['_LOADREQUEST']._serialized_start=2065
+  _globals['_LOADREQUEST']._serialized_end=2125
+  _globals['_LOADRESPONSE']._serialized_start=2127
+  _globals['_LOADRESPONSE']._serialized_end=2183
+  _globals['_UNLOADREQUEST']._serialized_start=2185
+  _globals['_UNLOADREQUEST']._serialized_end=2232
+  _globals['_UNLOADRESPONSE']._serialized_start=2234
+  _globals['_UNLOADRESPONSE']._serialized_end=2268
+  _globals['_SYNCALIASESREQUEST']._serialized_start=2270
+  _globals['_SYNCALIASESREQUEST']._serialized_end=2290
+  _globals['_WORKER']._serialized_start=2293
+  _globals['_WORKER']._serialized_end=2658
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -16,7 +17,9 @@ from pathlib import Path
 import grpc
 import httpx
 import openai
+import pydantic
 import pytest
+from openai.lib._parsing._completions import type_to_response_format_param
 from sqlalchemy import Engine
 
 from feedback.intake.stats import store_counts
@@ -246,6 +249,97 @@ async def test_models_list_every_id_a_request_may_name(stack: Stack) -> None:
     assert (await sdk.models.retrieve("arith/1")).id == "arith/1"
     with pytest.raises(openai.NotFoundError):
         await sdk.models.retrieve("arith/7")
+    await sdk.close()
+
+
+class Colour(pydantic.BaseModel):
+    """What a client asks the model for: bounded, so that even a random model's answer ends."""
+
+    name: str = pydantic.Field(max_length=12)
+    red: int = pydantic.Field(ge=0, le=255)
+    warm: bool
+
+
+async def test_structured_outputs_hold_the_text_to_a_schema_a_pattern_or_a_choice(chat_stack: Stack) -> None:
+    sdk = async_client(chat_stack)
+    greedy = {"max_tokens": 64, "temperature": 0}
+    parsed = await sdk.chat.completions.parse(
+        model=CHAT, messages=CONVERSATION, response_format=Colour, **greedy
+    )
+    [choice] = parsed.choices
+    assert isinstance(choice.message.parsed, Colour) and choice.finish_reason == "stop"
+    free = await sdk.chat.completions.create(model=CHAT, messages=CONVERSATION, **greedy)
+    with pytest.raises(ValueError):  # the tiny random model, free, writes no JSON at all
+        json.loads(free.choices[0].message.content or "")
+    stream = await sdk.chat.completions.create(
+        model=CHAT, messages=CONVERSATION, stream=True, response_format=openai_format(Colour), **greedy
+    )
+    assert "".join([c.choices[0].delta.content or "" async for c in stream]) == choice.message.content
+    held = grpc_chat(max_tokens=64)
+    held.structured_output.regex = "[0-9]{3}-[a-z]{2}"
+    over_grpc = "".join(m.text for m in await generate(chat_stack, held))
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", over_grpc)
+    texts = ["yes", "no", 'maybe "so"']
+    text = await sdk.completions.create(
+        model=CHAT, prompt="Is it warm?", extra_body={"structured_outputs": {"choice": texts}}, **greedy
+    )
+    assert text.choices[0].text in texts
+    pattern = {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}
+    text = await sdk.completions.create(model=CHAT, prompt="Hi", extra_body=pattern, **greedy)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", text.choices[0].text)
+    json_object = await sdk.completions.create(
+        model=CHAT, prompt="Hi", extra_body={"response_format": {"type": "json_object"}}, **greedy
+    )  # vLLM takes it on text completions too
+    assert json_object.choices[0].text.startswith("{")
+    await sdk.close()
+
+
+def openai_format(model: type[pydantic.BaseModel]) -> dict[str, object]:
+    """`response_format` as the SDK sends it for `model` (a strict JSON Schema)."""
+    return type_to_response_format_param(model)  # type: ignore[return-value]
+
+
+async def test_a_format_that_cannot_be_enforced_is_refused_naming_it(chat_stack: Stack) -> None:
+    sdk = async_client(chat_stack)
+    unique = {
+        "type": "json_schema",
+        "json_schema": {"name": "tags", "schema": {"type": "array", "uniqueItems": True}},
+    }
+    refusals = [
+        ({"response_format": unique}, "response_format.json_schema.schema", "uniqueItems"),
+        ({"extra_body": {"structured_outputs": {"regex": "[a-"}}}, "structured_outputs.regex", "unclosed"),
+        (
+            {"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}},
+            "structured_outputs",
+            "one of",
+        ),
+        (
+            {
+                "response_format": {"type": "json_object"},
+                "extra_body": {"structured_outputs": {"regex": "a"}},
+            },
+            "structured_outputs",
+            "not both",
+        ),
+    ]
+    for ask, param, reason in refusals:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await sdk.chat.completions.create(model=CHAT, messages=CONVERSATION, **ask)  # type: ignore[call-overload]
+        assert refused.value.param == param and reason in refused.value.message, ask
+    bad = grpc_chat()
+    bad.structured_output.json_schema = json.dumps({"not": {"type": "string"}})
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await generate(chat_stack, bad)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert 'structured_output.json_schema cannot be enforced: Unimplemented keys: ["not"]' in (
+        error.value.details() or ""
+    )
+    unknown = grpc_chat()  # a grammar only the model's vocabulary can refuse: the worker's check
+    unknown.structured_output.grammar = "start: <|no_such_token|>"
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await generate(chat_stack, unknown)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert 'unknown special token: "<|no_such_token|>"' in (error.value.details() or "")
     await sdk.close()
 
 

@@ -96,7 +96,17 @@ def test_a_text_body_takes_a_prompt_or_a_list_of_one() -> None:
         ({"logit_bias": {"-1": 2.0}}, "logit_bias"),
         ({"logit_bias": {str(2**32): 2.0}}, "logit_bias"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"regex": "a", "grammar": "start: 'a'"}}, "structured_outputs"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object"),
+        (
+            {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+            "structured_outputs",
+        ),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
@@ -106,6 +116,31 @@ def test_what_reflow_does_not_do_is_refused_by_name(fields: dict[str, object], p
     with pytest.raises(InvalidArgument) as refused:
         generate_request(chat(**fields))
     assert refused.value.param == param
+
+
+def test_each_format_becomes_the_structured_output_it_asks_for() -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    named = {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}}
+    formats = [
+        ({"response_format": named}, P.StructuredOutput(json_schema=json.dumps(schema))),
+        ({"response_format": {"type": "json_object"}}, P.StructuredOutput(json_object=True)),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}},
+            P.StructuredOutput(json_object=True),
+        ),
+        ({"response_format": {"type": "text"}}, P.StructuredOutput()),
+        ({"structured_outputs": {"json": schema}}, P.StructuredOutput(json_schema=json.dumps(schema))),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, P.StructuredOutput(regex="[0-9]+")),
+        ({"structured_outputs": {"grammar": 'start: "a"'}}, P.StructuredOutput(grammar='start: "a"')),
+        (
+            {"structured_outputs": {"choice": ["yes", 'a "b"\n']}},
+            P.StructuredOutput(grammar='start: "yes" | "a \\"b\\"\\n"'),
+        ),
+    ]
+    for fields, expected in formats:
+        assert generate_request(chat(**fields)).structured_output == expected, fields
+    text = CompletionRequest.model_validate({"prompt": "hi", "response_format": {"type": "json_object"}})
+    assert generate_request(text).structured_output == P.StructuredOutput(json_object=True)
 
 
 def test_what_openai_clients_send_by_default_is_accepted() -> None:

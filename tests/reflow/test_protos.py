@@ -35,7 +35,8 @@ def test_public_contract_names() -> None:
     fields = {
         "GenerateRequest": ["model", "prompt", "sampling", "user_id", "reasoning_budget",
                             "latency_budget_ms", "labels", "messages", "variant", "logprobs", "top_logprobs",
-                            "prompt_logprobs"],
+                            "prompt_logprobs", "structured_output"],
+        "StructuredOutput": ["json_object", "json_schema", "regex", "grammar"],
         "TokenLogprob": ["token_id", "token", "logprob", "top_logprobs"],
         "ChatMessage": ["role", "content"],
         "SamplingParams": ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty",

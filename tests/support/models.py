@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from llguidance import LLMatcher
 
 from workers.engine import Engine
+from workers.grammar import vocabulary
 from workers.models.builtin import TOKENIZER, new_model
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.llama import LlamaForCausalLM
@@ -41,20 +43,39 @@ def tiny_model(seed: int = 0) -> CausalLM:
 
 
 def reference_greedy(
-    model: CausalLM, prompt: str, max_new_tokens: int, adjusted: SamplingParams | None = None
+    model: CausalLM,
+    prompt: str,
+    max_new_tokens: int,
+    adjusted: SamplingParams | None = None,
+    grammar: str | None = None,
 ) -> list[int]:
     """Greedy decoding by full causal passes, no cache: the ground truth for every cached path
-    (with the logit bias and penalties of `adjusted` applied to each step's logits)."""
+    (with the logit bias and penalties of `adjusted` applied to each step's logits, and the answer
+    held to llguidance's `grammar`: the model may open a thought first, which runs free)."""
     ids = TOKENIZER.encode(prompt)
     banned = TOKENIZER.never_generated(model.vocab_size)
+    matcher = None if grammar is None else LLMatcher(vocabulary(TOKENIZER, model.vocab_size), grammar)
+    thinking = False
     generated: list[int] = []
     with torch.inference_mode():
         for _ in range(max_new_tokens):
             logits = model(torch.tensor([ids + generated]))[0, -1]  # [V]
             logits[banned] = float("-inf")
+            if matcher is not None and not thinking:
+                bits = matcher.compute_bitmask()
+                allowed = {
+                    t for t in range(model.vocab_size) if t < 8 * len(bits) and bits[t // 8] >> t % 8 & 1
+                }
+                allowed |= set() if generated else {TOKENIZER.think_id}
+                logits[[t for t in range(model.vocab_size) if t not in allowed]] = float("-inf")
             if adjusted is not None:
                 adjust(logits[None], adjusted, ids, generated, [])
             token = int(logits.argmax())
+            if matcher is not None:
+                if token in (TOKENIZER.think_id, TOKENIZER.end_think_id):
+                    thinking = token == TOKENIZER.think_id
+                elif not thinking:
+                    assert matcher.consume_token(token), matcher.get_error()
             generated.append(token)
             if token in TOKENIZER.eos_ids:
                 break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 import workers.runner
+from reflow import structured_output
 from reflow.errors import InvalidArgument, NotFound, ResourceExhausted
+from reflow.v1 import inference_pb2
 from tests.support.models import collect, reference_greedy, tiny_model
 from tests.support.waiting import eventually
 from workers.engine import Engine, EngineConfig
@@ -350,3 +353,24 @@ async def test_penalties_and_a_logit_bias_give_their_tokens_with_drafts_alone_an
     assert alone[0] != reference_greedy(model, REPEATING[0], n)  # they change the answer
     assert alone[1] == reference_greedy(model, REPEATING[1], params[1].max_tokens)  # not its neighbours'
     assert sum(runs.kept[0::2]) > 0  # adjusted rows kept drafts
+
+
+async def test_a_grammar_holds_its_rows_alone_and_in_any_mix_with_drafts() -> None:
+    pattern = "[0-9+=]{0,14}"  # what the repeating prompts are made of: drafts the grammar takes
+    held = structured_output.grammar(inference_pb2.StructuredOutput(regex=pattern))
+    params = [
+        GenerationParams(max_tokens=16, grammar=held if i % 2 == 0 else None) for i in range(len(REPEATING))
+    ]
+    runs = await drafted_runs(params)
+    alone = runs.alone
+    assert alone == runs.without  # a drafted row is masked as the row a step later would be
+    assert runs.together == alone  # and a row's mask is its own
+    model = tiny_model(0)
+    for prompt, p, ids in zip(REPEATING, params, alone, strict=True):
+        assert ids == reference_greedy(model, prompt, p.max_tokens, grammar=p.grammar)
+    for prompt, ids in zip(REPEATING[0::2], alone[0::2], strict=True):
+        assert ids != reference_greedy(model, prompt, 16)  # the grammar changed the answer
+        if TOKENIZER.think_id not in ids:
+            assert ids[-1] in TOKENIZER.eos_ids  # the answer ended where the pattern let it
+            assert re.fullmatch(pattern, TOKENIZER.decode(ids))
+    assert sum(runs.kept[0::2]) > 0  # held rows kept drafts

@@ -111,6 +111,10 @@ class HFTokenizer:
         transformers' unconstrained greedy ones."""
         return list(range(self._size, vocab_size))
 
+    def to_json(self) -> str:
+        """`tokenizer.json` as the tokenizers library holds it, the tokens the config adds included."""
+        return self._tokenizer.to_str()
+
     def save(self, directory: Path) -> None:
         """Writes back the files it was read from, as they were."""
         for name, content in self._files.items():
