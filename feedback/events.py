@@ -126,7 +126,7 @@ class InferenceEvent(_Event):
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
     reasoning: Text = ""
     completion: Text = ""
-    finish_reason: Literal["STOP", "LENGTH", "CANCELLED", "ERROR"]
+    finish_reason: Literal["STOP", "LENGTH", "CANCELLED", "ERROR", "TOOL_CALLS"]
     usage: TokenUsage
     latency: Latency
     # None (left out of the record) for a failed request, which was never placed

@@ -177,7 +177,7 @@ class Relay:
                     raise _worker_error(worker, error, started=first_token_at is not None) from None
                 message = inference_pb2.GenerateResponse(
                     text=delta.text, reasoning_text=delta.reasoning_text, logprobs=delta.logprobs,
-                    prompt_logprobs=delta.prompt_logprobs,
+                    prompt_logprobs=delta.prompt_logprobs, tool_calls=delta.tool_calls,
                 )  # fmt: skip
                 now = time.perf_counter()
                 tracked.tokens_arrived(len(delta.token_ids), now)
@@ -240,6 +240,12 @@ def merge_worker_deltas(
     earlier.prompt_logprobs.extend(later.prompt_logprobs)
     earlier.text += later.text
     earlier.reasoning_text += later.reasoning_text
+    for piece in later.tool_calls:  # a call's arguments continued: one piece
+        calls = earlier.tool_calls
+        if calls and calls[-1].index == piece.index and not piece.id:
+            calls[-1].arguments += piece.arguments
+        else:
+            calls.append(piece)
     if later.finish_reason:
         earlier.finish_reason = later.finish_reason
         earlier.prompt_tokens = later.prompt_tokens

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 import struct
 from dataclasses import dataclass
 
 from feedback.events import MAX_MESSAGES, MAX_ROLE_CHARS, MAX_USER_ID_CHARS
 from reflow import structured_output
 from reflow.errors import InvalidArgument
+from reflow.structured_output import MAX_FORMAT_CHARS
 from reflow.v1 import inference_pb2, worker_pb2
 
 MIN_TEMPERATURE = 0.01  # below it logits / temperature overflows; use 0 for greedy
@@ -25,6 +27,9 @@ MAX_REPETITION_PENALTY = 10.0  # past it every seen token is as good as banned
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias, either sign: 100 forces a token, -100 bans it
 MAX_LOGIT_BIAS_ENTRIES = 1024  # a bound on what one request makes every step do
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the alternatives reported at each position
+MAX_TOOLS = 128  # OpenAI's bound on a request's tools
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
+TOOL_CHOICES = ("auto", "none", "required", "function")
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ def check_request(request: inference_pb2.GenerateRequest, limits: RequestLimits)
             "top_logprobs needs logprobs (or prompt_logprobs): set logprobs too", param="top_logprobs"
         )
     structured_output.check(request.structured_output)
+    if request.tools or request.HasField("tool_choice"):
+        _check_tools(request)
     if len(s.stop) > limits.max_stop_strings:
         raise InvalidArgument(f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}")
     if any(not stop or len(stop) > MAX_STOP_CHARS for stop in s.stop):
@@ -110,6 +117,50 @@ def _check_adjustments(s: inference_pb2.SamplingParams) -> None:
         )
 
 
+def _check_tools(request: inference_pb2.GenerateRequest) -> None:
+    """Raises InvalidArgument, naming the field, for tools or a tool choice a worker should never see."""
+    if request.tools and not request.messages:
+        raise InvalidArgument("tools are for conversations: send messages, not a prompt", param="tools")
+    if len(request.tools) > MAX_TOOLS:
+        raise InvalidArgument(f"at most {MAX_TOOLS} tools, got {len(request.tools)}", param="tools")
+    names = [tool.name for tool in request.tools]
+    for i, tool in enumerate(request.tools):
+        if not TOOL_NAME.fullmatch(tool.name):
+            raise InvalidArgument(
+                f"tools[{i}].name must be 1 to 64 letters, digits, underscores or dashes, got {tool.name!r}",
+                param=f"tools.{i}.name",
+            )
+        if names.index(tool.name) != i:
+            raise InvalidArgument(f"two tools are named {tool.name!r}", param=f"tools.{i}.name")
+        if len(tool.description) > MAX_FORMAT_CHARS or len(tool.parameters) > MAX_FORMAT_CHARS:
+            raise InvalidArgument(
+                f"tools[{i}] is longer than {MAX_FORMAT_CHARS} characters", param=f"tools.{i}"
+            )
+        if tool.parameters:
+            structured_output.json_object(tool.parameters, f"tools.{i}.parameters")
+    mode, function = request.tool_choice.mode or "auto", request.tool_choice.function
+    if mode not in TOOL_CHOICES:
+        choices = ", ".join(TOOL_CHOICES)
+        raise InvalidArgument(f"tool_choice.mode must be one of {choices}; got {mode!r}", param="tool_choice")
+    if (mode == "function") != bool(function):
+        raise InvalidArgument(
+            "tool_choice.function names the tool of mode 'function', and only then", "tool_choice"
+        )
+    forced = names if mode == "required" else [function] if mode == "function" else []
+    if mode in ("required", "function") and not request.tools:
+        raise InvalidArgument(f"tool_choice {mode!r} needs tools", param="tool_choice")
+    if function and function not in names:
+        raise InvalidArgument(f"tool_choice names {function!r}, which is not among the tools", "tool_choice")
+    if forced and request.structured_output.WhichOneof("format"):
+        raise InvalidArgument(
+            "a tool choice that forces calls holds the answer already: drop structured_output"
+        )
+    for name in forced:  # the calls it must make are held to their tools' schemas
+        i = names.index(name)
+        schema = inference_pb2.StructuredOutput(json_schema=request.tools[i].parameters or "{}")
+        structured_output.check(schema, f"tools.{i}.parameters")
+
+
 def _check_messages(request: inference_pb2.GenerateRequest, limits: RequestLimits) -> None:
     """Raises InvalidArgument for a conversation a worker should never see; its contents count
     against the prompt's limit."""
@@ -122,7 +173,20 @@ def _check_messages(request: inference_pb2.GenerateRequest, limits: RequestLimit
             raise InvalidArgument(f"messages[{i}].role is empty; say who speaks, e.g. 'system' or 'user'")
         if len(message.role) > MAX_ROLE_CHARS:
             raise InvalidArgument(f"messages[{i}].role is longer than {MAX_ROLE_CHARS} characters")
-    chars = sum(len(message.content) for message in request.messages)
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidArgument(
+                f"messages[{i}]: only an assistant's turn makes tool calls", f"messages.{i}"
+            )
+        if message.tool_call_id and message.role != "tool":
+            raise InvalidArgument(f"messages[{i}]: only a tool's turn answers a call", f"messages.{i}")
+        for j, call in enumerate(message.tool_calls):
+            field = f"messages.{i}.tool_calls.{j}"
+            if not TOOL_NAME.fullmatch(call.name) or len(call.id) > MAX_ROLE_CHARS:
+                raise InvalidArgument(
+                    f"{field} needs a tool's name and an id of {MAX_ROLE_CHARS} at most", field
+                )
+            structured_output.json_object(call.arguments, f"{field}.arguments")
+    chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in request.messages)
     if chars > limits.max_prompt_chars:
         raise InvalidArgument(
             f"the messages' contents are {chars} characters in all; the limit is {limits.max_prompt_chars}"
@@ -173,4 +237,6 @@ def worker_request(
         top_logprobs=request.top_logprobs,
         prompt_logprobs=request.prompt_logprobs,
         structured_output=request.structured_output,
+        tools=request.tools,
+        tool_choice=request.tool_choice,
     )

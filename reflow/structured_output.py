@@ -47,7 +47,7 @@ def grammar(structured: inference_pb2.StructuredOutput, param: str | None = None
     if len(source) > MAX_FORMAT_CHARS:
         raise InvalidArgument(f"{param} is {len(source)} characters; the limit is {MAX_FORMAT_CHARS}", param)
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(_schema(source, param), defaults=JSON_LAYOUT)
+        return LLMatcher.grammar_from_json_schema(json_object(source, param), defaults=JSON_LAYOUT)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(source)
     return LLMatcher.grammar_from_lark(source)
@@ -66,11 +66,13 @@ def check(structured: inference_pb2.StructuredOutput, param: str | None = None) 
         raise InvalidArgument(f"{param} cannot be enforced: {error}", param)
 
 
-def _schema(source: str, param: str) -> dict[str, Any]:
+def json_object(source: str, param: str) -> dict[str, Any]:
+    """The JSON object `source` holds (a schema, a call's arguments); InvalidArgument naming `param`
+    for text that is not one."""
     try:
-        schema = json.loads(source)
+        value = json.loads(source)
     except ValueError as error:
         raise InvalidArgument(f"{param} is not JSON: {error}", param) from None
-    if not isinstance(schema, dict):
-        raise InvalidArgument(f"{param} must be a JSON Schema, a JSON object; got {source[:40]!r}", param)
-    return schema
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{param} must be a JSON object; got {source[:40]!r}", param)
+    return value

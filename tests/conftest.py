@@ -27,7 +27,7 @@ from tests.support.models import MODEL, save_model, tiny_model
 from tests.support.redis import MACHINE_REDIS, RedisServer, SharedRedis, forget, unique_prefix
 from tests.support.registry import RegistryFixture, local_registry
 from tests.support.shared import built_once
-from tests.support.smollm2 import converted_smollm2, smollm2_gguf, tiny_chat_checkpoint
+from tests.support.smollm2 import converted_smollm2, smollm2_gguf, tiny_chat_checkpoint, tiny_qwen3_checkpoint
 from tests.support.stack import Stack, start_stack, stop_stack
 from workers.models.interface import CausalLM
 from workers.models.loader import load_checkpoint
@@ -83,6 +83,14 @@ def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> 
     """A tiny random Llama with SmolLM2's tokenizer and chat template (tiny_chat_checkpoint)."""
     return built_once(
         tmp_path_factory, "tiny-chat", lambda directory: tiny_chat_checkpoint(smollm2, directory)
+    )
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
+    """A tiny random Qwen3 with SmolLM2's tokenizer and Qwen3's chat template (tiny_qwen3_checkpoint)."""
+    return built_once(
+        tmp_path_factory, "tiny-qwen3", lambda directory: tiny_qwen3_checkpoint(smollm2, directory)
     )
 
 

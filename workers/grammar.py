@@ -50,7 +50,7 @@ class Grammars:
                     self._compiled.popitem(last=False)
             else:
                 self._compiled.move_to_end(grammar)
-        return Constraint(compiled.deep_copy(), self._tokenizer.reasoning_markers)
+        return Constraint(compiled.deep_copy(), self._tokenizer.reasoning_markers, self._tokenizer.eos_ids)
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         if self._vocabulary is None:
@@ -66,9 +66,10 @@ class Constraint:
     """One sequence's place in its grammar: which tokens each of its rows in a step may pick, and
     the tokens it picked."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, markers: tuple[int, int] | None):
+    def __init__(self, matcher: llguidance.LLMatcher, markers: tuple[int, int] | None, ends: Ids[int]):
         self._matcher = matcher
         self._opens = None if markers is None else markers[0]  # `<think>`, which the answer may start with
+        self._ends = frozenset(ends)
 
     def restrict(self, logits: Tensor, sequence: Sequence, draft: Ids[int]) -> None:
         """Sets to -inf, in place, the logits [n, V] of the tokens row i may not pick: the grammar
@@ -82,7 +83,8 @@ class Constraint:
             masks.append(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8))
             if row < rows - 1 and not self._matcher.consume_token(draft[row]):
                 raise RuntimeError(f"a drafted token left the grammar: {self._matcher.get_error()}")
-        self._matcher.rollback(rows - 1)
+        if not self._matcher.rollback(rows - 1):
+            raise RuntimeError(f"the grammar could not take back a draft: {self._matcher.get_error()}")
         allowed = np.zeros((rows, vocab_size), dtype=np.uint8)  # ids past the grammar's vocabulary: never
         known = np.unpackbits(np.stack(masks), axis=1, bitorder="little")[:, :vocab_size]
         allowed[:, : known.shape[1]] = known
@@ -100,10 +102,12 @@ class Constraint:
 
     def usable_draft(self, sequence: Sequence, draft: list[int]) -> list[int]:
         """The tokens of `draft` the grammar takes after the answer so far, up to the first it does
-        not; none before the answer starts (a drafted `<think>` would change what holds the rows)."""
+        not, and before any end token (llguidance rolls back one token too few over an end); none
+        before the answer starts (a drafted `<think>` would change what holds the rows)."""
         if sequence.phase is not Phase.ANSWER or not draft:
             return []
-        return draft[: self._matcher.validate_tokens(draft)]
+        taken = draft[: self._matcher.validate_tokens(draft)]
+        return taken[: next((i for i, token in enumerate(taken) if token in self._ends), len(taken))]
 
 
 def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -40,7 +42,7 @@ from workers.isolation.host import DEFAULT_OBJECT
 from workers.metrics import WorkerMetrics
 from workers.models.interface import Tokenizer
 from workers.models.loader import resolve_device, resolve_dtype
-from workers.models.prompts import prompt_ids
+from workers.models.prompts import chat_ids
 from workers.residency import (
     UNMEASURED_REFERENCE,
     Copy,
@@ -51,6 +53,7 @@ from workers.residency import (
 )
 from workers.sampling import SamplingParams, TokenLogprob
 from workers.sequence import Delta, GenerationParams
+from workers.tool_calls import CallParser, Tool, ToolUse, format_of
 from workers.variants import check_variants
 from workers.versions import Versions
 
@@ -58,9 +61,12 @@ logger = logging.getLogger(__name__)
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
-def params_from_pb(request: worker_pb2.WorkerGenerateRequest, vocab_size: int) -> GenerationParams:
+def params_from_pb(
+    request: worker_pb2.WorkerGenerateRequest, vocab_size: int, tool_use: ToolUse | None = None
+) -> GenerationParams:
     """Decode parameters of a worker request (the gateway has applied defaults and limits; the
-    logit bias's token ids are checked against the model's vocabulary here)."""
+    logit bias's token ids are checked against the model's vocabulary here), its grammar the
+    calls it must make where `tool_use` forces some, else its structured output's."""
     s = request.sampling
     if s.max_tokens == 0:
         raise InvalidArgument("sampling.max_tokens must be at least 1")
@@ -77,8 +83,50 @@ def params_from_pb(request: worker_pb2.WorkerGenerateRequest, vocab_size: int) -
         reasoning_budget=request.reasoning_budget,
         top_logprobs=request.top_logprobs if request.logprobs else None,
         prompt_logprobs=request.prompt_logprobs,
-        grammar=structured_output.grammar(request.structured_output),
+        grammar=(tool_use and tool_use.grammar()) or structured_output.grammar(request.structured_output),
     )
+
+
+def tool_use_of(request: worker_pb2.WorkerGenerateRequest, tokenizer: Tokenizer) -> ToolUse | None:
+    """The request's tools on this model (checked by the gateway); None without tools or with
+    tool choice "none"; InvalidArgument where the model's chat template takes no tools."""
+    choice = request.tool_choice
+    if not request.tools or choice.mode == "none":
+        return None
+    format = format_of(tokenizer.chat_template)
+    if format is None:
+        raise InvalidArgument(
+            f"{request.model}/{request.version}'s chat template takes no tools (or calls them in a format "
+            "reflow does not parse: it parses Hermes's <tool_call> tags, as Qwen's templates teach, and "
+            "Llama 3.1's JSON); send the request without tools",
+            param="tools",
+        )
+    tools = tuple(
+        Tool(t.name, t.description, json.loads(t.parameters) if t.parameters else None) for t in request.tools
+    )
+    forced = tools if choice.mode == "required" else tuple(t for t in tools if t.name == choice.function)
+    return ToolUse(tools, format, forced, one=choice.mode == "function")
+
+
+def chat_of(request: worker_pb2.WorkerGenerateRequest) -> list[dict[str, Any]]:
+    """The conversation as chat templates take it (transformers' messages): a call's arguments as
+    an object, which templates write out with `tojson`."""
+    messages = []
+    for m in request.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    return messages
 
 
 def check_vocabulary(
@@ -94,9 +142,12 @@ def check_vocabulary(
         )
 
 
-def prompt_ids_of(request: worker_pb2.WorkerGenerateRequest, loaded: Resident) -> list[int]:
+def prompt_ids_of(
+    request: worker_pb2.WorkerGenerateRequest, loaded: Resident, tool_use: ToolUse | None = None
+) -> list[int]:
     """The prompt's token ids: as sent (each within the model's vocabulary), else the conversation
-    rendered with the model's chat template (which carries its own bos token), else the prompt text."""
+    rendered with the model's chat template (which carries its own bos token) and `tool_use`'s tools,
+    else the prompt text."""
     tokenizer = loaded.tokenizer
     if request.prompt_token_ids:
         check_vocabulary(request, request.prompt_token_ids, loaded.model.vocab_size, "prompt_token_ids")
@@ -104,7 +155,8 @@ def prompt_ids_of(request: worker_pb2.WorkerGenerateRequest, loaded: Resident) -
     if not request.messages:
         return tokenizer.encode(request.prompt)
     try:
-        return prompt_ids(tokenizer, tuple((m.role, m.content) for m in request.messages))
+        tools = None if tool_use is None else [tool.rendered() for tool in tool_use.tools]
+        return chat_ids(tokenizer, chat_of(request), tools)
     except ValueError as error:  # no chat template, or one that refuses the conversation
         raise InvalidArgument(f"{request.model}/{request.version}: {error}") from None
 
@@ -126,6 +178,22 @@ def delta_to_pb(delta: Delta, tokenizer: Tokenizer) -> worker_pb2.WorkerGenerate
         message.reasoning_tokens = delta.usage.reasoning_tokens
         message.cached_tokens = delta.usage.cached_tokens
     return message
+
+
+def parse_calls(message: worker_pb2.WorkerGenerateResponse, calls: CallParser) -> None:
+    """Moves the tool calls in a delta's answer text into its tool_calls (all that is held back,
+    on the last delta); the finish reason of an answer that called tools and ended is TOOL_CALLS."""
+    text, pieces = calls.push(message.text)
+    if message.finish_reason:
+        rest, more = calls.finish()
+        text, pieces = text + rest, pieces + more
+        if calls.calls and message.finish_reason == inference_pb2.FINISH_REASON_STOP:
+            message.finish_reason = inference_pb2.FINISH_REASON_TOOL_CALLS
+    message.text = text
+    message.tool_calls.extend(
+        inference_pb2.ToolCallDelta(index=p.index, id=p.id, name=p.name, arguments=p.arguments)
+        for p in pieces
+    )
 
 
 def logprob_to_pb(entry: TokenLogprob, tokenizer: Tokenizer) -> inference_pb2.TokenLogprob:
@@ -227,14 +295,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         loaded = self.engine.get(request.model, request.version)
         loaded.last_request = time.monotonic()
-        params = params_from_pb(request, loaded.model.vocab_size)
-        prompt_ids = prompt_ids_of(request, loaded)
+        tool_use = tool_use_of(request, loaded.tokenizer)
+        params = params_from_pb(request, loaded.model.vocab_size, tool_use)
+        prompt_ids = prompt_ids_of(request, loaded, tool_use)
         stream = self.engine.generate(
             request.model, request.version, prompt_ids, params, request.variant, cache_salt=request.cache_salt
         )
+        calls = None if tool_use is None else tool_use.format.parser()
         async with contextlib.aclosing(stream):  # a cancelled call frees its slot at once
             async for delta in stream:
-                yield delta_to_pb(delta, loaded.tokenizer)
+                message = delta_to_pb(delta, loaded.tokenizer)
+                if calls is not None:
+                    parse_calls(message, calls)
+                yield message
 
     async def Status(
         self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext

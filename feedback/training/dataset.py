@@ -107,7 +107,9 @@ def _unused_labelled(model: str, scope: Scope, max_per_user: int) -> Select[tupl
         .where(
             FeedbackItem.finetune_run_id.is_(None),
             Inference.model == model,
-            Inference.finish_reason != "ERROR",  # a failed request has no completion to learn from
+            # a failed request has no completion to learn from; one that called tools has its calls
+            # outside the completion the event records (docs/tool-calls.md#what-the-loop-learns)
+            Inference.finish_reason.not_in(("ERROR", "TOOL_CALLS")),
             Inference.truncated.is_(False),  # cut to fit Kafka: not the texts the user rated
             or_(FeedbackItem.rating != 0, FeedbackItem.correction != "", FeedbackItem.preferred_over != ""),
             *whose,

@@ -161,15 +161,50 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = Field(description="JSON text: an object.")
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(description="Letters, digits, underscores and dashes, at most 64.")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="The JSON Schema of its arguments.")
+    strict: bool | None = Field(
+        None, description="Accepted: calls the model must make are always held to it."
+    )
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Body):
     role: str = Field(
         min_length=1,
         max_length=32,
-        description="`system`, `developer` (taken as `system`), `user` or `assistant`.",
+        description="`system`, `developer` (taken as `system`), `user`, `assistant` or `tool`.",
     )
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, description="Accepted and not used.")
-    tool_calls: list[Any] | None = Field(None, description="Not supported.")
+    tool_calls: list[ToolCall] | None = Field(None, description="The calls an assistant's turn made.")
+    tool_call_id: str | None = Field(None, description="A `tool` turn: the call whose result it is.")
 
 
 class ChatCompletionRequest(_CompletionParameters):
@@ -181,9 +216,13 @@ class ChatCompletionRequest(_CompletionParameters):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
         None, description="With `logprobs`, also the most likely tokens at each position."
     )
-    tools: list[Any] | None = Field(None, description="Not supported.")
-    tool_choice: Any = Field(None, description="Only `none` is supported.")
-    functions: list[Any] | None = Field(None, description="Not supported.")
+    tools: list[ToolDefinition] | None = Field(
+        None, description="Functions the model may call, on a model whose chat template takes tools."
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Omitted = `auto`: the model decides (`none` with no tools)."
+    )
+    functions: list[Any] | None = Field(None, description="Not supported: send `tools`.")
 
 
 class CompletionRequest(_CompletionParameters):
@@ -215,13 +254,25 @@ class Usage(BaseModel):
     completion_tokens_details: CompletionTokensDetails
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text: an object.")
+
+
+class CalledTool(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null where the answer is only tool calls.")
     reasoning_content: str | None = Field(None, description="What the model thought, when it did.")
+    tool_calls: list[CalledTool] | None = Field(None, description="The tools it called, when it did.")
 
 
 class TopLogprob(BaseModel):
@@ -260,10 +311,23 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = Field(None, description="In a call's first piece.")
+    arguments: str = Field(description="More of its arguments' JSON text.")
+
+
+class ToolCallDelta(BaseModel):
+    index: int = Field(description="Which call of the answer, from 0.")
+    id: str | None = Field(None, description="In a call's first piece.")
+    type: Literal["function"] | None = Field(None, description="In a call's first piece.")
+    function: FunctionDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

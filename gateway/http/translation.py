@@ -25,7 +25,11 @@ from reflow.v1 import inference_pb2
 
 P = inference_pb2
 Logprobs = Sequence[inference_pb2.TokenLogprob]
-FINISH_REASONS = {P.FINISH_REASON_STOP: "stop", P.FINISH_REASON_LENGTH: "length"}
+FINISH_REASONS = {
+    P.FINISH_REASON_STOP: "stop",
+    P.FINISH_REASON_LENGTH: "length",
+    P.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # what OpenAI's API documents for an omitted temperature
 ROLES = {"developer": "system"}  # OpenAI's newer name for the system role, which templates know
 
@@ -59,6 +63,9 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest) -> inferen
         )  # fmt: skip
         if isinstance(body, ChatCompletionRequest):
             request.messages.extend(_messages(body))
+            request.tools.extend(_tools(body))
+            if body.tool_choice is not None:
+                request.tool_choice.CopyFrom(_tool_choice(body))
         else:
             request.prompt = _prompt(body)
     except UnicodeEncodeError:
@@ -68,7 +75,6 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest) -> inferen
 
 def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     """InvalidArgument for the first parameter asking for something reflow does not do."""
-    tools = "tools (function calling) are not supported"
     refusals: list[tuple[str, bool, str]] = [
         ("n", body.n not in (None, 1), "reflow returns one choice per request; send n=1 (or omit it)"),
         (
@@ -78,10 +84,8 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
         ),
     ]
     if isinstance(body, ChatCompletionRequest):
-        refusals += [
-            ("tools", bool(body.tools) or bool(body.functions), tools),
-            ("tool_choice", body.tool_choice not in (None, "none"), tools),
-        ]  # fmt: skip
+        old_tools = "functions, the old form of tools, are not supported: send tools"
+        refusals.append(("functions", bool(body.functions), old_tools))
     else:
         refusals += [
             ("best_of", body.best_of not in (None, 1), "best_of is not supported; send 1 (or omit it)"),
@@ -92,9 +96,11 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
             raise InvalidArgument(message, param=param)
 
 
-def _structured_output(body: ChatCompletionRequest | CompletionRequest) -> inference_pb2.StructuredOutput:
-    """The format the text is held to: `response_format`'s, or `structured_outputs`'s (vLLM's);
-    InvalidArgument naming the field for one that cannot be enforced, or for both at once."""
+def _structured_output(
+    body: ChatCompletionRequest | CompletionRequest,
+) -> inference_pb2.StructuredOutput | None:
+    """The format the text is held to: `response_format`'s, or `structured_outputs`'s (vLLM's), None
+    for free text; InvalidArgument naming the field for one that cannot be enforced, or for both."""
     response_format, asked = body.response_format, body.structured_outputs
     if isinstance(response_format, JsonObjectFormat | JsonSchemaFormat):
         if asked is not None:
@@ -105,7 +111,7 @@ def _structured_output(body: ChatCompletionRequest | CompletionRequest) -> infer
     elif asked is not None:
         format, param = _vllm_format(asked)
     else:
-        return P.StructuredOutput()
+        return None
     structured_output.check(format, param)
     return format
 
@@ -170,11 +176,28 @@ def _logit_bias(body: ChatCompletionRequest | CompletionRequest) -> dict[int, fl
     return biases
 
 
+def _tools(body: ChatCompletionRequest) -> list[inference_pb2.Tool]:
+    return [
+        P.Tool(name=t.function.name, description=t.function.description or "",
+               parameters="" if t.function.parameters is None else json.dumps(t.function.parameters))
+        for t in body.tools or []
+    ]  # fmt: skip
+
+
+def _tool_choice(body: ChatCompletionRequest) -> inference_pb2.ToolChoice:
+    """`none`, `auto` and `required` as they are; a named function as mode `function`."""
+    if isinstance(body.tool_choice, str):
+        return P.ToolChoice(mode=body.tool_choice)
+    assert body.tool_choice is not None
+    return P.ToolChoice(mode="function", function=body.tool_choice.function.name)
+
+
 def _messages(body: ChatCompletionRequest) -> list[inference_pb2.ChatMessage]:
     messages = []
     for i, message in enumerate(body.messages):
-        if message.role in ("tool", "function") or message.tool_calls:
-            raise InvalidArgument("tools (function calling) are not supported", param=f"messages.{i}")
+        if message.role == "function":
+            raise InvalidArgument("function messages, the old form of tool messages, are not supported: "
+                                  "send role tool", param=f"messages.{i}")  # fmt: skip
         content = message.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
@@ -183,7 +206,12 @@ def _messages(body: ChatCompletionRequest) -> list[inference_pb2.ChatMessage]:
                     param=f"messages.{i}.content",
                 )
             content = "".join(part.text or "" for part in content)
-        messages.append(P.ChatMessage(role=ROLES.get(message.role, message.role), content=content or ""))
+        calls = [P.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                 for c in message.tool_calls or []]  # fmt: skip
+        messages.append(
+            P.ChatMessage(role=ROLES.get(message.role, message.role), content=content or "", tool_calls=calls,
+                          tool_call_id=message.tool_call_id or "")
+        )  # fmt: skip
     return messages
 
 
@@ -271,13 +299,34 @@ class ChatShape:
 
     @staticmethod
     def chunk_choice(message: inference_pb2.GenerateResponse, first: bool, offset: int) -> dict[str, Any]:
-        delta: dict[str, str] = {"role": "assistant", "content": message.text} if first else {}
+        delta: dict[str, Any] = {"role": "assistant", "content": message.text} if first else {}
         if message.text:
             delta["content"] = message.text
         if message.reasoning_text:
             delta["reasoning_content"] = message.reasoning_text
+        if message.tool_calls:
+            delta["tool_calls"] = [ChatShape.call_delta(piece) for piece in message.tool_calls]
         return {"index": 0, "delta": delta, "finish_reason": finish_reason(message),
                 "logprobs": ChatShape.logprobs(message.logprobs)}  # fmt: skip
+
+    @staticmethod
+    def call_delta(piece: inference_pb2.ToolCallDelta) -> dict[str, Any]:
+        """A piece of a tool call as OpenAI streams it: id, type and name in a call's first piece."""
+        if not piece.id:
+            return {"index": piece.index, "function": {"arguments": piece.arguments}}
+        function = {"name": piece.name, "arguments": piece.arguments}
+        return {"index": piece.index, "id": piece.id, "type": "function", "function": function}
+
+    @staticmethod
+    def calls(messages: list[inference_pb2.GenerateResponse]) -> list[dict[str, Any]]:
+        """The whole tool calls of a stream's messages, in order."""
+        calls: list[dict[str, Any]] = []
+        for piece in (piece for m in messages for piece in m.tool_calls):
+            if piece.id:
+                function = {"name": piece.name, "arguments": ""}
+                calls.append({"id": piece.id, "type": "function", "function": function})
+            calls[piece.index]["function"]["arguments"] += piece.arguments
+        return calls
 
     @staticmethod
     def logprobs(entries: Logprobs) -> dict[str, Any] | None:
@@ -344,6 +393,9 @@ def completion(
     reasoning = "".join(m.reasoning_text for m in messages)
     logprobs = [e for m in messages for e in (*m.prompt_logprobs, *m.logprobs)]
     choice = shape.choice(answer, reasoning, messages[-1], logprobs)
+    calls = ChatShape.calls(messages)  # none but in chat: text completions take no tools
+    if calls:
+        choice["message"] |= {"content": answer or None, "tool_calls": calls}
     return served.envelope(shape.object) | {"choices": [choice], "usage": usage(messages[-1])}
 
 

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "version", "prompt", "prompt_token_ids", "sampling", "reasoning_budget", "messages", "variant", "cache_salt", "logprobs", "top_logprobs", "prompt_logprobs", "structured_output")
+    __slots__ = ("request_id", "model", "version", "prompt", "prompt_token_ids", "sampling", "reasoning_budget", "messages", "variant", "cache_salt", "logprobs", "top_logprobs", "prompt_logprobs", "structured_output", "tools", "tool_choice")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class WorkerGenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     version: str
@@ -37,10 +39,12 @@ class WorkerGenerateRequest(_message.Message):
     top_logprobs: int
     prompt_logprobs: bool
     structured_output: _inference_pb2.StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., reasoning_budget: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_inference_pb2.ChatMessage, _Mapping]]] = ..., variant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., structured_output: _Optional[_Union[_inference_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[_inference_pb2.Tool]
+    tool_choice: _inference_pb2.ToolChoice
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., reasoning_budget: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_inference_pb2.ChatMessage, _Mapping]]] = ..., variant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., structured_output: _Optional[_Union[_inference_pb2.StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[_inference_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_inference_pb2.ToolChoice, _Mapping]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "reasoning_text", "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "logprobs", "prompt_logprobs")
+    __slots__ = ("token_ids", "text", "reasoning_text", "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "logprobs", "prompt_logprobs", "tool_calls")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +55,7 @@ class WorkerGenerateResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     reasoning_text: str
@@ -61,7 +66,8 @@ class WorkerGenerateResponse(_message.Message):
     cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reasoning_text: _Optional[str] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_inference_pb2.ToolCallDelta]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reasoning_text: _Optional[str] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[_inference_pb2.ToolCallDelta, _Mapping]]] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()

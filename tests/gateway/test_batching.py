@@ -9,10 +9,12 @@ import urllib.request
 import grpc
 import pytest
 
+from gateway.relay import merge_worker_deltas
 from reflow.errors import RETRY_PUSHBACK_KEY
 from reflow.serving import start_metrics_server
 from reflow.settings import Settings
 from reflow.v1 import inference_pb2 as P
+from reflow.v1 import worker_pb2
 from tests.support.stack import Stack, start_stack, stop_stack
 from workers.engine import EngineConfig
 
@@ -101,3 +103,19 @@ async def test_metrics_endpoints_expose_plausible_series(stack: Stack) -> None:
     assert (w["reflow_worker_kv_blocks_used"], w["reflow_worker_kv_cache_usage"]) == (0, 0)
     assert (w["reflow_worker_running_sequences"], w["reflow_worker_waiting_sequences"]) == (0, 0)
     assert sum(v for k, v in w.items() if k.startswith("reflow_worker_sequences_finished_total")) == 3
+
+
+def test_coalesced_deltas_keep_each_tool_call_whole_and_in_order() -> None:
+    def delta(*pieces: P.ToolCallDelta) -> worker_pb2.WorkerGenerateResponse:
+        return worker_pb2.WorkerGenerateResponse(tool_calls=pieces)
+
+    earlier = delta(P.ToolCallDelta(index=0, id="call_1", name="f", arguments='{"a"'))
+    merge_worker_deltas(earlier, delta(P.ToolCallDelta(index=0, arguments=": 1}")))
+    merge_worker_deltas(
+        earlier,
+        delta(P.ToolCallDelta(index=1, id="call_2", name="g"), P.ToolCallDelta(index=1, arguments="{}")),
+    )
+    assert list(earlier.tool_calls) == [
+        P.ToolCallDelta(index=0, id="call_1", name="f", arguments='{"a": 1}'),
+        P.ToolCallDelta(index=1, id="call_2", name="g", arguments="{}"),
+    ]

@@ -5,6 +5,7 @@ and feedback as the gRPC face, and each error as the status and SDK exception us
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import re
@@ -27,6 +28,7 @@ from gateway.tenants import create_tenant
 from reflow.settings import Settings
 from reflow.store.database import open_db
 from reflow.v1 import inference_pb2
+from tests.support.hf import transformers
 from tests.support.kafka import Broker, consuming
 from tests.support.registry import local_registry
 from tests.support.stack import Stack, generate, held_stream, request, start_stack, stop_stack
@@ -34,6 +36,7 @@ from tests.support.waiting import eventually, wait_for
 
 P = inference_pb2
 CHAT = "chat"
+QWEN = "qwen"
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 SAMPLED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_tokens": 16}
 
@@ -57,18 +60,34 @@ def grpc_chat(**sampling: object) -> P.GenerateRequest:
     )
 
 
+@contextlib.asynccontextmanager
+async def serving(settings: Settings, checkpoint: Path, tmp_path: Path, name: str) -> AsyncIterator[Stack]:
+    """A gateway in front of a worker serving `checkpoint` as `name` v1 @champion."""
+    registry = local_registry(tmp_path, f"{name}-registry")
+    registry.register(name, checkpoint, params={}, metrics={}, alias="champion")
+    model_settings = settings.model_copy(
+        update={"mlflow_tracking_uri": registry.tracking_uri, "mlflow_artifact_root": registry.artifact_root,
+                "model_name": name}
+    )  # fmt: skip
+    stack = await start_stack(model_settings, model=name)
+    try:
+        yield stack
+    finally:
+        await stop_stack(stack)
+
+
 @pytest.fixture
 async def chat_stack(settings: Settings, chat_checkpoint: Path, tmp_path: Path) -> AsyncIterator[Stack]:
-    """A gateway in front of a worker serving the chat model as `chat` v1 @champion."""
-    registry = local_registry(tmp_path, "chat-registry")
-    registry.register(CHAT, chat_checkpoint, params={}, metrics={}, alias="champion")
-    chat_settings = settings.model_copy(
-        update={"mlflow_tracking_uri": registry.tracking_uri, "mlflow_artifact_root": registry.artifact_root,
-                "model_name": CHAT}
-    )  # fmt: skip
-    stack = await start_stack(chat_settings, model=CHAT)
-    yield stack
-    await stop_stack(stack)
+    """The chat model (SmolLM2's tokenizer and template, which takes no tools) as `chat`."""
+    async with serving(settings, chat_checkpoint, tmp_path, CHAT) as stack:
+        yield stack
+
+
+@pytest.fixture
+async def qwen_stack(settings: Settings, qwen3_checkpoint: Path, tmp_path: Path) -> AsyncIterator[Stack]:
+    """A tiny Qwen3 whose template takes tools as `qwen`."""
+    async with serving(settings, qwen3_checkpoint, tmp_path, QWEN) as stack:
+        yield stack
 
 
 async def test_a_chat_completion_is_the_grpc_answer_with_its_usage_and_where_it_ran(
@@ -343,6 +362,87 @@ async def test_a_format_that_cannot_be_enforced_is_refused_naming_it(chat_stack:
     await sdk.close()
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now."}}  # no arguments
+ASKED = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+async def test_a_tool_call_streams_its_name_first_and_round_trips_with_its_result(
+    qwen_stack: Stack, qwen3_checkpoint: Path
+) -> None:
+    sdk = async_client(qwen_stack)
+    ask = {"model": QWEN, "messages": ASKED, "tools": [WEATHER, CLOCK], "max_tokens": 64, "temperature": 0}
+    stream = await sdk.chat.completions.create(**ask, tool_choice="required", stream=True)  # type: ignore[call-overload]
+    chunks = [chunk async for chunk in stream]
+    pieces = [piece for c in chunks for piece in c.choices[0].delta.tool_calls or []]
+    first = pieces[0]
+    assert (
+        first.id
+        and first.type == "function"
+        and first.function
+        and first.function.name in ("get_weather", "get_time")
+    )
+    later = [p for p in pieces[1:] if p.index == first.index]
+    assert all(p.id is None and p.function and p.function.name is None for p in later)
+    arguments = json.loads("".join(p.function.arguments or "" for p in [first, *later] if p.function))
+    assert isinstance(arguments, dict)  # whole: the next call, if any, starts after it
+    assert chunks[-1].choices[0].finish_reason in ("tool_calls", "length")  # a random model may go on calling
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = await sdk.chat.completions.create(**ask, tool_choice=named)  # type: ignore[call-overload]
+    [choice] = whole.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    result = {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}
+    conversation = [*ASKED, choice.message.model_dump(exclude_none=True), result]
+    answer = await sdk.chat.completions.create(**{**ask, "messages": conversation, "max_tokens": 4})  # type: ignore[call-overload]
+    # the prompt it answered is the conversation as transformers renders it, tools, call and result
+    arguments = json.loads(call.function.arguments)  # as a chat template takes them: an object
+    called = {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    rendered = [*ASKED, {"role": "assistant", "content": "", "tool_calls": [called]}, result]
+    tokenizer = transformers().AutoTokenizer.from_pretrained(qwen3_checkpoint)
+    expected = tokenizer.apply_chat_template(
+        rendered, tools=[WEATHER, CLOCK], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(expected)
+    over_grpc = P.GenerateRequest(
+        model=QWEN, messages=[P.ChatMessage(**m) for m in ASKED], tools=[P.Tool(name="get_time")],
+        tool_choice=P.ToolChoice(mode="function", function="get_time"),
+        sampling=P.SamplingParams(max_tokens=48),
+    )  # fmt: skip
+    messages = await generate(qwen_stack, over_grpc)
+    first, *rest = [piece for m in messages for piece in m.tool_calls]
+    assert (
+        (first.index, first.name) == (0, "get_time") and first.id and not any(p.id or p.index for p in rest)
+    )
+    assert first.arguments + "".join(p.arguments for p in rest) == "{}"  # no parameters: no arguments
+    assert messages[-1].finish_reason == P.FINISH_REASON_TOOL_CALLS
+    await sdk.close()
+
+
+async def test_tools_on_a_model_whose_template_takes_none_are_refused(chat_stack: Stack) -> None:
+    sdk = async_client(chat_stack)
+    with pytest.raises(openai.BadRequestError, match="chat template takes no tools"):
+        await sdk.chat.completions.create(model=CHAT, messages=ASKED, tools=[CLOCK])  # type: ignore[list-item]
+    plain = await sdk.chat.completions.create(
+        model=CHAT, messages=ASKED, tools=[CLOCK], tool_choice="none", max_tokens=2
+    )  # type: ignore[list-item]
+    assert plain.choices[0].message.tool_calls is None  # "none": the model is shown no tools
+    await sdk.close()
+
+
 async def test_each_error_has_its_status_and_the_sdks_exception(stack: Stack) -> None:
     sdk = async_client(stack)
     complete = sdk.completions.create
@@ -359,10 +459,10 @@ async def test_each_error_has_its_status_and_the_sdks_exception(stack: Stack) ->
         with pytest.raises(openai.BadRequestError) as bad:
             await complete(model="arith", prompt="1+1=", **ask)  # type: ignore[arg-type]
         assert bad.value.param == param, ask
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="functions"):
         await sdk.chat.completions.create(
             model="arith", messages=[{"role": "user", "content": "hi"}],
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            functions=[{"name": "f", "parameters": {}}],
         )  # fmt: skip
     with pytest.raises(openai.BadRequestError, match="temperature must be 0"):  # reflow's own check
         await complete(model="arith", prompt="1+1=", temperature=0.001)

@@ -95,7 +95,8 @@ def test_a_text_body_takes_a_prompt_or_a_list_of_one() -> None:
         ({"logit_bias": {"one": 2.0}}, "logit_bias"),
         ({"logit_bias": {"-1": 2.0}}, "logit_bias"),
         ({"logit_bias": {str(2**32): 2.0}}, "logit_bias"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"messages": [{"role": "function", "name": "f", "content": "42"}]}, "messages.0"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}}},
             "response_format.json_schema.schema",
@@ -108,7 +109,6 @@ def test_a_text_body_takes_a_prompt_or_a_list_of_one() -> None:
             "structured_outputs",
         ),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
     ],
 )
@@ -138,9 +138,66 @@ def test_each_format_becomes_the_structured_output_it_asks_for() -> None:
         ),
     ]
     for fields, expected in formats:
-        assert generate_request(chat(**fields)).structured_output == expected, fields
+        assert generate_request(chat(**fields)).structured_output == expected, fields  # unset: empty
     text = CompletionRequest.model_validate({"prompt": "hi", "response_format": {"type": "json_object"}})
     assert generate_request(text).structured_output == P.StructuredOutput(json_object=True)
+
+
+def test_tools_their_choice_and_the_calls_of_a_conversation_become_their_fields() -> None:
+    weather = {"name": "get_weather", "description": "Now.", "parameters": {"type": "object"}}
+    called = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    conversation = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [called]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Snow"},
+    ]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    tools = [{"type": "function", "function": weather}]
+    request = generate_request(chat(messages=conversation, tools=tools, tool_choice=named))
+    assert list(request.tools) == [
+        P.Tool(name="get_weather", description="Now.", parameters='{"type": "object"}')
+    ]
+    assert request.tool_choice == P.ToolChoice(mode="function", function="get_weather")
+    assert request.messages[1] == P.ChatMessage(
+        role="assistant",
+        tool_calls=[P.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Oslo"}')],
+    )
+    assert request.messages[2] == P.ChatMessage(role="tool", content="Snow", tool_call_id="call_1")
+    for mode in ("none", "auto", "required"):
+        assert generate_request(chat(tool_choice=mode)).tool_choice == P.ToolChoice(mode=mode)
+    assert not generate_request(chat()).HasField("tool_choice")
+
+
+def test_a_streamed_call_and_a_whole_one_take_openais_shapes() -> None:
+    pieces = [
+        P.ToolCallDelta(index=0, id="call_1", name="get_time"),
+        P.ToolCallDelta(index=0, arguments="{}"),
+    ]
+    first, last = (
+        P.GenerateResponse(tool_calls=pieces[:1]),
+        P.GenerateResponse(tool_calls=pieces[1:], finish_reason=P.FINISH_REASON_TOOL_CALLS),
+    )
+    header = P.GenerateResponse()
+    header.CopyFrom(HEADER)
+    header.MergeFrom(first)
+    events = [
+        json.loads(chunk(ChatShape, Served.of(HEADER), m, i == 0, False)[6:])
+        for i, m in enumerate((header, last))
+    ]
+    assert events[0]["choices"][0]["delta"]["tool_calls"] == [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": ""}}
+    ]
+    assert events[1]["choices"][0]["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": "{}"}}]
+    assert events[1]["choices"][0]["finish_reason"] == "tool_calls"
+    whole = completion(ChatShape, Served.of(HEADER), [header, last])["choices"][0]
+    assert whole["message"]["content"] is None and whole["finish_reason"] == "tool_calls"
+    assert whole["message"]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    ]
 
 
 def test_what_openai_clients_send_by_default_is_accepted() -> None:

@@ -35,14 +35,19 @@ def test_public_contract_names() -> None:
     fields = {
         "GenerateRequest": ["model", "prompt", "sampling", "user_id", "reasoning_budget",
                             "latency_budget_ms", "labels", "messages", "variant", "logprobs", "top_logprobs",
-                            "prompt_logprobs", "structured_output"],
+                            "prompt_logprobs", "structured_output", "tools", "tool_choice"],
+        "Tool": ["name", "description", "parameters"],
+        "ToolChoice": ["mode", "function"],
+        "ToolCall": ["id", "name", "arguments"],
+        "ToolCallDelta": ["index", "id", "name", "arguments"],
         "StructuredOutput": ["json_object", "json_schema", "regex", "grammar"],
         "TokenLogprob": ["token_id", "token", "logprob", "top_logprobs"],
-        "ChatMessage": ["role", "content"],
+        "ChatMessage": ["role", "content", "tool_calls", "tool_call_id"],
         "SamplingParams": ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty",
                            "frequency_penalty", "repetition_penalty", "logit_bias"],
         "GenerateResponse": ["request_id", "model", "model_version", "arm", "text", "reasoning_text",
-                             "finish_reason", "usage", "routing", "logprobs", "prompt_logprobs"],
+                             "finish_reason", "usage", "routing", "logprobs", "prompt_logprobs",
+                             "tool_calls"],
         "Routing": ["variant", "token_agreement", "predicted_time_to_first_token_ms", "predicted_total_ms",
                     "reasoning_budget", "predicted_to_meet_deadline"],
         "Usage": ["prompt_tokens", "completion_tokens", "reasoning_tokens", "time_to_first_token_ms",
@@ -56,7 +61,7 @@ def test_public_contract_names() -> None:
     reasons = inference_pb2.DESCRIPTOR.enum_types_by_name["FinishReason"].values_by_name
     assert list(reasons) == [
         "FINISH_REASON_UNSPECIFIED", "FINISH_REASON_STOP", "FINISH_REASON_LENGTH",
-        "FINISH_REASON_CANCELLED", "FINISH_REASON_ERROR",
+        "FINISH_REASON_CANCELLED", "FINISH_REASON_ERROR", "FINISH_REASON_TOOL_CALLS",
     ]  # fmt: skip
     worker = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
     assert [m.name for m in worker.methods] == ["Generate", "Status", "Load", "Unload", "SyncAliases"]

@@ -68,6 +68,29 @@ def tiny_chat_checkpoint(smollm2: Path, directory: Path) -> Path:
     return directory
 
 
+def tiny_qwen3_checkpoint(smollm2: Path, directory: Path) -> Path:
+    """A tiny random Qwen3 (2 layers, width 64) with the tokenizer of the converted checkpoint `smollm2`
+    (whose chat markers are Qwen's) and Qwen3's chat template, which takes tools: a model that calls
+    tools in Hermes's `<tool_call>` tags, cheap to run."""
+    import torch
+
+    from tests.support.hf import transformers
+    from tests.support.templates import QWEN3
+
+    library = transformers()
+    torch.manual_seed(0)
+    config = json.loads((smollm2 / "config.json").read_text())
+    shared = {
+        key: config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id", "tie_word_embeddings")
+    }
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)  # fmt: skip
+    library.Qwen3ForCausalLM(library.Qwen3Config(**shared, **shape)).save_pretrained(directory)
+    _copy_tokenizer(smollm2, directory)
+    (directory / "chat_template.jinja").write_text(QWEN3)
+    return directory
+
+
 def _copy_tokenizer(source: Path, directory: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(source / name, directory / name)

@@ -80,6 +80,8 @@ def test_drafted_rows_get_the_masks_of_the_steps_they_stand_for() -> None:
     assert sequence.phase is Phase.ANSWER
     letter = TOKENIZER.encode("x", bos=False)[0]
     assert constraint.usable_draft(sequence, [digit[2], digit[3], letter, digit[4]]) == [digit[2], digit[3]]
+    end = TOKENIZER.eos_id  # a draft stops before an end, which llguidance cannot take back whole
+    assert constraint.usable_draft(sequence, [digit[2], end, digit[3]]) == [digit[2]]
     rows = allowed(constraint, sequence, vocab_size, [digit[2], digit[3]])
     assert rows[0] == set(digit)  # after "1": a second digit at least
     assert rows[1] == rows[2] == {*digit, *TOKENIZER.eos_ids}  # after "12" and "123": one more, or the end

@@ -54,9 +54,16 @@ class ByteTokenizer:
         """A fresh decoder for one stream of generated ids."""
         return ByteDecoder()
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
         """Never: the byte-level model has no chat template."""
         raise ValueError("this model has no chat template; send a prompt instead of messages")
+
+    @property
+    def chat_template(self) -> None:
+        """None: the byte-level model has no chat template."""
+        return None
 
     def is_special(self, token_id: int) -> bool:
         """True for <pad>, <bos>, <eos>, <think> and </think>."""

@@ -68,12 +68,16 @@ class ChatTemplate:
 
     def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
         """Compiles `source`; `special_tokens` maps names (`bos_token`, ...) to the tokens' text."""
+        self.source = source
         self._template = _ENVIRONMENT.from_string(source)
         self._special_tokens = dict(special_tokens)
 
-    def render(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The prompt of `messages`, ready for the assistant's turn (`add_generation_prompt`); ValueError for
-        an empty conversation or one the template refuses (its `raise_exception` message)."""
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
+        """The prompt of `messages`, ready for the assistant's turn (`add_generation_prompt`), with `tools`
+        (transformers' `tools=`: OpenAI's function entries); ValueError for an empty conversation or one the
+        template refuses (its `raise_exception` message)."""
         if not messages:
             raise ValueError(
                 "Cannot apply chat template to an empty conversation. Provide at least one message."
@@ -81,7 +85,7 @@ class ChatTemplate:
         try:
             return self._template.render(
                 messages=[dict(message) for message in messages],
-                tools=None,
+                tools=None if tools is None else [dict(tool) for tool in tools],
                 documents=None,
                 add_generation_prompt=True,
                 **self._special_tokens,

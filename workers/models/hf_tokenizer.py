@@ -94,12 +94,20 @@ class HFTokenizer:
         """A fresh decoder for one stream of generated ids."""
         return HFDecoder(self._tokenizer, self._special_ids)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """transformers' `apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`, to be
-        encoded with `bos=False`; ValueError without a template or when the template refuses `messages`."""
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
+        """transformers' `apply_chat_template(messages, tools=tools, tokenize=False,
+        add_generation_prompt=True)`, to be encoded with `bos=False`; ValueError without a template or
+        when the template refuses `messages`."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a prompt instead of messages")
-        return self._template.render(messages)
+        return self._template.render(messages, tools)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's source; None without one."""
+        return None if self._template is None else self._template.source
 
     def is_special(self, token_id: int) -> bool:
         """True for the added tokens flagged special: those decoding leaves out."""

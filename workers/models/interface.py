@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -148,9 +148,18 @@ class Tokenizer(Protocol):
         """A fresh decoder for one stream of generated ids."""
         ...
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The prompt text of a conversation (`role`, `content` per message) as the model's chat
-        template renders it, ready for the assistant's turn; ValueError when it has no template."""
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
+        """The prompt text of a conversation (`role`, `content` per message, and OpenAI's `tool_calls`
+        and `tool_call_id` where a turn has them) as the model's chat template renders it with
+        `tools` (OpenAI's function entries), ready for the assistant's turn; ValueError when it has
+        no template."""
+        ...
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's source; None without one."""
         ...
 
     def is_special(self, token_id: int) -> bool:

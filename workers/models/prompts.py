@@ -3,7 +3,8 @@ rendered with its chat template (which carries its own start tokens)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from workers.models.interface import Tokenizer
 
@@ -26,5 +27,14 @@ def prompt_ids(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
     conversation when the model has no chat template (or its template refuses the conversation)."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    text = tokenizer.render_chat([{"role": role, "content": content} for role, content in prompt])
-    return tokenizer.encode(text, bos=False)
+    return chat_ids(tokenizer, [{"role": role, "content": content} for role, content in prompt])
+
+
+def chat_ids(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """The token ids of a conversation (as chat templates take messages) rendered with the model's
+    chat template and `tools`, ready for its answer; ValueError as `prompt_ids`."""
+    return tokenizer.encode(tokenizer.render_chat(messages, tools), bos=False)
