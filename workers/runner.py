@@ -142,7 +142,7 @@ class ModelRunner:
                 ready += zip(plan.decode, rows, strict=True)
         if not ready:
             return outputs
-        logits = torch.cat([rows for _, rows in ready]).masked_fill(self.banned, float("-inf"))  # [N, V]
+        logits = torch.cat([rows for _, rows in ready]).masked_fill_(self.banned, float("-inf"))  # [N, V]
         bounds = list(itertools.accumulate((len(rows) for _, rows in ready), initial=0))
         spans = [
             (request, start, end)
@@ -156,7 +156,9 @@ class ModelRunner:
                 self._fail(request, error, outputs)
             else:
                 adjusted.append((request, start, end))
-        greedy = logits.argmax(dim=-1).tolist()  # [N]
+        # in float32: the same index (bfloat16 widens exactly), and torch's bfloat16 argmax is not
+        # vectorised on the CPU (1.4 ms against 0.4 at 16 rows of SmolLM2's 49,152 logits)
+        greedy = logits.float().argmax(dim=-1).tolist()  # [N]
         drafted = accepted = 0
         for request, start, end in adjusted:
             try:
