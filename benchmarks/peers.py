@@ -15,8 +15,10 @@ bfloat16 (`--dtype`); llama.cpp on the Q4_1 GGUF file itself. One OpenAI-API loa
 story; each server's tokens are counted as it produced them) sends, at each concurrency C, max(2C,
 8) requests with at most C in flight, after a warm-up. Prints per server and C: output tokens/s
 (completion tokens / wall time), the median time per output token of a request (TPOT: from its first
-to its last token), the median time to its first token, then reflow's ratios to each peer's best,
-and the CPU (`lscpu` flags: with AMX, bfloat16 GEMMs win; without, they do not)."""
+to its last token), the median time to its first token and the processes that used the CPU while
+it ran (the share of one core each, from /proc: the server's against the load generator's), then
+reflow's ratios to each peer's best, and the CPU (`lscpu` flags: with AMX, bfloat16 GEMMs win;
+without, they do not)."""
 
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class Level:
     tpot_ms: float
     ttft_ms: float
     empty: int  # requests that got no token
+    cpu: str  # the processes that used the CPU while it ran, and how much of one core each
 
 
 @dataclass
@@ -120,14 +123,55 @@ async def level(server: Server, concurrency: int, tokens: int) -> Level:
             async with semaphore:
                 return await one(client, server, i, tokens)
 
-        started = time.perf_counter()
+        started, before = time.perf_counter(), cpu_seconds()
         done = await asyncio.gather(*(bounded(i) for i in range(max(2 * concurrency, 8))))
         wall = time.perf_counter() - started
+        busiest = busiest_processes(before, cpu_seconds(), wall)
     served = [r for r in done if r.tokens] or [Request(math.nan, math.nan, 0)]
     return Level(
         concurrency, sum(r.tokens for r in done) / wall, statistics.median(r.tpot_s for r in served) * 1000,
         statistics.median(r.ttft_s for r in served) * 1000, len(done) - sum(1 for r in done if r.tokens),
+        busiest,
     )  # fmt: skip
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Every process's name and CPU seconds so far (user and system, from /proc), by pid."""
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                argv = [
+                    word.decode(errors="replace") for word in (entry / "cmdline").read_bytes().split(b"\0")
+                ]
+                seconds[int(entry.name)] = (
+                    process_name(int(entry.name), argv),
+                    (int(fields[11]) + int(fields[12])) / tick,
+                )
+    return seconds
+
+
+def process_name(pid: int, argv: list[str]) -> str:
+    """`reflow worker` and the other reflow processes by their command, this one as the load
+    generator, others by their program."""
+    if pid == os.getpid():
+        return "load generator"
+    if "reflow" in argv[1:3] and argv.index("reflow") + 1 < len(argv):  # python -m reflow COMMAND
+        return f"reflow {argv[argv.index('reflow') + 1]}"
+    return Path(argv[1] if len(argv) > 1 and argv[0].endswith("python") else argv[0]).name or "?"
+
+
+def busiest_processes(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float
+) -> str:
+    """The processes that used at least 1% of a core between two `cpu_seconds`, busiest first."""
+    used: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        used[name] = used.get(name, 0.0) + seconds - before.get(pid, (name, 0.0))[1]
+    shares = sorted(((s / wall, name) for name, s in used.items() if s / wall >= 0.01), reverse=True)
+    return ", ".join(f"{name} {share:.0%}" for share, name in shares[:4])
 
 
 def start_reflow(copy: str, data: Path) -> Server:
@@ -232,7 +276,7 @@ def main() -> None:
                 server.stop()
             for r in results[server.name]:
                 print(f"{server.name:<16} C={r.concurrency:<3} {r.tokens_per_s:7.1f} tok/s  TPOT p50 "
-                      f"{r.tpot_ms:6.1f} ms  TTFT p50 {r.ttft_ms:7.1f} ms"
+                      f"{r.tpot_ms:6.1f} ms  TTFT p50 {r.ttft_ms:7.1f} ms  CPU of a core: {r.cpu}"
                       + (f"  ({r.empty} requests got no token)" if r.empty else ""), flush=True)  # fmt: skip
     ours = {n: r for n, r in results.items() if n.startswith("reflow")}
     peers = {n: r for n, r in results.items() if not n.startswith("reflow")}
