@@ -239,4 +239,5 @@ def worker_request(
         structured_output=request.structured_output,
         tools=request.tools,
         tool_choice=request.tool_choice,
+        prompt_only=request.prompt_only,
     )

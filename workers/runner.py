@@ -130,8 +130,12 @@ class ModelRunner:
             else:
                 for (request, _, end), row in zip(plan.prefill, last, strict=True):
                     self.scheduler.prefilled(request, end)
-                    if end == request.prompt_len:
+                    if end < request.prompt_len:
+                        continue
+                    if request.sequence.params.max_tokens:
                         ready.append((request, row[None]))
+                    else:  # the prompt only: no token to pick
+                        self._end_unanswered(request, outputs)
         if plan.decode:
             try:
                 rows = self._decode(plan.decode).split([1 + len(r.draft) for r in plan.decode])
@@ -246,6 +250,12 @@ class ModelRunner:
             return forced
         params = request.sequence.params.sampling
         return greedy if params.temperature <= 0 else sample(logits, params, request.generator)
+
+    def _end_unanswered(self, request: Request, outputs: list[Output]) -> None:
+        delta = request.sequence.end_unanswered()
+        delta.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+        self.scheduler.finish(request)
+        outputs.append((request, delta))
 
     def _fail(self, request: Request, error: Exception, outputs: list[Output]) -> None:
         logger.exception("sequence failed in model=%s version=%s", self.name, self.version)

@@ -22,7 +22,7 @@ class FinishReason(enum.Enum):
 class GenerationParams:
     """Everything a request asks of the decode loop, defaults already applied."""
 
-    max_tokens: int
+    max_tokens: int  # 0: none, the prompt only (its log probabilities, when asked for)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     reasoning_budget: int = 0  # 0 = bounded only by max_tokens
@@ -133,6 +133,10 @@ class Sequence:
         if len(self.output_ids) >= self.params.max_tokens or self.total_len >= self.max_len:
             return self._finish(delta, FinishReason.LENGTH)
         return delta
+
+    def end_unanswered(self) -> Delta:
+        """Ends a sequence that is to generate nothing (max_tokens 0) once its prompt is in."""
+        return self._finish(Delta(), FinishReason.LENGTH)
 
     def _finish(self, delta: Delta, reason: FinishReason) -> Delta:
         """Ends the sequence, flushing held-back text into the phase it belongs to."""

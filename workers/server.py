@@ -68,7 +68,7 @@ def params_from_pb(
     logit bias's token ids are checked against the model's vocabulary here), its grammar the
     calls it must make where `tool_use` forces some, else its structured output's."""
     s = request.sampling
-    if s.max_tokens == 0:
+    if s.max_tokens == 0 and not request.prompt_only:
         raise InvalidArgument("sampling.max_tokens must be at least 1")
     check_vocabulary(request, s.logit_bias, vocab_size, "sampling.logit_bias")
     sampling = SamplingParams(
@@ -77,7 +77,7 @@ def params_from_pb(
         repetition_penalty=s.repetition_penalty or 1.0, logit_bias=tuple(sorted(s.logit_bias.items())),
     )  # fmt: skip
     return GenerationParams(
-        max_tokens=s.max_tokens,
+        max_tokens=0 if request.prompt_only else s.max_tokens,
         sampling=sampling,
         stop=tuple(s.stop),
         reasoning_budget=request.reasoning_budget,

@@ -227,6 +227,11 @@ class ChatCompletionRequest(_CompletionParameters):
 
 class CompletionRequest(_CompletionParameters):
     prompt: str | list[str] = Field(description="The text to complete; a list holds exactly one.")
+    max_tokens: Annotated[int, Field(ge=0, le=UINT32)] | None = Field(
+        None,
+        description="Most tokens to generate, reasoning included; 0 (with `echo`) = none, the prompt "
+        "scored only; omitted = the server default.",
+    )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
         None, description="Report each token's log probability and this many of the most likely ones'."
     )

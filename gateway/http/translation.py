@@ -32,6 +32,10 @@ FINISH_REASONS = {
 }
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # what OpenAI's API documents for an omitted temperature
 ROLES = {"developer": "system"}  # OpenAI's newer name for the system role, which templates know
+NOTHING_TO_SEND = (
+    "max_tokens 0 generates nothing: send echo with it (and logprobs, for the prompt's log probabilities), "
+    "or at least 1"
+)
 
 
 def generate_request(body: ChatCompletionRequest | CompletionRequest) -> inference_pb2.GenerateRequest:
@@ -68,6 +72,7 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest) -> inferen
                 request.tool_choice.CopyFrom(_tool_choice(body))
         else:
             request.prompt = _prompt(body)
+            request.prompt_only = body.max_tokens == 0
     except UnicodeEncodeError:
         raise InvalidArgument("text must be valid Unicode; a string holds a lone surrogate") from None
     return request
@@ -89,6 +94,7 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
     else:
         refusals += [
             ("best_of", body.best_of not in (None, 1), "best_of is not supported; send 1 (or omit it)"),
+            ("max_tokens", body.max_tokens == 0 and not body.echo, NOTHING_TO_SEND),
             ("suffix", bool(body.suffix), "suffix (insertion) is not supported; omit it"),
         ]  # fmt: skip
     for param, refused, message in refusals:

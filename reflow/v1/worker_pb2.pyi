@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "version", "prompt", "prompt_token_ids", "sampling", "reasoning_budget", "messages", "variant", "cache_salt", "logprobs", "top_logprobs", "prompt_logprobs", "structured_output", "tools", "tool_choice")
+    __slots__ = ("request_id", "model", "version", "prompt", "prompt_token_ids", "sampling", "reasoning_budget", "messages", "variant", "cache_salt", "logprobs", "top_logprobs", "prompt_logprobs", "structured_output", "tools", "tool_choice", "prompt_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class WorkerGenerateRequest(_message.Message):
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     version: str
@@ -41,7 +42,8 @@ class WorkerGenerateRequest(_message.Message):
     structured_output: _inference_pb2.StructuredOutput
     tools: _containers.RepeatedCompositeFieldContainer[_inference_pb2.Tool]
     tool_choice: _inference_pb2.ToolChoice
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., reasoning_budget: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_inference_pb2.ChatMessage, _Mapping]]] = ..., variant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., structured_output: _Optional[_Union[_inference_pb2.StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[_inference_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_inference_pb2.ToolChoice, _Mapping]] = ...) -> None: ...
+    prompt_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., reasoning_budget: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_inference_pb2.ChatMessage, _Mapping]]] = ..., variant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., structured_output: _Optional[_Union[_inference_pb2.StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[_inference_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_inference_pb2.ToolChoice, _Mapping]] = ..., prompt_only: _Optional[bool] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "reasoning_text", "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "logprobs", "prompt_logprobs", "tool_calls")

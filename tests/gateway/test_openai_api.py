@@ -191,6 +191,22 @@ async def test_logprobs_come_with_each_token_whole_and_streamed_and_equal_the_gr
     assert echo.token_logprobs[0] is None and echo.top_logprobs[0] is None  # nothing predicts the first
     assert all(isinstance(p, float) for p in echo.token_logprobs[1:])
     assert echo.token_logprobs[-len(logprobs.token_logprobs) :] == pytest.approx(logprobs.token_logprobs)
+    scored = await sdk.completions.create(
+        model=CHAT, prompt="Hello there", logprobs=1, echo=True, temperature=0, max_tokens=0
+    )  # the prompt only, as evaluation harnesses score a text
+    [only] = scored.choices
+    assert (only.text, only.finish_reason, scored.usage and scored.usage.completion_tokens) == (
+        "Hello there",
+        "length",
+        0,
+    )
+    prompt_tokens = echoed.usage.prompt_tokens  # type: ignore[union-attr]
+    assert only.logprobs is not None and only.logprobs.tokens == echo.tokens[:prompt_tokens]
+    assert only.logprobs.token_logprobs[0] is None
+    assert only.logprobs.token_logprobs[1:] == pytest.approx(echo.token_logprobs[1:prompt_tokens])
+    with pytest.raises(openai.BadRequestError) as nothing:
+        await sdk.completions.create(model=CHAT, prompt="Hello there", max_tokens=0)
+    assert nothing.value.param == "max_tokens"
     plain_echo = await sdk.completions.create(model=CHAT, prompt="Hello there", echo=True, **greedy)
     assert plain_echo.choices[0].text == echoed.choices[0].text and plain_echo.choices[0].logprobs is None
     for refused in ({"top_logprobs": 3}, {"logprobs": True, "top_logprobs": 21}):

@@ -251,3 +251,16 @@ def test_reasoning_comes_apart_from_the_answer_in_messages_chunks_and_usage() ->
         "text_completion", "15", "7+8=15",
     )  # fmt: skip
     assert Served.of(P.GenerateResponse(model="chat", model_version="3")).fingerprint == "chat/3"  # pinned
+
+
+def test_max_tokens_0_with_echo_asks_for_the_prompt_only() -> None:
+    scored = generate_request(
+        CompletionRequest.model_validate({"prompt": "hi", "max_tokens": 0, "echo": True, "logprobs": 1})
+    )
+    assert scored.prompt_only and scored.prompt_logprobs
+    assert not generate_request(
+        CompletionRequest.model_validate({"prompt": "hi", "max_tokens": 1})
+    ).prompt_only
+    with pytest.raises(InvalidArgument) as nothing:
+        generate_request(CompletionRequest.model_validate({"prompt": "hi", "max_tokens": 0}))
+    assert nothing.value.param == "max_tokens"

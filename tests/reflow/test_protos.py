@@ -35,7 +35,8 @@ def test_public_contract_names() -> None:
     fields = {
         "GenerateRequest": ["model", "prompt", "sampling", "user_id", "reasoning_budget",
                             "latency_budget_ms", "labels", "messages", "variant", "logprobs", "top_logprobs",
-                            "prompt_logprobs", "structured_output", "tools", "tool_choice"],
+                            "prompt_logprobs", "structured_output", "tools", "tool_choice",
+                            "prompt_only"],
         "Tool": ["name", "description", "parameters"],
         "ToolChoice": ["mode", "function"],
         "ToolCall": ["id", "name", "arguments"],

@@ -145,9 +145,11 @@ def test_logprobs_are_transformers_log_softmax_of_the_logits_each_token_was_pick
 
         plain = asyncio.run(logprobs(GenerationParams(max_tokens=12)))  # its prompt's blocks are cached
         ids, entries, prompt_entries, cached = asyncio.run(logprobs())
+        scored = asyncio.run(logprobs(GenerationParams(max_tokens=0, top_logprobs=5, prompt_logprobs=True)))
     finally:
         engine.close()
     assert plain[3] == 0 and plain[0] == ids and not plain[1] and not plain[2]
+    assert scored[:3] == ([], [], prompt_entries)  # the prompt only: the same log probabilities, no token
     assert cached == 0  # a prompt whose log probabilities are asked for is computed whole
     assert [e.token_id for e in entries] == ids and ids
     with torch.inference_mode():
