@@ -301,7 +301,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         stream = self.engine.generate(
             request.model, request.version, prompt_ids, params, request.variant, cache_salt=request.cache_salt
         )
-        calls = None if tool_use is None else tool_use.format.parser()
+        calls = None if tool_use is None else CallParser(tool_use.format)
         async with contextlib.aclosing(stream):  # a cancelled call frees its slot at once
             async for delta in stream:
                 message = delta_to_pb(delta, loaded.tokenizer)

@@ -37,7 +37,7 @@ class Tool:
         return {"type": "function", "function": {"name": self.name} | {k: v for k, v in given.items() if v}}
 
 
-@dataclass
+@dataclass(frozen=True)
 class CallPiece:
     """A piece of a tool call: its first has the call's id and name, later ones more arguments."""
 
@@ -52,7 +52,6 @@ class ToolFormat:
     """How a family of models calls tools: the tags around each call ("" where the whole answer is
     one call) and the key its arguments go under."""
 
-    name: str
     opens: str
     closes: str
     arguments_key: str
@@ -75,10 +74,6 @@ class ToolFormat:
         many = "" if one or not self.opens else ' ("\\n" call)*'
         return f"start: call{many}\ncall: {call}"
 
-    def parser(self) -> CallParser:
-        """A parser of one answer's calls."""
-        return CallParser(self)
-
 
 @dataclass(frozen=True)
 class ToolUse:
@@ -95,8 +90,8 @@ class ToolUse:
         return self.format.grammar(self.forced, self.one) if self.forced else None
 
 
-HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments")
-LLAMA3_JSON = ToolFormat("llama3_json", "", "", "parameters")
+HERMES = ToolFormat("<tool_call>", "</tool_call>", "arguments")
+LLAMA3_JSON = ToolFormat("", "", "parameters")
 
 
 def format_of(template: str | None) -> ToolFormat | None:

@@ -13,7 +13,16 @@ import pytest
 from tests.support.templates import LLAMA3, QWEN3
 from workers.grammar import vocabulary
 from workers.models.builtin import TOKENIZER
-from workers.tool_calls import HERMES, LLAMA3_JSON, NO_ARGUMENTS, CallPiece, Tool, ToolFormat, format_of
+from workers.tool_calls import (
+    HERMES,
+    LLAMA3_JSON,
+    NO_ARGUMENTS,
+    CallParser,
+    CallPiece,
+    Tool,
+    ToolFormat,
+    format_of,
+)
 
 WEATHER = Tool(
     "get_weather",
@@ -28,7 +37,7 @@ def parsed(
 ) -> tuple[str, list[dict[str, str]], list[CallPiece]]:
     """The answer's own text, its whole calls and the pieces they came in, `text` pushed in parts
     cut at `cuts`."""
-    parser, out, pieces = format.parser(), "", []
+    parser, out, pieces = CallParser(format), "", []
     for start, end in zip((0, *cuts), (*cuts, len(text)), strict=True):
         more_text, more = parser.push(text[start:end])
         out, pieces = out + more_text, pieces + more
