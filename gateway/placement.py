@@ -5,6 +5,8 @@ what this gateway runs on each worker meanwhile (WorkerLoad), which only placeme
 
 - Without a deadline, the reference copy (the best), on the worker with the lowest cost.
 - A request that names a variant (GenerateRequest.variant) runs on it, on its lowest-cost worker.
+- Another choice of a request that asked for several runs beside the first one (its worker and
+  copy), where the prompt's blocks are cached, as long as that copy serves it.
 - With one, the best-quality copy (token agreement, workers/quality.py) predicted to finish
   within it, on its lowest-cost worker; when none is, the lowest-cost option of all. When even that
   one is predicted to miss, a version that reasons gets its reasoning budget lowered just enough to
@@ -216,14 +218,18 @@ class Placer:
         request: inference_pb2.GenerateRequest,
         budget_ms: float | None,
         exclude: frozenset[str] = frozenset(),
+        near: Placement | None = None,
     ) -> Placement:
-        """The placement of `request` with `budget_ms` left to its deadline (None: no deadline);
+        """The placement of `request` with `budget_ms` left to its deadline (None: no deadline),
+        beside `near` (another choice of the same request) where that one's copy still serves it;
         the pool's Unavailable or NotFound when no worker serves `spec`, InvalidArgument for a
         max_tokens beyond the version's context."""
         chars = prompt_chars(request)
         options = self.options(spec, request, exclude, chars)
         if request.variant:
             options = pinned(options, request.variant, spec)
+        if near is not None:
+            options = beside(options, near)
         chosen = choose(options, budget_ms)
         reasoning = request.reasoning_budget
         if not chosen.meets(budget_ms) and chosen.loaded.reasons and budget_ms is not None:
@@ -349,6 +355,13 @@ def pinned(options: list[Option], variant: str, spec: ModelSpec) -> list[Option]
         there = "its workers hold no variants" if references_only else f"its variants are {held}"
         raise NotFound(f"no worker serving model {spec} holds variant {variant!r}; {there}")
     return on
+
+
+def beside(options: list[Option], near: Placement) -> list[Option]:
+    """The options on `near`'s worker and copy, whose prefix cache holds the prompt they share;
+    all of them when none is (that worker failed, or no longer serves the version)."""
+    there = (near.option.worker.address, near.option.name)
+    return [o for o in options if (o.worker.address, o.name) == there] or options
 
 
 def choose(options: list[Option], budget_ms: float | None) -> Option:

@@ -54,6 +54,9 @@ class Generation:
     assignment: Assignment
     received: float  # time.perf_counter() when the call arrived
     deadline: float | None  # on the same clock: the call's own, or the latency budget
+    # another choice of the same request (gateway/http/choices.py), whose prompt blocks this one reuses
+    beside: Generation | None = None
+    placement: Placement | None = None  # where the relay runs it, once placed
 
 
 class Relay:
@@ -83,13 +86,14 @@ class Relay:
         spec = assignment.spec
         tried: set[str] = set()
         full: set[str] = set()  # workers whose queue was full
+        near = generation.beside.placement if generation.beside is not None else None
         while True:
             deadline = generation.deadline
             remaining_s = None if deadline is None else max(deadline - time.perf_counter(), 0.001)
             try:
-                placement = self.placer.place(
+                placement = generation.placement = self.placer.place(
                     spec, generation.request, None if remaining_s is None else remaining_s * 1000,
-                    exclude=frozenset(tried),
+                    exclude=frozenset(tried), near=near,
                 )  # fmt: skip
             except (NotFound, Unavailable):
                 if assignment.experiment is not None and assignment.arm == CHALLENGER and not full:

@@ -65,22 +65,29 @@ class InferenceService:
         request: inference_pb2.GenerateRequest,
         time_remaining: float | None = None,
         received: float | None = None,
+        beside: Generation | None = None,
     ) -> Generation:
         """A validated request with its id, arm and deadline (`time_remaining`: the call's own, in
-        seconds); InvalidArgument for a request a worker should never see."""
+        seconds); InvalidArgument for a request a worker should never see. Another choice of the
+        request `beside` generates (the same but for its seed) gets that one's arm, and is placed
+        beside it (gateway/http/choices.py)."""
         received = time.perf_counter() if received is None else received
+        request_id = self.request_ids.new(tenant.name)
+        deadline = deadline_of(time_remaining, request.latency_budget_ms, received)
+        if beside is not None:  # checked as that one was
+            assignment = replace(beside.assignment)  # a copy: each falls back to the champion alone
+            return Generation(request, tenant, request_id, assignment, received, deadline, beside=beside)
         check_request(request, self.limits)
         spec = ModelSpec.parse(request.model, self.default_model.name, self.default_model.alias)
-        request_id = self.request_ids.new(tenant.name)
         unit = request.user_id or request_id  # what the arm sticks to
         assignment = self.experiments.assign(request.model, spec, tenant, unit, self.pool)
-        deadline = deadline_of(time_remaining, request.latency_budget_ms, received)
         return Generation(request, tenant, request_id, assignment, received, deadline)
 
     async def stream(self, generation: Generation) -> AsyncGenerator[inference_pb2.GenerateResponse]:
         """The completion's messages (the first names where it runs, the last how it ended), within
         the tenant's quotas; the finished one is published as an inference event. Close it (or
-        cancel its reader) to stop the generation at the worker's next step."""
+        cancel its reader) to stop the generation at the worker's next step. Another choice of a
+        request is charged its completion: the prompt counts once, as the usage counts it."""
         reserve = estimated_tokens(generation.request, self.limits.default_max_tokens)
         async with self.quotas.admit(generation.tenant, reserve) as charge:
             try:
@@ -91,7 +98,8 @@ class InferenceService:
                         # a worker took it: charged the reservation, or what it used once known
                         charge.tokens = charge.reserved
                         if message.HasField("usage"):
-                            charge.tokens = message.usage.prompt_tokens + message.usage.completion_tokens
+                            prompt = message.usage.prompt_tokens if generation.beside is None else 0
+                            charge.tokens = prompt + message.usage.completion_tokens
                         yield message
             except ReflowError as error:
                 # the error-rate guardrail counts failures of the arm, not a request the model

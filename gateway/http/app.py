@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -26,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.edge import EdgeLimits
 from gateway.http import errors, translation
+from gateway.http.choices import Choices, best
 from gateway.http.feedback_body import NDJSON, feedback_items
 from gateway.http.middleware import Edge, caller
 from gateway.http.schemas import (
@@ -41,13 +43,12 @@ from gateway.http.schemas import (
     ModelCard,
     ModelList,
 )
-from gateway.http.translation import ChatShape, Served, Shape, TextShape
+from gateway.http.translation import ChatShape, Messages, Served, Shape, TextShape
 from gateway.metrics import GatewayMetrics
 from gateway.routing import ServedVersion
 from gateway.service import InferenceService
 from gateway.tenants import TenantInfo
 from reflow.errors import NotFound, ReflowError
-from reflow.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
 OWNER = "reflow"
@@ -120,26 +121,34 @@ def create_app(service: InferenceService, metrics: GatewayMetrics, limits: EdgeL
         request: Request, body: ChatCompletionRequest | CompletionRequest, shape: Shape
     ) -> Response:
         received = time.perf_counter()
-        generation = service.start(caller(request), translation.generate_request(body), received=received)
-        stream = service.stream(generation)
+        asked = translation.generate_request(body)
+        n, generated = translation.choice_counts(body)
+        ranked, shown_logprobs = generated > n, asked.logprobs
+        asked.logprobs |= ranked  # ranked by their tokens' log probabilities
+        choices = Choices(service, caller(request), asked, generated, received, "best_of" if ranked else "n")
         try:  # a client that leaves while its request waits for a worker frees its place at once
-            first = await _unless_disconnected(request, anext(stream))
+            firsts = await _unless_disconnected(request, choices.begin())
         except ReflowError as error:
-            return errors.error_response(error, {"x-request-id": generation.request_id})
-        if first is None:  # cancelling the wait for it ended the stream
+            return errors.error_response(error, {"x-request-id": choices.request_id})
+        if firsts is None:  # cancelling the wait for them ended the streams
             return Response(status_code=errors.CLIENT_GONE)
-        served = Served.of(first)
-        first.text = translation.echoed(body) + first.text  # the inference event keeps its own text
+        served = Served.of(firsts[0])
+        for first in firsts:  # the inference events keep their own texts
+            first.text = translation.echoed(body) + first.text
         if body.stream:  # Starlette watches for the client leaving from here on
             with_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(_events(shape, served, first, stream, with_usage), served.headers())
+            return EventStream(_events(shape, served, choices, firsts, with_usage), served.headers())
         try:
-            rest = await _unless_disconnected(request, _collect(stream))
+            whole = await _unless_disconnected(request, _collect(choices, firsts))
         except ReflowError as error:
             return errors.error_response(error, served.headers())
-        if rest is None:
+        if whole is None:
             return Response(status_code=errors.CLIENT_GONE)
-        completion = translation.completion(shape, served, [first, *rest])
+        shown = whole
+        if ranked:  # the completion is known by its best choice's id: rating it rates the one shown
+            shown = best(whole, n, keep_logprobs=shown_logprobs)
+            served = replace(served, id=shown[0][0].request_id)
+        completion = translation.completion(shape, served, shown, generated=whole)
         return JSONResponse(completion, headers=served.headers())
 
     @app.post(
@@ -239,22 +248,20 @@ def _document(app: FastAPI) -> None:
 
 
 async def _events(
-    shape: Shape,
-    served: Served,
-    first: inference_pb2.GenerateResponse,
-    stream: AsyncGenerator[inference_pb2.GenerateResponse],
-    with_usage: bool,
+    shape: Shape, served: Served, choices: Choices, firsts: Messages, with_usage: bool
 ) -> AsyncGenerator[str]:
-    """The SSE events of a completion whose first message is `first` and the rest `stream`."""
-    async with contextlib.aclosing(stream):
+    """The SSE events of a completion whose choices' first messages are `firsts`, as they come."""
+    async with contextlib.aclosing(choices), contextlib.aclosing(choices.rest()) as rest:
         try:
-            message, offset = first, len(first.text)
-            yield translation.chunk(shape, served, first, True, with_usage)
-            async for message in stream:
-                yield translation.chunk(shape, served, message, False, with_usage, offset)
-                offset += len(message.text)
+            lasts, offsets = list(firsts), [len(first.text) for first in firsts]
+            for index, first in enumerate(firsts):
+                yield translation.chunk(shape, served, first, True, with_usage, index=index)
+            async for index, message in rest:
+                yield translation.chunk(shape, served, message, False, with_usage, offsets[index], index)
+                offsets[index] += len(message.text)
+                lasts[index] = message
             if with_usage:
-                yield translation.usage_chunk(shape, served, message)
+                yield translation.usage_chunk(shape, served, lasts)
         except ReflowError as error:
             yield translation.event(errors.reflow_error_body(error))
         except Exception as error:  # never a broken stream without a word
@@ -265,11 +272,13 @@ async def _events(
         yield translation.DONE
 
 
-async def _collect(
-    stream: AsyncGenerator[inference_pb2.GenerateResponse],
-) -> list[inference_pb2.GenerateResponse]:
-    async with contextlib.aclosing(stream):
-        return [message async for message in stream]
+async def _collect(choices: Choices, firsts: Messages) -> list[Messages]:
+    """Every choice's messages, from its first."""
+    whole = [[first] for first in firsts]
+    async with contextlib.aclosing(choices), contextlib.aclosing(choices.rest()) as rest:
+        async for index, message in rest:
+            whole[index].append(message)
+    return whole
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -28,6 +28,7 @@ from gateway.validation import (
 
 UINT32 = 2**32 - 1
 UINT64 = 2**64 - 1
+MAX_CHOICES = 8  # n and best_of: OpenAI documents no bound; 8 streams are much of a small worker's batch
 MAX_MODEL_CHARS = 256
 
 Uint32 = Annotated[int, Field(ge=0, le=UINT32)]
@@ -150,8 +151,11 @@ class _CompletionParameters(_Body):
     structured_outputs: StructuredOutputs | None = Field(
         None, description="vLLM's: a JSON Schema, a regular expression, a grammar or a choice of texts."
     )
-    # refused unless asked for as reflow serves (one choice)
-    n: int | None = Field(None, description="Only 1 is supported.")
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = Field(
+        None,
+        description="How many choices to generate, each with its own `request_id` to rate it by; the "
+        "prompt's KV blocks are shared and its tokens counted once.",
+    )
 
 
 class ContentPart(_Body):
@@ -239,7 +243,11 @@ class CompletionRequest(_CompletionParameters):
         None,
         description="Start the text with the prompt; with `logprobs`, its tokens' log probabilities too.",
     )
-    best_of: int | None = Field(None, description="Only 1 is supported.")
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = Field(
+        None,
+        description="Generate this many (at least `n`) and return the `n` with the highest mean log "
+        "probability per token, best first; not streamed. The usage counts them all.",
+    )
     suffix: str | None = Field(None, description="Not supported.")
 
 
@@ -299,8 +307,12 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
+REQUEST_ID = "This choice's request id: rate it with it (and prefer it over another choice by its id)."
+
+
 class ChatChoice(BaseModel):
     index: int
+    request_id: str = Field(description=REQUEST_ID)
     message: AssistantMessage
     finish_reason: FinishReason
     logprobs: ChatLogprobs | None = None
@@ -337,6 +349,7 @@ class Delta(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
+    request_id: str | None = Field(None, description=f"In the choice's first chunk. {REQUEST_ID}")
     delta: Delta
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None = None
@@ -363,6 +376,7 @@ class CompletionLogprobs(BaseModel):
 
 class CompletionChoice(BaseModel):
     index: int
+    request_id: str | None = Field(None, description=f"In a streamed choice's first chunk. {REQUEST_ID}")
     text: str
     reasoning_content: str | None = None
     finish_reason: FinishReason | None

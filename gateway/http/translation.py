@@ -25,6 +25,7 @@ from reflow.v1 import inference_pb2
 
 P = inference_pb2
 Logprobs = Sequence[inference_pb2.TokenLogprob]
+Messages = list[inference_pb2.GenerateResponse]  # one choice's stream
 FINISH_REASONS = {
     P.FINISH_REASON_STOP: "stop",
     P.FINISH_REASON_LENGTH: "length",
@@ -81,7 +82,6 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest) -> inferen
 def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     """InvalidArgument for the first parameter asking for something reflow does not do."""
     refusals: list[tuple[str, bool, str]] = [
-        ("n", body.n not in (None, 1), "reflow returns one choice per request; send n=1 (or omit it)"),
         (
             "stream_options",
             body.stream_options is not None and not body.stream,
@@ -92,14 +92,25 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
         old_tools = "functions, the old form of tools, are not supported: send tools"
         refusals.append(("functions", bool(body.functions), old_tools))
     else:
+        n, generated = choice_counts(body)
+        ranked = generated > n
         refusals += [
-            ("best_of", body.best_of not in (None, 1), "best_of is not supported; send 1 (or omit it)"),
+            ("best_of", generated < n, "best_of must be at least n (or omitted)"),
+            ("best_of", ranked and body.stream, "best_of ranks whole completions: not streamed"),
+            ("best_of", ranked and body.max_tokens == 0, "best_of ranks tokens: none at max_tokens 0"),
             ("max_tokens", body.max_tokens == 0 and not body.echo, NOTHING_TO_SEND),
             ("suffix", bool(body.suffix), "suffix (insertion) is not supported; omit it"),
         ]  # fmt: skip
     for param, refused, message in refusals:
         if refused:
             raise InvalidArgument(message, param=param)
+
+
+def choice_counts(body: ChatCompletionRequest | CompletionRequest) -> tuple[int, int]:
+    """How many choices to return (`n`) and how many to generate (`best_of` on text completions,
+    else as many)."""
+    n = body.n or 1
+    return n, (body.best_of or n) if isinstance(body, CompletionRequest) else n
 
 
 def _structured_output(
@@ -268,15 +279,17 @@ class Served:
                 "system_fingerprint": self.fingerprint}  # fmt: skip
 
 
-def usage(last: inference_pb2.GenerateResponse) -> dict[str, Any]:
-    """OpenAI's usage of the last message of a stream."""
-    u = last.usage
+def usage(lasts: Sequence[inference_pb2.GenerateResponse]) -> dict[str, Any]:
+    """OpenAI's usage of the last messages of each choice's stream: the prompt counted once (the
+    first choice's; the others reused it), the completions all."""
+    prompt = lasts[0].usage
+    completion = sum(last.usage.completion_tokens for last in lasts)
     return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+        "prompt_tokens": prompt.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": prompt.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": sum(last.usage.reasoning_tokens for last in lasts)},
     }
 
 
@@ -300,7 +313,7 @@ class ChatShape:
         message = {"role": "assistant", "content": answer}
         if reasoning:
             message["reasoning_content"] = reasoning
-        return {"index": 0, "message": message, "finish_reason": finish_reason(last),
+        return {"message": message, "finish_reason": finish_reason(last),
                 "logprobs": ChatShape.logprobs(logprobs)}  # fmt: skip
 
     @staticmethod
@@ -312,7 +325,7 @@ class ChatShape:
             delta["reasoning_content"] = message.reasoning_text
         if message.tool_calls:
             delta["tool_calls"] = [ChatShape.call_delta(piece) for piece in message.tool_calls]
-        return {"index": 0, "delta": delta, "finish_reason": finish_reason(message),
+        return {"delta": delta, "finish_reason": finish_reason(message),
                 "logprobs": ChatShape.logprobs(message.logprobs)}  # fmt: skip
 
     @staticmethod
@@ -357,7 +370,7 @@ class TextShape:
     def choice(
         answer: str, reasoning: str, last: inference_pb2.GenerateResponse, logprobs: Logprobs, offset: int = 0
     ) -> dict[str, Any]:
-        choice = {"index": 0, "text": answer, "finish_reason": finish_reason(last),
+        choice = {"text": answer, "finish_reason": finish_reason(last),
                   "logprobs": TextShape.logprobs(logprobs, offset)}  # fmt: skip
         if reasoning:
             choice["reasoning_content"] = reasoning
@@ -392,17 +405,27 @@ Shape = type[ChatShape] | type[TextShape]
 
 
 def completion(
-    shape: Shape, served: Served, messages: list[inference_pb2.GenerateResponse]
+    shape: Shape, served: Served, choices: Sequence[Messages], generated: Sequence[Messages] = ()
 ) -> dict[str, Any]:
-    """The whole completion of a stream's messages (the last carries finish_reason and usage)."""
+    """The whole completion of each choice's stream's messages (the first names its request id,
+    the last carries finish_reason and usage), with the usage of every choice `generated` (by
+    default those shown, all but with best_of)."""
+    return served.envelope(shape.object) | {
+        "choices": [_choice(shape, index, messages) for index, messages in enumerate(choices)],
+        "usage": usage([messages[-1] for messages in generated or choices]),
+    }
+
+
+def _choice(shape: Shape, index: int, messages: Messages) -> dict[str, Any]:
     answer = "".join(m.text for m in messages)
     reasoning = "".join(m.reasoning_text for m in messages)
     logprobs = [e for m in messages for e in (*m.prompt_logprobs, *m.logprobs)]
-    choice = shape.choice(answer, reasoning, messages[-1], logprobs)
+    choice: dict[str, Any] = {"index": index, "request_id": messages[0].request_id}
+    choice |= shape.choice(answer, reasoning, messages[-1], logprobs)
     calls = ChatShape.calls(messages)  # none but in chat: text completions take no tools
     if calls:
         choice["message"] |= {"content": answer or None, "tool_calls": calls}
-    return served.envelope(shape.object) | {"choices": [choice], "usage": usage(messages[-1])}
+    return choice
 
 
 def chunk(
@@ -412,19 +435,22 @@ def chunk(
     first: bool,
     with_usage: bool,
     offset: int = 0,
+    index: int = 0,
 ) -> str:
-    """One SSE event of a streamed completion, whose text before it is `offset` characters long;
-    `with_usage` adds `"usage": null`, as OpenAI does on every chunk but the last when usage was
-    asked for."""
-    body = served.envelope(shape.chunk_object) | {"choices": [shape.chunk_choice(message, first, offset)]}
+    """One SSE event of a streamed completion: a message of choice `index`, whose text before it
+    is `offset` characters long; a choice's `first` names its request id. `with_usage` adds
+    `"usage": null`, as OpenAI does on every chunk but the last when usage was asked for."""
+    choice: dict[str, Any] = {"index": index} | ({"request_id": message.request_id} if first else {})
+    choice |= shape.chunk_choice(message, first, offset)
+    body = served.envelope(shape.chunk_object) | {"choices": [choice]}
     if with_usage:
         body["usage"] = None
     return event(body)
 
 
-def usage_chunk(shape: Shape, served: Served, last: inference_pb2.GenerateResponse) -> str:
-    """The last event when usage was asked for: no choices, the usage."""
-    return event(served.envelope(shape.chunk_object) | {"choices": [], "usage": usage(last)})
+def usage_chunk(shape: Shape, served: Served, lasts: Sequence[inference_pb2.GenerateResponse]) -> str:
+    """The last event when usage was asked for: no choices, the usage of every choice."""
+    return event(served.envelope(shape.chunk_object) | {"choices": [], "usage": usage(lasts)})
 
 
 def event(data: object) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import openai
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -75,11 +76,25 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
         assert all(m.model_version == ("2" if m.arm == CHALLENGER else "1") for m in first)
         pinned = await ask(stack, users[0], model=f"{MODEL}@{CHAMPION}")  # asked by name: not in it
         assert (pinned.arm, pinned.model_version) == (CHAMPION, "1")
+        # several choices of a request without a user: each has a request id of its own, all the arm of
+        # the first (so a preference among them compares one version's samples)
+        sdk = openai.AsyncOpenAI(base_url=f"{stack.http_url}/v1", api_key=stack.api_key, max_retries=0)
+        several = [
+            await sdk.completions.create(model=MODEL, prompt="12+30=", n=4, max_tokens=2) for _ in range(6)
+        ]
+        await sdk.close()
+        choice_ids = [[(c.model_extra or {})["request_id"] for c in done.choices] for done in several]
+        alone = {i: assigned_arm(key, experiment.id, "acme", i, 0.5) for ids in choice_ids for i in ids}
+        assert any(alone[i] != alone[ids[0]] for ids in choice_ids for i in ids)  # drawn alone, some would
 
         with consuming(swap_settings.kafka_bootstrap, store):
-            await asyncio.to_thread(wait_for, lambda: count(store, Inference) == 2 * len(users) + 2)
+            stored = 2 * len(users) + 2 + 4 * len(several)
+            await asyncio.to_thread(wait_for, lambda: count(store, Inference) == stored)
         with Session(store) as session:
             rows = {r.request_id: r for r in session.scalars(select(Inference))}
+        for ids in choice_ids:
+            arms = {(rows[i].arm, rows[i].version, rows[i].experiment_id) for i in ids}
+            assert arms == {(rows[ids[0]].arm, rows[ids[0]].version, experiment.id)}
         for message in first + again:
             row = rows[message.request_id]
             assert (row.arm, row.version, row.experiment_id) == (

@@ -24,6 +24,8 @@ from openai.lib._parsing._completions import type_to_response_format_param
 from sqlalchemy import Engine
 
 from feedback.intake.stats import store_counts
+from feedback.tasks.task import Example
+from feedback.training.dataset import load_new
 from gateway.tenants import create_tenant
 from reflow.settings import Settings
 from reflow.store.database import open_db
@@ -334,6 +336,82 @@ def openai_format(model: type[pydantic.BaseModel]) -> dict[str, object]:
     return type_to_response_format_param(model)  # type: ignore[return-value]
 
 
+def request_id_of(choice: pydantic.BaseModel) -> str:
+    """A choice's own request id (reflow's field beside OpenAI's, kept by the SDK as an extra)."""
+    return str((choice.model_extra or {})["request_id"])
+
+
+async def test_n_choices_are_the_seeded_requests_reusing_the_prompts_blocks_with_it_counted_once(
+    chat_stack: Stack,
+) -> None:
+    sdk = async_client(chat_stack)
+    conversation = [{"role": "system", "content": "Answer in one word. " * 12}, *CONVERSATION[1:]]
+    metrics = chat_stack.workers[0].engine.metrics
+    assert metrics is not None
+    reused_before = metrics.cached_prompt_tokens._value.get()
+    raw = await sdk.chat.completions.with_raw_response.create(
+        model=CHAT, messages=conversation, n=4, **SAMPLED
+    )
+    several = raw.parse()
+    block = chat_stack.pool.workers[0].loaded[0].kv_block_size
+    prompt = several.usage.prompt_tokens
+    assert prompt > 2 * block
+    # the first choice prefilled the prompt; the other three found its full blocks in the prefix cache
+    assert metrics.cached_prompt_tokens._value.get() - reused_before == 3 * ((prompt - 1) // block * block)
+    ids = [request_id_of(c) for c in several.choices]
+    assert [c.index for c in several.choices] == [0, 1, 2, 3] and len(set(ids)) == 4
+    assert several.id == ids[0] == raw.headers["x-request-id"]
+    alone = [
+        await sdk.chat.completions.create(
+            model=CHAT, messages=conversation, **SAMPLED | {"seed": SAMPLED["seed"] + i}
+        )
+        for i in range(4)
+    ]
+    assert [c.message.content for c in several.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in several.choices}) > 1  # sampled with seeds of their own
+    assert (several.usage.prompt_tokens, several.usage.completion_tokens) == (
+        alone[0].usage.prompt_tokens, sum(a.usage.completion_tokens for a in alone),
+    )  # fmt: skip
+    streamed = await sdk.chat.completions.create(
+        model=CHAT, messages=conversation, n=4, stream=True, stream_options={"include_usage": True}, **SAMPLED
+    )
+    texts, named = ["", "", "", ""], [None] * 4
+    async for chunk in streamed:
+        if not chunk.choices:
+            assert (
+                chunk.usage is not None and chunk.usage.completion_tokens == several.usage.completion_tokens
+            )
+            continue
+        [choice] = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        named[choice.index] = named[choice.index] or (choice.model_extra or {}).get("request_id")
+    assert texts == [c.message.content for c in several.choices]
+    assert None not in named and len(set(named)) == 4
+    await sdk.close()
+
+
+async def test_best_of_returns_the_completion_with_the_highest_mean_logprob_per_token(stack: Stack) -> None:
+    sdk = async_client(stack)
+    asked = {"model": "arith", "prompt": "47+38=", "temperature": 1.0, "max_tokens": 6}
+    best = await sdk.completions.create(**asked, best_of=3, seed=7)  # type: ignore[call-overload]
+    alone = [await sdk.completions.create(**asked, seed=7 + i, logprobs=0) for i in range(3)]  # type: ignore[call-overload]
+    mean = [
+        sum(c.choices[0].logprobs.token_logprobs) / len(c.choices[0].logprobs.token_logprobs) for c in alone
+    ]
+    assert len(best.choices) == 1 and best.choices[0].text == alone[mean.index(max(mean))].choices[0].text
+    assert best.choices[0].logprobs is None  # ranked by them, shown only when asked for
+    assert best.usage is not None and best.usage.completion_tokens == sum(
+        c.usage.completion_tokens for c in alone if c.usage
+    )  # every completion generated counts
+    assert best.id == request_id_of(best.choices[0])  # rating the completion rates the one shown
+    two = await sdk.completions.create(**asked, best_of=3, n=2, seed=7, logprobs=0)  # type: ignore[call-overload]
+    ranked = sorted(mean, reverse=True)[:2]
+    assert [
+        sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in two.choices
+    ] == pytest.approx(ranked)
+    await sdk.close()
+
+
 async def test_a_format_that_cannot_be_enforced_is_refused_naming_it(chat_stack: Stack) -> None:
     sdk = async_client(chat_stack)
     unique = {
@@ -468,7 +546,7 @@ async def test_each_error_has_its_status_and_the_sdks_exception(stack: Stack) ->
         )
     assert unauthenticated.value.body["type"] == "authentication_error"  # type: ignore[index]
     refused = {
-        "n": {"n": 2}, "logprobs": {"logprobs": 21}, "best_of": {"best_of": 2},
+        "n": {"n": 9}, "logprobs": {"logprobs": 21}, "best_of": {"best_of": 2, "n": 3},
         "temperature": {"temperature": -1}, "max_tokens": {"max_tokens": 0},
     }  # fmt: skip
     for param, ask in refused.items():
@@ -496,6 +574,9 @@ async def test_each_error_has_its_status_and_the_sdks_exception(stack: Stack) ->
 async def test_the_stream_quota_is_shared_by_both_faces(settings: Settings) -> None:
     stack = await start_stack(settings, max_concurrent_streams=1)
     try:
+        with pytest.raises(openai.BadRequestError, match="may hold 1 concurrent streams") as many:
+            await async_client(stack).completions.create(model="arith", prompt="1+1=", n=2)  # never fits
+        assert many.value.param == "n"
         async with held_stream(stack):  # a gRPC stream holds the tenant's one slot
             with pytest.raises(openai.RateLimitError, match="its 1 concurrent streams"):
                 await async_client(stack).completions.create(model="arith", prompt="1+1=")
@@ -536,26 +617,33 @@ def generated_tokens(stack: Stack) -> float:
     return metrics.tokens._value.get()
 
 
-@pytest.mark.parametrize("stream", [True, False])
-async def test_a_client_gone_mid_completion_frees_its_sequence(stack: Stack, stream: bool) -> None:
+@pytest.mark.parametrize(("stream", "n"), [(True, 1), (False, 1), (True, 3), (False, 3)])
+async def test_a_client_gone_mid_completion_frees_its_sequences(stack: Stack, stream: bool, n: int) -> None:
     engine = stack.workers[0].engine
     longest = stack.pool.workers[0].loaded[0].max_sequence_length - 8  # room for the prompt
-    body = {"model": "arith", "prompt": "47+38=", "max_tokens": longest, "temperature": 0, "stream": stream}
+    body = {
+        "model": "arith",
+        "prompt": "47+38=",
+        "max_tokens": longest,
+        "temperature": 0,
+        "stream": stream,
+        "n": n,
+    }
     headers = {"authorization": f"Bearer {stack.api_key}"}
     async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=60) as http:
         before = generated_tokens(stack)
         whole = (await http.post("/v1/completions", json={**body, "stream": False})).json()
         tokens = whole["usage"]["completion_tokens"]
-        assert generated_tokens(stack) - before == tokens > 40  # what a request run to its end costs
+        assert generated_tokens(stack) - before == tokens > 40 * n  # what a request run to its end costs
         before = generated_tokens(stack)
         if stream:
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 assert response.headers["content-type"].startswith("text/event-stream")
                 await anext(response.aiter_lines())
-                assert engine.running == 1
+                assert engine.running == n  # every choice began before the response did
         else:
             posting = asyncio.create_task(http.post("/v1/completions", json=body))
-            await eventually(lambda: engine.running == 1, what="the sequence to start")
+            await eventually(lambda: engine.running == n, what="the sequences to start")
             posting.cancel()  # httpx closes the connection
     await eventually(lambda: engine.running == 0, what="the worker to drop the sequence")
     assert generated_tokens(stack) - before < tokens / 2  # cut short, not run to its end
@@ -652,6 +740,28 @@ async def test_feedback_in_each_body_form_lands_once_also_when_sent_twice(
     await asyncio.to_thread(
         wait_for, lambda: store_counts(store_consumer) == everything, 60, "the feedback rows"
     )
+    await sdk.close()
+
+
+async def test_the_choice_a_user_kept_over_another_becomes_a_preference_pair_to_train_on(
+    stack: Stack, store_consumer: Engine
+) -> None:
+    sdk = async_client(stack)
+    two = await sdk.completions.create(
+        model="arith", prompt="47+38=", n=2, temperature=1.0, seed=3, max_tokens=4
+    )
+    kept, other = (request_id_of(c) for c in reversed(two.choices))
+    ack = await sdk.post(
+        "/feedback", body={"request_id": kept, "preferred_over": other}, cast_to=httpx.Response
+    )
+    assert ack.json()["accepted"] == 1
+    await asyncio.to_thread(
+        wait_for, lambda: store_counts(store_consumer)["joined_feedback"] == 1, 60, "the preference"
+    )
+    [item] = load_new(store_consumer, "arith", limit=10)
+    assert (item.completion, item.preferred_over) == (
+        two.choices[1].text, Example("47+38=", None, two.choices[0].text),
+    )  # fmt: skip
     await sdk.close()
 
 

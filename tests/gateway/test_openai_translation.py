@@ -13,6 +13,7 @@ from gateway.http.translation import (
     ChatShape,
     Served,
     TextShape,
+    choice_counts,
     chunk,
     completion,
     generate_request,
@@ -91,7 +92,6 @@ def test_a_text_body_takes_a_prompt_or_a_list_of_one() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 3}, "n"),
         ({"logit_bias": {"one": 2.0}}, "logit_bias"),
         ({"logit_bias": {"-1": 2.0}}, "logit_bias"),
         ({"logit_bias": {str(2**32): 2.0}}, "logit_bias"),
@@ -193,7 +193,7 @@ def test_a_streamed_call_and_a_whole_one_take_openais_shapes() -> None:
     ]
     assert events[1]["choices"][0]["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": "{}"}}]
     assert events[1]["choices"][0]["finish_reason"] == "tool_calls"
-    whole = completion(ChatShape, Served.of(HEADER), [header, last])["choices"][0]
+    whole = completion(ChatShape, Served.of(HEADER), [[header, last]])["choices"][0]
     assert whole["message"]["content"] is None and whole["finish_reason"] == "tool_calls"
     assert whole["message"]["tool_calls"] == [
         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
@@ -225,7 +225,7 @@ def test_reasoning_comes_apart_from_the_answer_in_messages_chunks_and_usage() ->
         text="15", finish_reason=P.FINISH_REASON_STOP,
         usage=P.Usage(prompt_tokens=5, completion_tokens=9, reasoning_tokens=6, cached_tokens=4),
     )  # fmt: skip
-    whole = completion(ChatShape, served, [first, last])
+    whole = completion(ChatShape, served, [[first, last]])
     assert whole["choices"][0]["message"] == {
         "role": "assistant",
         "content": "15",
@@ -244,9 +244,10 @@ def test_reasoning_comes_apart_from_the_answer_in_messages_chunks_and_usage() ->
     ]  # fmt: skip
     assert [d["usage"] for d in deltas] == [None, None]
     assert (
-        json.loads(usage_chunk(ChatShape, served, last).removeprefix("data: "))["usage"]["total_tokens"] == 14
+        json.loads(usage_chunk(ChatShape, served, [last]).removeprefix("data: "))["usage"]["total_tokens"]
+        == 14
     )
-    text = completion(TextShape, served, [first, last])
+    text = completion(TextShape, served, [[first, last]])
     assert (text["object"], text["choices"][0]["text"], text["choices"][0]["reasoning_content"]) == (
         "text_completion", "15", "7+8=15",
     )  # fmt: skip
@@ -264,3 +265,59 @@ def test_max_tokens_0_with_echo_asks_for_the_prompt_only() -> None:
     with pytest.raises(InvalidArgument) as nothing:
         generate_request(CompletionRequest.model_validate({"prompt": "hi", "max_tokens": 0}))
     assert nothing.value.param == "max_tokens"
+
+
+def test_several_choices_each_have_their_index_and_request_id_and_count_the_prompt_once() -> None:
+    served = Served.of(HEADER)
+    choices = []
+    for request_id, text, completion_tokens, cached in (("r1", "red", 2, 0), ("r2", "blue", 3, 16)):
+        # the second reused the first one's prompt
+        first = P.GenerateResponse(text=text[:1])
+        first.MergeFrom(HEADER)
+        first.request_id = request_id
+        last = P.GenerateResponse(
+            text=text[1:], finish_reason=P.FINISH_REASON_STOP,
+            usage=P.Usage(prompt_tokens=20, completion_tokens=completion_tokens, reasoning_tokens=1,
+                          cached_tokens=cached),
+        )  # fmt: skip
+        choices.append([first, last])
+    whole = completion(ChatShape, served, choices)
+    assert [(c["index"], c["request_id"], c["message"]["content"]) for c in whole["choices"]] == [
+        (0, "r1", "red"), (1, "r2", "blue"),
+    ]  # fmt: skip
+    assert whole["usage"] == {
+        "prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25,  # the prompt once
+        "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 2},
+    }  # fmt: skip
+    second = [
+        json.loads(chunk(TextShape, served, m, i == 0, False, index=1)[6:]) for i, m in enumerate(choices[1])
+    ]
+    assert [c["choices"][0]["index"] for c in second] == [1, 1]
+    assert [c["choices"][0].get("request_id") for c in second] == ["r2", None]  # named in its first chunk
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"best_of": 2, "n": 3}, "best_of"),
+        ({"best_of": 3, "stream": True}, "best_of"),
+        ({"best_of": 3, "max_tokens": 0, "echo": True}, "best_of"),
+    ],
+)
+def test_best_of_is_refused_where_it_cannot_rank(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        generate_request(CompletionRequest.model_validate({"prompt": "hi"} | fields))
+    assert refused.value.param == param
+
+
+def test_how_many_choices_are_generated_and_returned() -> None:
+    assert choice_counts(chat()) == (1, 1)
+    assert choice_counts(chat(n=8)) == (8, 8)
+    assert choice_counts(CompletionRequest(prompt="hi", n=2, best_of=5)) == (2, 5)
+    assert choice_counts(CompletionRequest(prompt="hi", best_of=2, stream=True, n=2)) == (2, 2)  # not ranked
+    generate_request(CompletionRequest(prompt="hi", best_of=2, stream=True, n=2))  # so it may stream
+    for fields in ({"n": 0}, {"n": 9}):
+        with pytest.raises(ValidationError, match="n"):
+            chat(**fields)
+    with pytest.raises(ValidationError, match="best_of"):
+        CompletionRequest.model_validate({"prompt": "hi", "best_of": 9})

@@ -196,6 +196,22 @@ async def test_load_balances_by_running_sequences_and_queued_prompt_tokens(placi
     assert placing.place().option.load == Load(running=0, queued_tokens=0)
 
 
+async def test_another_choice_runs_beside_the_first_where_its_prompt_is_cached(placing: Placing) -> None:
+    first_worker, other = (
+        placing.worker(0, version((FLOAT32, INT8))),
+        placing.worker(1, version((FLOAT32, INT8))),
+    )
+    request = inference_pb2.GenerateRequest(prompt="1+1=")
+    first = placing.placer.place(SPEC, request, 1.0)  # a tight budget: int8
+    assert (first.option.worker, first.option.name) == (first_worker, "int8")
+    first_worker.reported_running = 20  # another gateway's streams: alone, a request would go elsewhere
+    assert placing.placer.place(SPEC, request, None).option.worker is other
+    beside = placing.placer.place(SPEC, request, None, near=first)
+    assert (beside.option.worker, beside.option.name) == (first_worker, "int8")
+    gone = placing.placer.place(SPEC, request, None, exclude=frozenset({first_worker.address}), near=first)
+    assert (gone.option.worker, gone.option.name) == (other, "float32")  # its worker failed: placed as alone
+
+
 async def test_variants_share_the_worker_so_a_busy_one_slows_the_others_until_the_worker_switches(
     placing: Placing,
 ) -> None:
