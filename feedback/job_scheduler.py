@@ -9,8 +9,13 @@ store keeps them by reference.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import secrets
+import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC
@@ -20,8 +25,10 @@ from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from reflow.settings import Settings
+from reflow.store.leases import StoreLease
 
 if TYPE_CHECKING:  # slow imports: loaded by the jobs themselves
     from feedback.experiments.job import EvaluateJob
@@ -32,6 +39,7 @@ logger = logging.getLogger(__name__)
 FINETUNE_JOB = "finetune"
 EVALUATE_JOB = "evaluate"
 JOBS_TABLE = "scheduler_jobs"
+SCHEDULER_LEASE = "scheduler"  # the store's lease (reflow/store/leases.py) the running scheduler holds
 STOPPING = threading.Event()  # set when the scheduler stops: a running fine-tune gives up
 
 
@@ -165,9 +173,30 @@ def ensure_evaluate_job(scheduler: BackgroundScheduler, interval_s: float) -> No
     ensure_job(scheduler, EVALUATE_JOB, evaluate_job, "evaluate running experiments", interval_s)
 
 
-def run_scheduler(settings: Settings, db: Engine, stop: threading.Event) -> None:
-    """Runs the scheduled jobs until `stop` is set, then waits for a running job to finish (a
-    fine-tune run stops at its next step and gives its items back)."""
+def run_scheduler(settings: Settings, db: Engine, stop: threading.Event, holder: str | None = None) -> None:
+    """Runs the scheduled jobs while it holds the scheduler's lease, until `stop` is set, then waits
+    for a running job to finish (a fine-tune run stops at its next step and gives its items back)
+    and gives the lease up. While another scheduler holds the lease it stands by; it stops its jobs
+    when it loses the lease, and stands by again."""
+    lease = StoreLease(db, SCHEDULER_LEASE, holder or _holder_name(), settings.scheduler_lease_s)
+    renew_s = settings.scheduler_lease_s / 3
+    try:
+        while not stop.is_set():
+            if not _took(lease):
+                logger.info("scheduler standing by: another scheduler holds the lease")
+                while not stop.wait(renew_s) and not _took(lease):
+                    pass
+            if not stop.is_set():
+                _run_jobs(settings, db, stop, lease, renew_s)
+    finally:
+        with contextlib.suppress(SQLAlchemyError):  # else it runs out
+            lease.release()
+
+
+def _run_jobs(
+    settings: Settings, db: Engine, stop: threading.Event, lease: StoreLease, renew_s: float
+) -> None:
+    """The jobs, until `stop` is set or the lease is lost (not renewed before it expired)."""
     STOPPING.clear()
     scheduler = new_scheduler(db)
     scheduler.start(paused=True)
@@ -176,12 +205,37 @@ def run_scheduler(settings: Settings, db: Engine, stop: threading.Event) -> None
     scheduler.resume()
     job = scheduler.get_job(FINETUNE_JOB)
     logger.info(
-        "scheduler running: fine-tune every %.0fs when %d new labelled items arrived (next at %s); "
+        "scheduler running as %s: fine-tune every %.0fs when %d new labelled items arrived (next at %s); "
         "experiments evaluated every %.0fs",
-        settings.finetune_interval_s, settings.finetune_min_samples, job.next_run_time if job else "-",
-        settings.ab_evaluate_s,
+        lease.holder, settings.finetune_interval_s, settings.finetune_min_samples,
+        job.next_run_time if job else "-", settings.ab_evaluate_s,
     )  # fmt: skip
-    stop.wait()
+    held_until = time.monotonic() + settings.scheduler_lease_s
+    while not stop.wait(renew_s):
+        try:
+            if not lease.take():
+                logger.error("another scheduler took the lease: stopping the jobs")
+                break
+            held_until = time.monotonic() + settings.scheduler_lease_s
+        except SQLAlchemyError as error:  # the lease holds until it would expire
+            if time.monotonic() >= held_until:
+                logger.error("the scheduler lease ran out with the store away (%s): stopping the jobs", error)
+                break
+            logger.warning("could not renew the scheduler lease: %s", error)
     STOPPING.set()
     scheduler.pause()  # no new submissions while the executor shuts down (APScheduler logged a
     scheduler.shutdown(wait=True)  # "cannot schedule new futures after shutdown" traceback there)
+
+
+def _took(lease: StoreLease) -> bool:
+    """lease.take(), False while the store cannot be reached."""
+    try:
+        return lease.take()
+    except SQLAlchemyError as error:
+        logger.warning("could not reach the store for the scheduler lease: %s", error)
+        return False
+
+
+def _holder_name() -> str:
+    """This process as the lease's holder: its host, its pid and a nonce (a pid comes again)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"

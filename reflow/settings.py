@@ -267,6 +267,13 @@ class Settings(BaseSettings):
     finetune_interval_s: float = Field(
         300.0, gt=0, description="How often the scheduler considers a fine-tune run."
     )
+    scheduler_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long the scheduler's lease in the store lasts unless renewed (every third of it): "
+        "one `reflow scheduler` runs the jobs, another stands by and takes over this long after the first "
+        "is gone.",
+    )
     finetune_min_samples: int = Field(
         200,
         ge=1,

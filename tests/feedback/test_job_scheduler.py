@@ -1,20 +1,31 @@
-"""The scheduler: its jobs kept in the store across restarts, a job never overlapping itself, and a
-fine-tune run never overlapping another one started elsewhere."""
+"""The scheduler: its jobs kept in the store across restarts, a job never overlapping itself, a
+fine-tune run never overlapping another one started elsewhere, and one scheduler at a time."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 from apscheduler.triggers.interval import IntervalTrigger
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from feedback.job_scheduler import FINETUNE_JOB, ensure_finetune_job, finetune_job, new_scheduler
+from feedback.job_scheduler import (
+    FINETUNE_JOB,
+    SCHEDULER_LEASE,
+    ensure_finetune_job,
+    finetune_job,
+    new_scheduler,
+    run_scheduler,
+)
 from feedback.training.job import STALE_AFTER, claim_run
+from reflow.settings import Settings
 from reflow.store.database import migrate, open_db
+from reflow.store.leases import StoreLease
 from reflow.store.tables import FeedbackItem, FinetuneRun, utcnow
 from tests.support.waiting import wait_for
 
@@ -97,3 +108,42 @@ def test_a_second_finetune_run_waits_while_one_is_running(tmp_path: Path) -> Non
         assert session.get(FinetuneRun, first).status == "failed"
         marks = dict(session.execute(select(FeedbackItem.id, FeedbackItem.finetune_run_id)).all())
     assert marks == {1: again, 2: again, 3: other}
+
+
+def test_a_second_scheduler_stands_by_until_the_first_is_gone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Both on one store, as two `reflow scheduler` processes would be: only the lease's holder
+    runs the jobs; the other takes over once the first stops (and gives the lease up)."""
+    db = store(tmp_path)
+    settings = Settings(data_dir=tmp_path, scheduler_lease_s=3, finetune_interval_s=3600, ab_evaluate_s=3600)
+    lease = StoreLease(db, SCHEDULER_LEASE, "observer", ttl_s=1)
+    stops = {name: threading.Event() for name in ("first", "second")}
+    threads = {
+        name: threading.Thread(
+            target=run_scheduler, args=(settings, db, stop, name), name=f"scheduler-{name}"
+        )
+        for name, stop in stops.items()
+    }
+    caplog.set_level(logging.INFO, logger="feedback.job_scheduler")
+
+    def said(text: str) -> bool:
+        return any(text in record.getMessage() for record in caplog.records)
+
+    try:
+        threads["first"].start()
+        wait_for(lambda: said("scheduler running as first"), what="the first scheduler to run its jobs")
+        threads["second"].start()
+        wait_for(lambda: said("standing by"), what="the second scheduler to stand by")
+        assert lease.holder_now() == "first" and not said("running as second")
+        stops["first"].set()
+        threads["first"].join()
+        wait_for(lambda: said("scheduler running as second"), what="the second to take over")
+        assert lease.holder_now() == "second"
+    finally:
+        for stop in stops.values():
+            stop.set()
+        for thread in threads.values():
+            if thread.is_alive():
+                thread.join()
+        db.dispose()
