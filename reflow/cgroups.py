@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 from reflow.errors import FailedPrecondition
@@ -126,13 +128,21 @@ def remove_leftover_groups(instance: Path) -> None:
             logger.info("removed the leftover cgroup %s", group)
 
 
-def remove_group(group: Path) -> bool:
-    """Removes an empty cgroup; one still holding processes is left, logged. True if removed."""
-    try:
-        group.rmdir()
-    except FileNotFoundError:
-        return False
-    except OSError as error:
-        logger.warning("could not remove cgroup %s: %s", group, error)
-        return False
-    return True
+def remove_group(group: Path, patience_s: float = 2.0) -> bool:
+    """Removes an empty cgroup; one still holding processes is left, logged. True if removed.
+    Threads that were exiting when their process left the group stay counted in it until they are
+    gone (the kernel does not move an exiting task), so a busy group is tried again for up to
+    `patience_s`."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            group.rmdir()
+        except FileNotFoundError:
+            return False
+        except OSError as error:
+            if error.errno == errno.EBUSY and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            logger.warning("could not remove cgroup %s: %s", group, error)
+            return False
+        return True

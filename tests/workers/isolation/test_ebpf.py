@@ -7,6 +7,7 @@ Needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN), cgroup v2 and the compiled p
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -25,7 +26,7 @@ import grpc
 import pytest
 
 from gateway.tenants import create_tenant
-from reflow.cgroups import IsolationUnavailable, current_group, remove_instance
+from reflow.cgroups import IsolationUnavailable, current_group, instance_dir, remove_group, remove_instance
 from reflow.client import Client
 from reflow.store.database import migrate, open_db
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
@@ -357,3 +358,25 @@ def test_a_program_the_verifier_refuses_stops_the_worker_with_the_verifiers_reas
     assert "invalid access to packet" in result.stderr  # the verifier's own words
     assert "REFLOW_ISOLATION=none" in result.stderr
     remove_instance(tmp_path)
+
+
+def test_a_group_is_removed_once_its_last_process_is_gone_not_before(tmp_path: Path) -> None:
+    """What a worker's clean stop relies on: threads still exiting when it left its group keep the
+    group busy for a moment, and removing it waits for them."""
+    group = instance_dir(tmp_path) / "worker-exiting"
+    group.mkdir()
+    held = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+        preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())),
+    )  # fmt: skip
+    try:
+        assert not remove_group(group, patience_s=0) and group.is_dir()  # a process holds it
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            removing = pool.submit(remove_group, group, 60)
+            assert held.stdin is not None
+            held.stdin.close()  # it exits
+            assert removing.result() and not group.exists()
+    finally:
+        held.kill()
+        held.wait()
+        remove_instance(tmp_path)
