@@ -116,7 +116,7 @@ def test_a_second_scheduler_stands_by_until_the_first_is_gone(
     """Both on one store, as two `reflow scheduler` processes would be: only the lease's holder
     runs the jobs; the other takes over once the first stops (and gives the lease up)."""
     db = store(tmp_path)
-    settings = Settings(data_dir=tmp_path, scheduler_lease_s=3, finetune_interval_s=3600, ab_evaluate_s=3600)
+    settings = Settings(data_dir=tmp_path, scheduler_lease_s=15, finetune_interval_s=3600, ab_evaluate_s=3600)
     lease = StoreLease(db, SCHEDULER_LEASE, "observer", ttl_s=1)
     stops = {name: threading.Event() for name in ("first", "second")}
     threads = {
