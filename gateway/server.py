@@ -49,7 +49,7 @@ from reflow.serving import (
     new_server,
     set_serving,
     start_metrics_server,
-    wait_for_signal,
+    stop_signal,
     write_ready_file,
 )
 from reflow.settings import Settings
@@ -248,8 +248,9 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> None:
         "gateway serving gRPC on %s and HTTP on %s, workers %s, metrics %s",
         address, http_url, settings.workers, metrics_url,
     )  # fmt: skip
+    stopped = stop_signal()
     write_ready_file(ready_file, address=address, http=http_url, metrics=metrics_url)
-    await wait_for_signal()
+    await stopped
     logger.info("gateway draining (grace %.0fs)", settings.shutdown_grace_s)
     await gateway.drain(settings.shutdown_grace_s)
     await pool.close()

@@ -203,8 +203,10 @@ def write_ready_file(path: Path | None, **fields: object) -> None:
         write_json_atomically(path, fields)
 
 
-async def wait_for_signal() -> int:
-    """Returns the first SIGINT or SIGTERM received."""
+def stop_signal() -> asyncio.Future[int]:
+    """From now on SIGINT and SIGTERM no longer end the process: the first received resolves the
+    returned future. Call it before telling anyone the process serves (its ready file), so a
+    supervisor that stops it at once gets a drain, not a death that leaves its cgroup behind."""
     loop = asyncio.get_running_loop()
     received: asyncio.Future[int] = loop.create_future()
 
@@ -214,4 +216,4 @@ async def wait_for_signal() -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, receive, sig)
-    return await received
+    return received

@@ -29,7 +29,7 @@ from reflow.serving import (
     new_server,
     set_serving,
     start_metrics_server,
-    wait_for_signal,
+    stop_signal,
     write_ready_file,
 )
 from reflow.settings import Settings
@@ -479,9 +479,10 @@ async def _serve_isolated(
         "worker serving on %s device=%s compile=%s isolation=%s tls=%s metrics %s",
         address, device, engine.config.compile, isolation.name, settings.tls, metrics_url,
     )  # fmt: skip
+    stopped = stop_signal()
     write_ready_file(ready_file, address=address, metrics=metrics_url)
     following = asyncio.create_task(follower.run()) if follower and settings.registry_poll_s else None
-    await wait_for_signal()
+    await stopped
     if following is not None:
         following.cancel()
     logger.info("worker draining (grace %.0fs)", settings.shutdown_grace_s)

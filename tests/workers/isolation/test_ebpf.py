@@ -77,9 +77,11 @@ class Process:
         return int(self.address.rsplit(":", 1)[1])
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Sends `sig`; a SIGTERM must end in a drain and a clean exit."""
         if self.process.poll() is None:
             self.process.send_signal(sig)
-            self.process.wait(60)
+            code = self.process.wait(60)
+            assert sig != signal.SIGTERM or code == 0, f"exit {code}:\n{self.log.read_text()[-2000:]}"
 
 
 def start(
