@@ -55,9 +55,21 @@ def channel_credentials(tls: TlsFiles | None) -> grpc.ChannelCredentials | None:
     )
 
 
+# While a call is open the channel pings its peer every 10 s, and ends its calls with UNAVAILABLE
+# when a ping goes unanswered for 5 s: a worker whose host hangs or whose link is cut (no reset
+# arrives; TCP alone would wait for minutes) fails its streams, and a request that had no token yet
+# moves to another worker. Servers accept these pings (reflow.serving.PING_POLICY).
+KEEPALIVE = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),  # what gRPC 1.85 waits for the ack (else 60 s)
+    ("grpc.http2.max_pings_without_data", 0),  # a long answer sends the client no data: keep pinging
+)
+
+
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None, api: Any = grpc) -> Any:
     """A channel of `api` (grpc, or grpc.aio) to a worker, or to the gateway with the credentials
-    of `reflow.gateway_tls`: plaintext, or TLS with `credentials`."""
+    of `reflow.gateway_tls`: plaintext, or TLS with `credentials`; it pings its peer (KEEPALIVE)."""
     if credentials is None:
-        return api.insecure_channel(address)
-    return api.secure_channel(address, credentials)
+        return api.insecure_channel(address, options=KEEPALIVE)
+    return api.secure_channel(address, credentials, options=KEEPALIVE)

@@ -29,6 +29,12 @@ from reflow.redaction import redact_url
 logger = logging.getLogger(__name__)
 
 
+# The pings reflow's channels send while a call is open (reflow.mtls.KEEPALIVE, every 10 s) are
+# welcome also when the server has sent no data for a while (a long prefill): gRPC's default
+# takes a ping within 5 minutes of the last data as abuse and, at the third, closes the connection.
+PING_POLICY = (("grpc.http2.min_ping_interval_without_data_ms", 5_000),)
+
+
 def new_server(
     service_names: Iterable[str],
     on_done: OnDone | None = None,
@@ -44,7 +50,7 @@ def new_server(
     RESOURCE_EXHAUSTED (no limit when None)."""
     server = grpc.aio.server(
         interceptors=[*gates, ErrorInterceptor(on_done)],
-        options=[("grpc.so_reuseport", 0), *options],
+        options=[("grpc.so_reuseport", 0), *PING_POLICY, *options],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     health_servicer = health.aio.HealthServicer()
