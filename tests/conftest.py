@@ -7,7 +7,6 @@ chat model. What they are built from lives in tests/support/."""
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from tests.support.registry import RegistryFixture, local_registry
 from tests.support.shared import built_once
 from tests.support.smollm2 import converted_smollm2, smollm2_gguf, tiny_chat_checkpoint, tiny_qwen3_checkpoint
 from tests.support.stack import Stack, start_stack, stop_stack
+from tests.support.store import postgres_database
 from workers.models.interface import CausalLM
 from workers.models.loader import load_checkpoint
 
@@ -158,33 +158,14 @@ async def stack(settings: Settings) -> AsyncIterator[Stack]:
     await stop_stack(s)
 
 
-POSTGRES_ADMIN_URL = os.environ.get(
-    "REFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh, empty database: SQLite in a temp dir, or a new PostgreSQL database dropped afterwards."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'store.db'}"
         return
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.exc import OperationalError
-
-    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"reflow_test_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
-    except OperationalError as error:
-        pytest.skip(f"PostgreSQL unreachable at {POSTGRES_ADMIN_URL} (set REFLOW_TEST_POSTGRES_URL): {error}")
-    try:
-        yield admin.url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with postgres_database() as url:
+        yield url
 
 
 @pytest.fixture

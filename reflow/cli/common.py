@@ -33,7 +33,8 @@ console = Console()
 err_console = Console(stderr=True)
 
 ReadyFile = Annotated[
-    Path | None, typer.Option(help="Write {'address': ...} here once serving (used by `reflow up`).")
+    Path | None,
+    typer.Option(help="Write a JSON file here once running (a server's {'address': ...}; for supervisors)."),
 ]
 GatewayCaFile = Annotated[
     str | None,

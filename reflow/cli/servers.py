@@ -40,14 +40,17 @@ def worker(
     asyncio.run(serve(load_settings(worker_port=port), version=version, ready_file=ready_file))
 
 
-def scheduler() -> None:
+def scheduler(ready_file: ReadyFile = None) -> None:
     """Run the scheduled jobs (fine-tune, evaluate experiments) until Ctrl-C or SIGTERM; their
     schedule is kept in the store."""
     wait_passively()  # before torch loads: it trains beside the workers
     from feedback.job_scheduler import run_scheduler  # APScheduler: 25 ms off `reflow --help`
+    from reflow.serving import write_ready_file  # grpc, prometheus: 75 ms off `reflow --help`
 
     settings = load_settings()
     # two lines per run of every job, every few seconds: the jobs log what they did instead
     logging.getLogger("apscheduler.executors.default").setLevel(logging.WARNING)
     db = current_db(settings)
-    run_scheduler(settings, db, stop_on_signal())
+    stop = stop_on_signal()
+    write_ready_file(ready_file, store=db.url.render_as_string(hide_password=True))
+    run_scheduler(settings, db, stop)

@@ -1,10 +1,11 @@
 """Test certificates made with `cryptography`: a CA and leaf certificates it signed, valid for
-127.0.0.1 and localhost, as PEM files."""
+127.0.0.1, localhost and any addresses a test names, as PEM files."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -18,10 +19,13 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 
 def _certificate(
-    name: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[str, ec.EllipticCurvePrivateKey] | None
+    name: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[str, ec.EllipticCurvePrivateKey] | None,
+    addresses: Sequence[str] = (),
 ) -> x509.Certificate:
-    """A certificate for `name` (valid for 127.0.0.1 and localhost) signed by `issuer`, or a
-    self-signed CA."""
+    """A certificate for `name` (valid for 127.0.0.1, localhost and `addresses`) signed by
+    `issuer`, or a self-signed CA."""
     now = datetime.datetime.now(datetime.UTC)
     issuer_name, issuer_key = issuer or (name, key)
     builder = (
@@ -35,21 +39,22 @@ def _certificate(
         .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
     )
     if issuer is not None:
-        names = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+        ips = [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", *addresses)]
+        names: list[x509.GeneralName] = [*ips, x509.DNSName("localhost")]
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def tls_files(directory: Path, ca_name: str) -> dict[str, tuple[Path, Path]]:
-    """A CA and two leaf certificates it signed ("worker", "gateway"): name -> (cert, key) files;
-    "ca" -> (cert, key) of the CA."""
+def tls_files(directory: Path, ca_name: str, addresses: Sequence[str] = ()) -> dict[str, tuple[Path, Path]]:
+    """A CA and two leaf certificates it signed ("worker", "gateway"), also valid for `addresses`:
+    name -> (cert, key) files; "ca" -> (cert, key) of the CA."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = _key()
     files = {}
     for name in ("ca", "worker", "gateway"):
         key = ca_key if name == "ca" else _key()
         certificate = _certificate(
-            ca_name if name == "ca" else name, key, None if name == "ca" else (ca_name, ca_key)
+            ca_name if name == "ca" else name, key, None if name == "ca" else (ca_name, ca_key), addresses
         )
         cert_path, key_path = directory / f"{name}.pem", directory / f"{name}-key.pem"
         cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))

@@ -8,7 +8,6 @@ Needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN), cgroup v2 and the compiled p
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import re
@@ -17,7 +16,6 @@ import socket
 import subprocess
 import sys
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +29,10 @@ from reflow.client import Client
 from reflow.store.database import migrate, open_db
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.support.certificates import tls_files
-from tests.support.cli import REFLOW, reflow
+from tests.support.cli import Process, reflow, start
 from tests.support.kafka import Broker
 from tests.support.models import MODEL, save_model, tiny_model
+from tests.support.netns import network
 from tests.support.registry import local_registry
 from tests.support.waiting import wait_for
 from workers.isolation.ebpf import PROGRAMS, attached_programs
@@ -49,7 +48,6 @@ LISTEN_50999 = """import socket, time
 server = socket.create_server(("0.0.0.0", 50999))
 print("up", flush=True)
 time.sleep(60)"""
-READY_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,52 +56,6 @@ def isolation_host() -> None:
         check_host(DEFAULT_OBJECT)
     except IsolationUnavailable as error:
         pytest.skip(f"worker isolation cannot run here: {error}")
-
-
-@dataclass
-class Process:
-    """A `reflow` child process and what it wrote to its ready file."""
-
-    process: subprocess.Popen[bytes]
-    log: Path
-    ready: dict[str, str]
-
-    @property
-    def address(self) -> str:
-        return self.ready["address"]
-
-    @property
-    def port(self) -> int:
-        return int(self.address.rsplit(":", 1)[1])
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Sends `sig`; a SIGTERM must end in a drain and a clean exit."""
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            code = self.process.wait(60)
-            assert sig != signal.SIGTERM or code == 0, f"exit {code}:\n{self.log.read_text()[-2000:]}"
-
-
-def start(
-    root: Path, name: str, args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ()
-) -> Process:
-    """`reflow ARGS` with `env`, once it wrote its ready file."""
-    ready_file, log = root / f"{name}.json", root / f"{name}.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [*prefix, *REFLOW, *args, "--ready-file", str(ready_file)],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
-        )  # fmt: skip
-    try:
-        started_or_gone = lambda: ready_file.is_file() or process.poll() is not None  # noqa: E731
-        wait_for(started_or_gone, READY_TIMEOUT_S, what=f"{name} to start", interval_s=0.1)
-        assert process.poll() is None, f"{name} exited with {process.returncode}"
-    except AssertionError as error:
-        process.kill()
-        raise AssertionError(
-            f"{name} did not start ({error}):\n{log.read_text(errors='replace')[-3000:]}"
-        ) from None
-    return Process(process, log, json.loads(ready_file.read_text()))
 
 
 def worker_env(root: Path, **extra: str) -> dict[str, str]:
@@ -178,7 +130,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             started.append(start(root, f"worker-{i}", ["worker"], env))
         gateway_env = {**worker_env(root), "REFLOW_KAFKA_BOOTSTRAP": broker.bootstrap,
                        "REFLOW_WORKERS": ",".join(w.address for w in started)}  # fmt: skip
-        gateway = start(root, "gateway", ["gateway", "--port", "0"], gateway_env)
+        gateway = start(root, "gateway", ["gateway", "--port", "0", "--http-port", "0"], gateway_env)
         started.append(gateway)
         yield Cluster(root, started[:2], gateway, api_key, allowed)
     finally:
@@ -276,47 +228,22 @@ def test_a_killed_worker_leaves_no_program_and_its_group_is_reconciled(tmp_path:
     assert not own.parent.exists()
 
 
-@contextlib.contextmanager
-def two_hosts() -> Iterator[tuple[str, str]]:
-    """Network namespaces `host` (10.213.0.1) and `peer` (10.213.0.2 and .3) joined by veth."""
-    suffix = uuid.uuid4().hex[:6]
-    host, peer = f"rf-host-{suffix}", f"rf-peer-{suffix}"
-    commands = [
-        ["ip", "netns", "add", host], ["ip", "netns", "add", peer],
-        ["ip", "link", "add", f"rfh{suffix}", "netns", host, "type", "veth", "peer", "name", f"rfp{suffix}",
-         "netns", peer],
-        ["ip", "-n", host, "addr", "add", "10.213.0.1/24", "dev", f"rfh{suffix}"],
-        ["ip", "-n", peer, "addr", "add", "10.213.0.2/24", "dev", f"rfp{suffix}"],
-        ["ip", "-n", peer, "addr", "add", "10.213.0.3/24", "dev", f"rfp{suffix}"],
-        ["ip", "-n", host, "link", "set", f"rfh{suffix}", "up"],
-        ["ip", "-n", peer, "link", "set", f"rfp{suffix}", "up"],
-        ["ip", "-n", host, "link", "set", "lo", "up"], ["ip", "-n", peer, "link", "set", "lo", "up"],
-    ]  # fmt: skip
-    try:
-        for command in commands:
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                pytest.skip(f"cannot build network namespaces ({' '.join(command)}): {result.stderr.strip()}")
-        yield host, peer
-    finally:
-        for namespace in (host, peer):
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
-
-
 def test_across_hosts_the_address_allow_list_admits_the_gateway_only(tmp_path: Path) -> None:
-    with two_hosts() as (host, peer):
+    extra = {"peer": ["10.213.0.3"]}  # the peer is the gateway's host (.2) and another (.3)
+    with network("host", "peer", subnet="10.213.0", extra=extra) as hosts:
+        host, peer = hosts["host"], hosts["peer"]
         files = tls_files(tmp_path / "tls", "reflow test CA")  # off loopback a worker serves mTLS only
         env = worker_env(
             tmp_path, REFLOW_WORKER_HOST="10.213.0.1", REFLOW_ISOLATION_ALLOW_FROM="10.213.0.2/32",
             REFLOW_TLS_CA_FILE=str(files["ca"][0]), REFLOW_TLS_CERT_FILE=str(files["worker"][0]),
             REFLOW_TLS_KEY_FILE=str(files["worker"][1]),
         )  # fmt: skip
-        worker = start(tmp_path, "worker", ["worker"], env, prefix=("ip", "netns", "exec", host))
+        worker = start(tmp_path, "worker", ["worker"], env, prefix=host.exec)
         try:
 
             def from_peer(source: str, source_port: int = 0) -> str:
                 code = connect_code("10.213.0.1", worker.port, source, source_port)
-                result = subprocess.run(["ip", "netns", "exec", peer, sys.executable, "-c", code],
+                result = subprocess.run([*peer.exec, sys.executable, "-c", code],
                                         capture_output=True, text=True, timeout=30)  # fmt: skip
                 return result.stdout.strip()
 
@@ -326,7 +253,7 @@ def test_across_hosts_the_address_allow_list_admits_the_gateway_only(tmp_path: P
             # from another host sent from that listener's port must not pass for the gateway's
             gateway_group = current_group(worker.process.pid).parent / "gateway"
             listener = subprocess.Popen(
-                ["ip", "netns", "exec", host, sys.executable, "-c", LISTEN_50999],
+                [*host.exec, sys.executable, "-c", LISTEN_50999],
                 stdout=subprocess.PIPE, text=True,
                 preexec_fn=lambda: (gateway_group / "cgroup.procs").write_text(str(os.getpid())),
             )  # fmt: skip
