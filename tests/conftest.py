@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 
 from feedback.tasks import get_task
 from feedback.training.pretrain import PretrainConfig, train_base_model
+from reflow.cgroups import IsolationUnavailable
 from reflow.settings import Settings
 from reflow.store.database import migrate, open_db
 from tests.support.cheerful import Cheerful
@@ -29,6 +30,7 @@ from tests.support.shared import built_once
 from tests.support.smollm2 import converted_smollm2, smollm2_gguf, tiny_chat_checkpoint, tiny_qwen3_checkpoint
 from tests.support.stack import Stack, start_stack, stop_stack
 from tests.support.store import postgres_database
+from workers.isolation.host import DEFAULT_OBJECT, check_host
 from workers.models.interface import CausalLM
 from workers.models.loader import load_checkpoint
 
@@ -166,6 +168,15 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         return
     with postgres_database() as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def isolation_host() -> None:
+    """For the tests of isolated workers: skipped, saying why, where the host cannot isolate them."""
+    try:
+        check_host(DEFAULT_OBJECT)
+    except IsolationUnavailable as error:
+        pytest.skip(f"worker isolation cannot run here: {error}")
 
 
 @pytest.fixture

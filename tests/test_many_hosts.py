@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 from feedback.bus.broker import tansu_command
 from feedback.experiments.lifecycle import experiments
 from gateway.tenants import create_tenant
-from reflow.cgroups import IsolationUnavailable, remove_instance
+from reflow.cgroups import remove_instance
 from reflow.store.database import migrate, open_db
 from reflow.store.tables import TRAINS_SHARED, FeedbackItem, FinetuneRun
 from tests.support.certificates import tls_files
@@ -44,10 +44,9 @@ from tests.support.netns import Host, forwarded, network
 from tests.support.registry import new_store
 from tests.support.store import count, postgres_database
 from tests.support.waiting import wait_for
-from workers.isolation.host import DEFAULT_OBJECT, check_host
 from workers.models.interface import CausalLM
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolation_host")]
 HOSTS = (
     "kafka",
     "store",
@@ -98,14 +97,6 @@ print(sum(1 for _ in redis.Redis(host=sys.argv[1], port=int(sys.argv[2])).scan_i
 METRIC = """import re, sys, urllib.request
 text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
 print(sum(float(v) for v in re.findall("^" + sys.argv[2] + r"(?:\\{[^}]*\\})? (\\S+)$", text, re.M)))"""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def isolation_host() -> None:
-    try:
-        check_host(DEFAULT_OBJECT)
-    except IsolationUnavailable as error:
-        pytest.skip(f"worker isolation cannot run here: {error}")
 
 
 def on(host: Host, code: str, *args: str, timeout_s: float = 120) -> str:

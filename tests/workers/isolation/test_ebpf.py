@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from gateway.tenants import create_tenant
-from reflow.cgroups import IsolationUnavailable, current_group, instance_dir, remove_group, remove_instance
+from reflow.cgroups import current_group, instance_dir, remove_group, remove_instance
 from reflow.client import Client
 from reflow.store.database import migrate, open_db
 from reflow.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
@@ -36,9 +36,8 @@ from tests.support.netns import network
 from tests.support.registry import local_registry
 from tests.support.waiting import wait_for
 from workers.isolation.ebpf import PROGRAMS, attached_programs
-from workers.isolation.host import DEFAULT_OBJECT, check_host
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolation_host")]
 UDP_SEND = """import socket
 try:
     socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", 53)); print("sent")
@@ -48,14 +47,6 @@ LISTEN_50999 = """import socket, time
 server = socket.create_server(("0.0.0.0", 50999))
 print("up", flush=True)
 time.sleep(60)"""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def isolation_host() -> None:
-    try:
-        check_host(DEFAULT_OBJECT)
-    except IsolationUnavailable as error:
-        pytest.skip(f"worker isolation cannot run here: {error}")
 
 
 def worker_env(root: Path, **extra: str) -> dict[str, str]:
