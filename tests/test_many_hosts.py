@@ -338,7 +338,8 @@ def turn_and_cut(deployment: Deployment, store: Engine, api_key: str) -> None:
     def seen_by_both(workers: int, what: str) -> None:
         for gateway in gateways:
             served = functools.partial(served_by, gateway, workers)
-            wait_for(served, 60, what=f"{gateway} {what}", interval_s=1)
+            # 150 s: after a long cut, gRPC waits up to 120 s between its attempts to reconnect
+            wait_for(served, 150, what=f"{gateway} {what}", interval_s=1)
 
     seen_by_both(2, f"to see both workers serve v{champion}")
 
