@@ -10,14 +10,14 @@ part of its length of each other (NTP does), or a lease could be taken from a li
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, Engine, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from reflow.store.tables import Lease, utcnow
+from reflow.store.tables import Lease, aware, utcnow
 
 
 class StoreLease:
@@ -55,7 +55,7 @@ class StoreLease:
         """Who holds the lease now; None when nobody does."""
         with Session(self.db) as session:
             lease = session.scalar(select(Lease).where(Lease.name == self.name))
-        if lease is None or _aware(lease.expires_at) <= self.clock():
+        if lease is None or aware(lease.expires_at) <= self.clock():
             return None
         return lease.holder
 
@@ -64,8 +64,3 @@ class StoreLease:
         with Session(self.db) as session, session.begin():
             mine = update(Lease).where(Lease.name == self.name, Lease.holder == self.holder)
             session.execute(mine.values(expires_at=self.clock()))
-
-
-def _aware(moment: datetime) -> datetime:
-    """A stored time as UTC (SQLite gives times back without their zone)."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)

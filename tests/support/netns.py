@@ -6,11 +6,11 @@ host). Where namespaces cannot be made (no root, no `ip`), the test is skipped s
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import socket
 import subprocess
-import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,26 +89,18 @@ def network(
 
 
 def listening_socket(host: Host, port: int) -> socket.socket:
-    """A TCP socket listening on the host's address (made in its namespace by a thread that enters
-    it: a socket keeps the namespace it was made in, whatever thread uses it later)."""
-    made: list[socket.socket | BaseException] = []
+    """A TCP socket listening on the host's address, made in its namespace by a thread that enters
+    it and ends (a socket keeps the namespace it was made in, whatever thread uses it later)."""
 
-    def make() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            with Path(f"/run/netns/{host.name}").open() as namespace:
-                if libc.setns(namespace.fileno(), CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), f"setns into {host.name}")
-            made.append(socket.create_server((host.address, port)))
-        except BaseException as error:  # handed to the caller's thread
-            made.append(error)
+    def make() -> socket.socket:
+        libc = ctypes.CDLL(None, use_errno=True)
+        with Path(f"/run/netns/{host.name}").open() as namespace:
+            if libc.setns(namespace.fileno(), CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {host.name}")
+        return socket.create_server((host.address, port))
 
-    thread = threading.Thread(target=make)  # its namespace dies with it
-    thread.start()
-    thread.join()
-    if isinstance(made[0], BaseException):
-        raise made[0]
-    return made[0]
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        return thread.submit(make).result()
 
 
 def forwarded(host: Host, port: int, upstream: tuple[str, int]) -> contextlib.AbstractContextManager[Relay]:
