@@ -14,11 +14,11 @@ bfloat16 when:
   (workers/quality.py) is at least AGREEMENT_FLOOR, the bar a quantized copy must pass too
   (measured only when it is faster: the forward passes cost a load time too).
 
-bfloat16 meets the batching policy too: oneDNN gave every row the same bits in every batch tried
-(docs/batching.md#exactness). For the built-in model, on CUDA, or with REFLOW_DTYPE set, nothing is
-measured. A worker measures once per model shape: later versions of it (fine-tunes of the same
-base, hot-swapped in) are served in the same dtype without a stall, so a champion and its challenger
-always compare in one dtype.
+Both candidates are timed as they would be served (`serving_layout`: projections fused, bfloat16
+weights packed for oneDNN where each row keeps its bits in any batch, docs/batching.md#exactness).
+For the built-in model, on CUDA, or with REFLOW_DTYPE set, nothing is measured. A worker measures
+once per model shape: later versions of it (fine-tunes of the same base, hot-swapped in) are served
+in the same dtype without a stall, so a champion and its challenger always compare in one dtype.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from workers.models.builtin import MODEL_TYPE as BUILTIN
 from workers.models.greedy import greedy_ids
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.kv_cache import BLOCK_SIZE
+from workers.models.llama import serving_layout
 from workers.models.loader import load_checkpoint
 from workers.quality import QUALITY_PROMPTS, QUALITY_TOKENS, teacher_forced_agreement
 from workers.residency import DtypeCandidate, DtypeChoice, dtype_name
@@ -69,6 +70,8 @@ class AutoDtype:
         key = shape_key(model)
         if (choice := self.choices.get(key)) is None:
             candidate, _ = load_checkpoint(directory, device, getattr(torch, CANDIDATE), max_len)
+            for laid_out in (model, candidate):  # timed as they would be served
+                serving_layout(laid_out)  # type: ignore[arg-type]  # a CausalLM is an nn.Module
             choice = self.choices[key] = choose_dtype(model, candidate, tokenizer, self.max_batch_size)
             capability = torch.backends.cpu.get_cpu_capability()
             logger.info(

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from workers.dtype_choice import AutoDtype
-from workers.models.llama import fuse_projections
+from workers.models.llama import serving_layout
 from workers.models.loader import load_checkpoint
 from workers.models.lora import Adapter
 from workers.residency import ResidentAdapter, ResidentVersion
@@ -27,13 +27,13 @@ def load_directory(
 ) -> ResidentVersion:
     """Loads the checkpoint in a local directory (safetensors weights, JSON config, tokenizer) in
     `dtype` (None: REFLOW_DTYPE=auto, the dtype `auto` measured fastest here where given, else the
-    architecture's choice), its context capped at `max_len` (0: the model's own), its q/k/v and
-    gate/up projections fused for serving (`fuse_projections`)."""
+    architecture's choice), its context capped at `max_len` (0: the model's own), laid out for
+    serving (`serving_layout`: projections fused, bfloat16 weights packed for this CPU)."""
     if dtype is None and auto is not None:
         model, tokenizer, choice = auto.load(directory, device, max_len)
     else:
         (model, tokenizer), choice = load_checkpoint(directory, device, dtype, max_len), None
-    fuse_projections(model)  # type: ignore[arg-type]  # a CausalLM is an nn.Module
+    serving_layout(model)  # type: ignore[arg-type]  # a CausalLM is an nn.Module
     return ResidentVersion(name, version, model, tokenizer, device, aliases or set(), dtype_choice=choice)
 
 

@@ -217,11 +217,14 @@ class ModelRunner:
         positions = [[*range(s, e), *[-1] * (width - e + s)] for _, s, e in chunks]
         view = self.cache.view([r.blocks for r, _, _ in chunks], positions, device)
         adapters = self._adapter_rows([r for r, _, _ in chunks], len(chunks))
-        logits = self.model(torch.tensor(tokens, device=device), self.cache, view, adapters)  # [N, T, V]
+        last = torch.tensor([e - s - 1 for _, s, e in chunks], device=device)  # [N]
+        input_ids = torch.tensor(tokens, device=device)
+        if not any(r.sequence.params.prompt_logprobs for r, _, _ in chunks):
+            return self.model(input_ids, self.cache, view, adapters, at=last)[:, 0]  # the last tokens'
+        logits = self.model(input_ids, self.cache, view, adapters)  # [N, T, V]
         for row, (request, start, end) in enumerate(chunks):
             if request.sequence.params.prompt_logprobs:
                 request.prompt_logprobs += prompt_logprobs(request, start, logits[row, : end - start])
-        last = torch.tensor([e - s - 1 for _, s, e in chunks], device=device)  # [N]
         return logits[torch.arange(len(chunks), device=device), last]
 
     def _decode(self, requests: list[Request]) -> Tensor:

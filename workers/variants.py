@@ -11,9 +11,12 @@ import contextlib
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from reflow.registry import TASK_SCORE_TAG
 from workers.models.interface import CausalLM
+from workers.models.linears import PackedLinear
+from workers.models.llama import serving_layout
 from workers.models.precision import QUANTIZED, in_precision
 from workers.residency import Copy, ResidentVersion
 
@@ -51,12 +54,15 @@ def wanted_variants(version: ResidentVersion, names: tuple[str, ...]) -> tuple[s
 
 
 def make_variant(version: ResidentVersion, name: str) -> Copy:
-    """A copy of a version's reference weights in variant `name`."""
-    return Copy(name, in_precision(version.model, name), max_len=version.max_len)
+    """A copy of a version's reference weights in variant `name`, laid out for serving."""
+    model = in_precision(version.model, name)
+    serving_layout(model)  # type: ignore[arg-type]  # a CausalLM is an nn.Module
+    return Copy(name, model, max_len=version.max_len)
 
 
 def weight_bytes(model: CausalLM) -> int:
-    """Bytes of the weights as they are held: quantized ones as they are packed, with their scales."""
-    state = model.state_dict()  # type: ignore[attr-defined]  # a CausalLM is an nn.Module
-    held = {t.data_ptr(): t.numel() * t.element_size() for t in state.values()}  # tied weights once
-    return sum(held.values())
+    """Bytes of the weights as they are held: quantized ones as they are packed, with their scales,
+    and packed bfloat16 ones (workers/models/linears.py) besides."""
+    module: nn.Module = model  # type: ignore[assignment]  # a CausalLM is an nn.Module
+    held = {t.data_ptr(): t.numel() * t.element_size() for t in module.state_dict().values()}  # tied: once
+    return sum(held.values()) + sum(m.packed_bytes for m in module.modules() if isinstance(m, PackedLinear))

@@ -69,10 +69,13 @@ class CausalLM(Protocol):
         cache: PagedKVCache | None = None,
         view: CacheView | None = None,
         adapters: AdapterRows | None = None,
+        at: Tensor | None = None,
     ) -> Tensor:
         """Logits [B, T, V] of tokens [B, T]: a causal pass over whole rows without a cache (training),
         else the tokens placed in the cache's blocks where `view` says; each row through its LoRA
-        adapter where `adapters` gives it one (ValueError for an adapted model: its own only)."""
+        adapter where `adapters` gives it one (ValueError for an adapted model: its own only). With
+        `at` ([B] positions in T), only those positions' logits, [B, 1, V]: a prefill wants its last
+        token's alone, and the output head is the widest product of a forward."""
         ...
 
     def adapted(self, adapter: Adapter) -> CausalLM:

@@ -26,7 +26,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from workers.models.kv_cache import CacheView, PagedKVCache, paged_attention
-from workers.models.lora import Adapter, AdapterRows, StackedLinear, project, project_stacked
+from workers.models.linears import StackedLinear, pack_linears
+from workers.models.lora import Adapter, AdapterRows, project, project_stacked
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -199,7 +200,7 @@ class Attention(nn.Module):
         """Computes q, k and v in one product instead of three: their weights stacked in `qkv_proj`,
         the three removed (once; a fused model is served, never saved)."""
         if self.qkv_proj is None:
-            self.qkv_proj = StackedLinear(
+            self.qkv_proj = StackedLinear.stack(
                 {self.names[p]: getattr(self, p) for p in ("q_proj", "k_proj", "v_proj")}
             )
             del self.q_proj, self.k_proj, self.v_proj
@@ -261,7 +262,7 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         """Computes gate and up in one product instead of two (as `Attention.fuse`)."""
         if self.gate_up_proj is None:
-            self.gate_up_proj = StackedLinear(
+            self.gate_up_proj = StackedLinear.stack(
                 {self.names[p]: getattr(self, p) for p in ("gate_proj", "up_proj")}
             )
             del self.gate_proj, self.up_proj
@@ -283,6 +284,14 @@ def fuse_projections(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Attention | MLP):
             module.fuse()
+
+
+def serving_layout(model: nn.Module) -> None:
+    """Lays `model` out as a worker serves it, in place: q/k/v and gate/up fused
+    (`fuse_projections`), then bfloat16 weights packed for this CPU (`linears.pack_linears`). Its
+    logits are the model's as loaded, up to the rounding of packed products; it is never saved."""
+    fuse_projections(model)
+    pack_linears(model)
 
 
 def is_fused(model: nn.Module) -> bool:
@@ -369,10 +378,11 @@ class LlamaForCausalLM(nn.Module):
         cache: PagedKVCache | None = None,
         view: CacheView | None = None,
         adapters: AdapterRows | None = None,
+        at: Tensor | None = None,
     ) -> Tensor:
         """Logits [B, T, V] of tokens [B, T]: causal over whole rows without a cache, else the
         tokens placed in the cache where `view` says; each row through its adapter, if any (an
-        adapted model's: its own)."""
+        adapted model's: its own). With `at` ([B] positions), those positions' alone: [B, 1, V]."""
         b, t = tokens.shape
         if self.adapter is not None:
             if adapters is not None:
@@ -387,6 +397,8 @@ class LlamaForCausalLM(nn.Module):
         mask = None if view is None else view.mask(self.config.sliding_window)  # [B, 1, T, S]
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, view, mask, adapters)
+        if at is not None:
+            x = x[torch.arange(b, device=x.device), at][:, None]  # [B, 1, dim]
         return self.lm_head(self.model.norm(x))  # [B, T, V]
 
     @property
@@ -421,8 +433,8 @@ class LlamaForCausalLM(nn.Module):
         MKL's float32 GEMMs give every row the same bits whatever the batch (measured for 1..64
         rows; 2 rows differ); 1 for Hugging Face shapes, where MKL's kernel choice changes at row
         counts padding cannot avoid (below 16 rows and, for a 576x1536 projection, between 57 and
-        ~200), so padding would only cost. 1 in bfloat16 and float16: oneDNN's GEMMs measured
-        bit-identical at every row count."""
+        ~200), so padding would only cost. 1 in bfloat16 and float16: oneDNN's products, packed
+        where they keep each row's bits (workers/models/linears.py), are not padded either."""
         return self.config.float32_batch_rows if self.dtype == torch.float32 else 1
 
     @property

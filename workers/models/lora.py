@@ -28,6 +28,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from workers.models.linears import PackedLinear, StackedLinear
+
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -92,7 +94,9 @@ class LoraConfig:
         )
 
 
-def target_modules(model: nn.Module, targets: Iterable[str]) -> dict[str, tuple[nn.Linear, int]]:
+def target_modules(
+    model: nn.Module, targets: Iterable[str]
+) -> dict[str, tuple[nn.Linear | PackedLinear, int]]:
     """The linear layers of `model` whose last name part is a target (`adaptable_linears`)."""
     wanted = set(targets)
     found = {
@@ -117,6 +121,8 @@ class Adapter:
         generator = torch.Generator().manual_seed(seed)
         weights = {}
         for name, (linear, out_features) in sorted(target_modules(model, config.targets).items()):
+            if not isinstance(linear, nn.Linear):
+                raise ValueError("a model packed for serving is not trained: train the model as loaded")
             bound = 1.0 / math.sqrt(linear.in_features)  # kaiming_uniform_(a=sqrt(5))'s bound
             a = (torch.rand(config.rank, linear.in_features, generator=generator) * 2 - 1) * bound
             b = torch.zeros(out_features, config.rank)
@@ -250,26 +256,6 @@ def project(linear: nn.Linear, x: Tensor, adapters: AdapterRows | None, name: st
     return y if adapters is None else adapters.add(name, x, y)
 
 
-class StackedLinear(nn.Linear):
-    """Linear layers that read one input, computed as one: their weights (and biases) stacked, one
-    product instead of several, each part still adapted under its own name (`project_stacked`)."""
-
-    def __init__(self, parts: Mapping[str, nn.Linear]):
-        linears = list(parts.values())
-        first = linears[0]
-        with torch.device("meta"):  # no memory and no initialisation: the parts' weights follow
-            super().__init__(
-                first.in_features, sum(lin.out_features for lin in linears), bias=first.bias is not None
-            )
-        grad = first.weight.requires_grad
-        with torch.no_grad():
-            self.weight = nn.Parameter(torch.cat([linear.weight for linear in linears]), requires_grad=grad)
-            if first.bias is not None:
-                biases: list[Tensor] = [linear.bias for linear in linears if linear.bias is not None]
-                self.bias = nn.Parameter(torch.cat(biases), requires_grad=grad)
-        self.parts = {name: linear.out_features for name, linear in parts.items()}  # full name -> width
-
-
 def project_stacked(
     linear: nn.Module, x: Tensor, adapters: AdapterRows | None, parts: Mapping[str, int]
 ) -> tuple[Tensor, ...]:
@@ -282,14 +268,15 @@ def project_stacked(
     return tuple(adapters.add(name, x, y) for name, y in zip(parts, outputs, strict=True))
 
 
-def adaptable_linears(model: nn.Module) -> dict[str, tuple[nn.Linear, int]]:
+def adaptable_linears(model: nn.Module) -> dict[str, tuple[nn.Linear | PackedLinear, int]]:
     """Every linear layer of `model` an adapter can adapt, by full name, with its width (out
-    features): each part of a stacked layer under its own name, with the layer that computes it."""
-    found: dict[str, tuple[nn.Linear, int]] = {}
+    features): each part of a stacked layer (packed or not) under its own name, with the layer that
+    computes it."""
+    found: dict[str, tuple[nn.Linear | PackedLinear, int]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, StackedLinear):
+        if isinstance(module, StackedLinear | PackedLinear) and module.parts:
             found.update({part: (module, width) for part, width in module.parts.items()})
-        elif isinstance(module, nn.Linear):
+        elif isinstance(module, nn.Linear | PackedLinear):
             found[name] = (module, module.out_features)
     return found
 

@@ -32,12 +32,12 @@ variant.
 from __future__ import annotations
 
 import abc
-import copy
 
 import torch
 from torch import Tensor, nn
 
 from workers.models.interface import CausalLM
+from workers.models.linears import unpacked_copy
 from workers.models.llama import fuse_projections
 
 QUANTIZED = ("int8", "int4")  # the weight-only precisions; the others are float dtypes' names
@@ -48,7 +48,7 @@ ACTIVATIONS = torch.bfloat16  # what the weight-only kernels multiply
 
 def in_precision(model: CausalLM, name: str) -> CausalLM:
     """A copy of `model` with its weights in `name` (`int8`, `int4`, or a float dtype's name)."""
-    copied = copy.deepcopy(model)
+    copied: CausalLM = unpacked_copy(model)  # type: ignore[arg-type,assignment]  # an nn.Module
     if name not in QUANTIZED:
         return copied.to(getattr(torch, name))  # type: ignore[attr-defined]
     module: nn.Module = copied  # type: ignore[assignment]  # a CausalLM is an nn.Module

@@ -12,7 +12,8 @@ import torch
 
 from tests.support.hf import VOCAB, random_adapter, tiny_checkpoint, transformers
 from workers.models.greedy import greedy_answers
-from workers.models.llama import LlamaForCausalLM, fuse_projections
+from workers.models.linears import PackedLinear
+from workers.models.llama import LlamaForCausalLM, fuse_projections, serving_layout
 from workers.models.loader import load_checkpoint
 from workers.models.lora import ADAPTER_CONFIG_FILE, Adapter, AdapterSet, LoraConfig
 
@@ -103,6 +104,26 @@ def test_a_model_fused_for_serving_gives_each_row_the_logits_of_the_model_as_loa
         fused.save(tmp_path / "fused")
     with pytest.raises(ValueError, match="stacked with others for serving"):
         second.merge_into(fused)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 products on this CPU"
+)
+@torch.inference_mode()
+def test_a_model_packed_for_serving_adapts_each_row_as_the_model_as_loaded(checkpoint: Path) -> None:
+    model, _ = load_checkpoint(checkpoint, dtype=torch.bfloat16)
+    packed = copy.deepcopy(model)
+    serving_layout(packed)  # type: ignore[arg-type]  # an nn.Module
+    assert isinstance(dict(packed.named_modules())["model.layers.0.mlp.gate_up_proj"], PackedLinear)  # type: ignore[attr-defined]
+    adapter = random_adapter(model, LoraConfig(rank=4), seed=1)  # type: ignore[arg-type]
+    adapter.check(packed)  # type: ignore[arg-type]  # each part of a packed stack by its own name
+    rows = AdapterSet([adapter.to(CPU, torch.bfloat16)]).rows([None, 0])
+    batch = tokens(2)
+    adapted, expected = packed(batch, adapters=rows).float(), model(batch, adapters=rows).float()
+    assert ((adapted - expected).norm() / expected.norm()).item() < 0.02  # bfloat16's rounding
+    assert ((adapted - packed(batch).float())[1].abs().max()) > 0.1  # the adapter matters
+    with pytest.raises(ValueError, match="packed for serving is not trained"):
+        Adapter.new(packed, LoraConfig(rank=4))  # type: ignore[arg-type]
 
 
 def test_the_base_weights_are_untouched_by_training_an_adapter(checkpoint: Path) -> None:

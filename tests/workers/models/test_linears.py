@@ -1,0 +1,100 @@
+"""Linear layers as a worker serves them (workers/models/linears.py): bfloat16 weights packed for
+the CPU's oneDNN products give each row the same bits in any batch, stay close to the plain
+product, unpack to the same weights, and are laid out in a served model only where they apply."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.support.models import tiny_model
+from workers.models.linears import (
+    ROW_CHUNK,
+    PackedLinear,
+    StackedLinear,
+    keeps_row_bits,
+    unpacked_copy,
+)
+from workers.models.llama import fuse_projections, serving_layout
+from workers.models.precision import in_precision
+from workers.variants import weight_bytes
+
+BFLOAT16 = torch.bfloat16
+needs_bf16_products = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 products on this CPU"
+)
+
+
+def random_linear(in_features: int, out_features: int, bias: bool = False, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias).to(BFLOAT16).requires_grad_(False)
+
+
+@needs_bf16_products
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 576)])
+@torch.inference_mode()
+def test_a_packed_layer_gives_each_row_the_same_bits_in_any_batch_and_stays_close_to_the_plain_one(
+    in_features: int, out_features: int
+) -> None:
+    # SmolLM2's q/k/v and down projections; 1536 inputs are what oneDNN splits between threads
+    # from about 150 rows, which the chunks of ROW_CHUNK rows keep out
+    if not keeps_row_bits(in_features, out_features):
+        pytest.skip("on this CPU a packed product of this shape changes a row's bits with the row count")
+    linear = random_linear(in_features, out_features, bias=True)
+    packed = PackedLinear(linear)
+    rows = torch.randn(300, in_features, generator=torch.Generator().manual_seed(1)).to(BFLOAT16)
+    alone = torch.cat([packed(rows[i : i + 1]) for i in range(len(rows))])
+    for count in (2, 5, 16, 33, 64, ROW_CHUNK, ROW_CHUNK + 1, 150, 200, 300):
+        assert torch.equal(packed(rows[:count]), alone[:count]), count
+    plain = F.linear(rows, linear.weight, linear.bias).float()
+    assert ((alone.float() - plain).norm() / plain.norm()).item() < 0.01  # bfloat16's rounding
+    assert packed(rows[:12].view(3, 4, in_features)).shape == (3, 4, out_features)  # any leading shape
+
+
+@needs_bf16_products
+def test_a_packed_layer_unpacks_to_the_weights_and_parts_it_was_packed_from() -> None:
+    parts = {"q": random_linear(64, 32, bias=True, seed=1), "k": random_linear(64, 16, bias=True, seed=2)}
+    stacked = StackedLinear.stack(parts)
+    unpacked = PackedLinear(stacked).unpacked()
+    assert isinstance(unpacked, StackedLinear) and unpacked.parts == {"q": 32, "k": 16}
+    assert torch.equal(unpacked.weight, stacked.weight) and torch.equal(unpacked.bias, stacked.bias)
+    plain = random_linear(64, 48)
+    unpacked_plain = PackedLinear(plain).unpacked()
+    assert type(unpacked_plain) is nn.Linear and torch.equal(unpacked_plain.weight, plain.weight)
+
+
+@needs_bf16_products
+@torch.inference_mode()
+def test_a_bfloat16_model_is_served_packed_and_its_copies_are_made_from_the_same_weights() -> None:
+    loaded = tiny_model(0).to(BFLOAT16)  # type: ignore[attr-defined]  # a CausalLM is an nn.Module
+    served = copy.deepcopy(loaded)
+    serving_layout(served)
+    layers = dict(served.named_modules())
+    assert {type(layers[n]) for n in ("lm_head", "model.layers.0.self_attn.qkv_proj")} == {PackedLinear}
+    assert not any(isinstance(m, nn.Linear) for m in layers.values())
+    assert isinstance(layers["model.embed_tokens"], nn.Embedding)  # the tied head's own copy is packed
+    tokens = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(1))
+    logits, expected = served(tokens).float(), loaded(tokens).float()
+    assert ((logits - expected).norm() / expected.norm()).item() < 0.02
+    assert all(torch.equal(served(tokens[i : i + 1])[0], served(tokens)[i]) for i in range(3))
+    assert weight_bytes(served) >= weight_bytes(loaded)  # the packed head beside the embeddings
+    heads = [m for m in served.modules() if isinstance(m, PackedLinear)]
+    serving_layout(served)  # laying out twice changes nothing
+    assert heads == [m for m in served.modules() if isinstance(m, PackedLinear)]
+    fused = copy.deepcopy(loaded)
+    fuse_projections(fused)
+    unpacked = unpacked_copy(served).state_dict()  # the same values, in the plain layout
+    assert unpacked.keys() == fused.state_dict().keys()
+    assert all(torch.equal(tensor, unpacked[name]) for name, tensor in fused.state_dict().items())
+    # a variant made from the served copy is the variant of the model as loaded
+    assert torch.equal(in_precision(served, "int8")(tokens), in_precision(loaded, "int8")(tokens))
+
+
+def test_a_float32_model_is_not_packed() -> None:
+    model = tiny_model(0)
+    serving_layout(model)  # type: ignore[arg-type]  # a CausalLM is an nn.Module
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())  # type: ignore[attr-defined]

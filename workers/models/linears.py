@@ -1,0 +1,144 @@
+"""The linear layers a served model computes with besides nn.Linear: several layers that read one
+input stacked into one product (`StackedLinear`), and bfloat16 weights packed once for this CPU's
+oneDNN kernels (`PackedLinear`).
+
+Packing: a bfloat16 product through `torch.nn.functional.linear` on the CPU goes to oneDNN, which
+reorders the whole weight into its blocked layout on every call. `PackedLinear` holds the weight in
+that layout (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing does), so a
+product reads it once. Measured on 2 cores of a Xeon with AMX (torch 2.13), SmolLM2-135M's 576->3072
+gate/up product took 179 / 162 / 268 us at 1 / 16 / 64 rows plain and 68 / 72 / 150 packed; its
+49152-wide head 1.85 / 1.99 / 3.45 ms plain and 1.28 / 1.40 / 2.28 packed.
+
+The layout is the one oneDNN picks for one row (`_reorder_linear_weight(w, 1)`): with it every row
+count ran the same kernel, so each row came out with the same bits in any batch (with the layouts
+picked for 16 or 64 rows, a row's bits changed between 5 and 32 rows, as they do unpacked on that
+CPU). A product over more than ROW_CHUNK rows (a long prefill) runs in chunks of ROW_CHUNK: from
+about 150 rows oneDNN splits the inner dimension of a 1536-wide input between the threads, and a
+split sum rounds differently. Whether a weight's shape keeps its rows' bits on this CPU is measured
+once per shape (`keeps_row_bits`), at every row count up to ROW_CHUNK; a shape that does not is left
+unpacked (docs/batching.md#exactness).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+PACKED_DTYPE = torch.bfloat16  # the weights oneDNN's packed products take here
+ROW_CHUNK = 128  # most rows in one packed product: longer inputs run in chunks of this many
+
+
+class StackedLinear(nn.Linear):
+    """Linear layers that read one input, computed as one: their weights (and biases) stacked, one
+    product instead of several, each part still adapted under its own name
+    (`lora.project_stacked`)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, parts: Mapping[str, int]):
+        with torch.device("meta"):  # no memory and no initialisation: the weights are given
+            super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None)
+        self.weight = nn.Parameter(weight, requires_grad=weight.requires_grad)
+        if bias is not None:
+            self.bias = nn.Parameter(bias, requires_grad=bias.requires_grad)
+        self.parts = dict(parts)  # full name -> width, in the order they are stacked
+
+    @classmethod
+    def stack(cls, parts: Mapping[str, nn.Linear]) -> StackedLinear:
+        """The layers `parts` (full name -> layer, all reading one input) as one."""
+        linears = list(parts.values())
+        with torch.no_grad():
+            weights: list[Tensor] = [linear.weight for linear in linears]
+            weight = torch.cat(weights)
+            biases: list[Tensor] = [linear.bias for linear in linears if linear.bias is not None]
+            bias = torch.cat(biases) if biases else None
+        stacked = cls(weight, bias, {name: linear.out_features for name, linear in parts.items()})
+        return stacked.requires_grad_(linears[0].weight.requires_grad)
+
+
+class PackedLinear(nn.Module):
+    """A bfloat16 linear layer (or a `StackedLinear`, whose `parts` it keeps) with its weight packed
+    for this CPU's oneDNN products; served, never trained or saved."""
+
+    bias: Tensor | None
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.parts = dict(linear.parts) if isinstance(linear, StackedLinear) else {}
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # not a buffer: no .to()
+        self.packed_bytes = weight.numel() * weight.element_size()
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)
+        chunks = [
+            torch.ops.mkldnn._linear_pointwise(chunk, self.packed, self.bias, "none", [], "")
+            for chunk in rows.split(ROW_CHUNK)
+        ]
+        y = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def unpacked(self) -> nn.Linear:
+        """The layer it was packed from: the weight back in its plain layout (the same values)."""
+        weight, bias = self.packed.to_dense(), None if self.bias is None else self.bias.clone()
+        if self.parts:
+            return StackedLinear(weight, bias, self.parts)
+        return plain_linear(weight, bias)
+
+
+def packs(model: nn.Module) -> bool:
+    """Whether `pack_linears` packs `model`'s layers: bfloat16 weights on a CPU that oneDNN
+    multiplies bfloat16 on."""
+    weight = next(model.parameters())
+    return (
+        weight.dtype == PACKED_DTYPE
+        and weight.device.type == "cpu"
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+def pack_linears(model: nn.Module) -> None:
+    """Replaces each linear layer of `model` whose shape keeps its rows' bits packed
+    (`keeps_row_bits`) by a `PackedLinear`, in place, where `packs(model)`. A tied output head gets a
+    packed copy of its own (the embeddings keep theirs)."""
+    if not packs(model):
+        return
+    for path, linear in [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        if keeps_row_bits(linear.in_features, linear.out_features):
+            parent, _, child = path.rpartition(".")
+            setattr(model.get_submodule(parent), child, PackedLinear(linear))
+
+
+def unpacked_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` with each `PackedLinear` back as the layer it was packed from (a
+    packed weight does not copy)."""
+    memo = {id(m): m.unpacked() for m in model.modules() if isinstance(m, PackedLinear)}
+    return copy.deepcopy(model, memo)
+
+
+@functools.cache
+def keeps_row_bits(in_features: int, out_features: int) -> bool:
+    """Whether a packed product of this shape gives each of up to ROW_CHUNK rows the same bits at
+    every row count on this CPU (and thread count), as the rows of ROW_CHUNK computed at once."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(PACKED_DTYPE)
+    rows = torch.randn(ROW_CHUNK, in_features, generator=generator).to(PACKED_DTYPE)
+    packed = PackedLinear(plain_linear(weight, None))
+    with torch.inference_mode():
+        every = packed(rows)
+        return all(torch.equal(packed(rows[:n]), every[:n]) for n in range(1, ROW_CHUNK))
+
+
+def plain_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+    """An nn.Linear holding `weight` [out, in] and `bias` themselves (nothing allocated or
+    initialised), frozen."""
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
