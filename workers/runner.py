@@ -160,9 +160,10 @@ class ModelRunner:
                 self._fail(request, error, outputs)
             else:
                 adjusted.append((request, start, end))
-        # in float32: the same index (bfloat16 widens exactly), and torch's bfloat16 argmax is not
-        # vectorised on the CPU (1.4 ms against 0.4 at 16 rows of SmolLM2's 49,152 logits)
-        greedy = logits.float().argmax(dim=-1).tolist()  # [N]
+        # in float32: the same index (bfloat16 widens exactly); by max, whose index is argmax's (the
+        # first of equal maxima) at a third of its time on the CPU (0.88 ms against 2.24 for 64 rows
+        # of SmolLM2's 49,152 logits; torch's bfloat16 argmax took 5.2)
+        greedy = logits.float().max(dim=-1).indices.tolist()  # [N]
         drafted = accepted = 0
         for request, start, end in adjusted:
             try:

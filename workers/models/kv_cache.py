@@ -106,18 +106,19 @@ def paged_attention(
 ) -> Tensor:
     """Writes the new keys and values, then attends over each row's cached ones.
 
-    q: [B, H, T, D]; k, v: [B, KVH, T, D] with H a multiple of KVH (grouped-query attention);
-    mask: [B, 1, T, S] from `view.mask`; returns [B, H, T, D].
+    q: [B, T, H, D]; k, v: [B, T, KVH, D] with H a multiple of KVH (grouped-query attention), as
+    the projections lay them out; mask: [B, 1, T, S] from `view.mask`; returns [B, H, T, D].
     """
-    b, kv_heads, t, d = k.shape
+    b, t, kv_heads, d = k.shape
     slots = view.write.reshape(-1)  # [B*T]
-    cache.k[layer][slots] = k.transpose(1, 2).reshape(b * t, kv_heads, d)
-    cache.v[layer][slots] = v.transpose(1, 2).reshape(b * t, kv_heads, d)
+    cache.k[layer][slots] = k.reshape(b * t, kv_heads, d)
+    cache.v[layer][slots] = v.reshape(b * t, kv_heads, d)
     blocks = view.read.reshape(-1)  # [B*N]: whole blocks are gathered, far faster than token slots
     shape = (cache.n_blocks, cache.block_size, kv_heads, d)
     keys = cache.k[layer].view(shape).index_select(0, blocks).view(b, -1, kv_heads, d).transpose(1, 2)
     values = cache.v[layer].view(shape).index_select(0, blocks).view(b, -1, kv_heads, d).transpose(1, 2)
     # [B, KVH, S, D]; each group of query heads reads its key/value head in place
+    q = q.transpose(1, 2)  # [B, H, T, D]
     if q.device.type == "cpu" and q.dtype != torch.float32:
         return grouped_attention(q, keys, values, mask, scale)
     return fused_attention(q, keys, values, mask, scale)

@@ -75,11 +75,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)
-        chunks = [
-            torch.ops.mkldnn._linear_pointwise(chunk, self.packed, self.bias, "none", [], "")
-            for chunk in rows.split(ROW_CHUNK)
-        ]
-        y = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        if len(rows) <= ROW_CHUNK:  # a decode step's rows: one product
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        else:
+            y = torch.cat([self(chunk) for chunk in rows.split(ROW_CHUNK)])
         return y.view(*x.shape[:-1], self.out_features)
 
     def unpacked(self) -> nn.Linear:

@@ -142,8 +142,8 @@ def rope_table(config: LlamaConfig, length: int) -> Tensor:
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor, pairs: bool) -> Tensor:
-    """x * cos + x turned a quarter * sin in cos's dtype, for x: [B, H, T, D] and cos, sin:
-    [B, 1, T, D]; the features turned together are halves (transformers' rotate_half), or
+    """x * cos + x turned a quarter * sin in cos's dtype, for x: [B, T, H, D] and cos, sin:
+    [B, T, 1, D]; the features turned together are halves (transformers' rotate_half), or
     adjacent `pairs` (gpt-fast's apply_rotary_emb)."""
     y = x.to(cos.dtype)
     if pairs:
@@ -163,10 +163,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # torch's fused kernel computes x * rsqrt(mean(x^2) + eps) as transformers' three steps do,
+        # bit for bit (checked on SmolLM2's widths and more, in float32 and bfloat16)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -227,9 +226,9 @@ class Attention(nn.Module):
         k, v = k.view(b, t, self.kv_heads, self.head_dim), v.view(b, t, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q, k = rotate(q, cos, sin, self.pairs), rotate(k, cos, sin, self.pairs)
+        q, k = rotate(q, cos, sin, self.pairs), rotate(k, cos, sin, self.pairs)  # [B, T, heads, D]
         if cache is None or view is None:  # training: one causal pass over whole rows
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
             mask = None
             if self.window:
                 positions = torch.arange(t, device=x.device)
@@ -393,7 +392,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope[positions]  # [B, T, 2, D] float32
         if not self.config.interleaved_rope:
             rope = rope.to(x.dtype)  # transformers turns q and k in their own dtype
-        cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]  # [B, 1, T, D]
+        cos, sin = rope[:, :, None, 0], rope[:, :, None, 1]  # [B, T, 1, D]
         mask = None if view is None else view.mask(self.config.sliding_window)  # [B, 1, T, S]
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, view, mask, adapters)
