@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -153,14 +154,16 @@ class Rounds:
 
 @contextlib.contextmanager
 def background(host: Host, command: list[str], log: Path, **env: str) -> Iterator[None]:
-    """`command` running on `host` for the block, its output in `log`; killed afterwards."""
+    """`command` running on `host` for the block, its output in `log`; killed afterwards with every
+    process it started (MLflow's server runs its app in a uvicorn child, which outlived a kill of the
+    server alone)."""
     with log.open("wb") as out:
         process = subprocess.Popen([*host.exec, *command], stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **env})  # fmt: skip
+                                   env={**os.environ, **env}, start_new_session=True)  # fmt: skip
     try:
         yield
     finally:
-        process.kill()
+        os.killpg(process.pid, signal.SIGKILL)
         process.wait()
 
 
