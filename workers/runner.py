@@ -220,7 +220,8 @@ class ModelRunner:
         adapters = self._adapter_rows([r for r, _, _ in chunks], len(chunks))
         last = torch.tensor([e - s - 1 for _, s, e in chunks], device=device)  # [N]
         input_ids = torch.tensor(tokens, device=device)
-        if not any(r.sequence.params.prompt_logprobs for r, _, _ in chunks):
+        wants_prompt = any(r.sequence.params.prompt_logprobs for r, _, _ in chunks)
+        if len(chunks) >= self.min_rows and not wants_prompt:  # the head over as many rows as a forward
             return self.model(input_ids, self.cache, view, adapters, at=last)[:, 0]  # the last tokens'
         logits = self.model(input_ids, self.cache, view, adapters)  # [N, T, V]
         for row, (request, start, end) in enumerate(chunks):
