@@ -45,6 +45,7 @@ GEMMS = (
     "aten::bmm",
     "aten::_weight_int8pack_mm",
     "aten::_weight_int4pack_mm_for_cpu",
+    "mkldnn::_linear_pointwise",  # bfloat16 weights packed for oneDNN (workers/models/linears.py)
 )
 PROMPT = "Please write a long story about a lighthouse keeper and her cat."
 
