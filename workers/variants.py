@@ -65,4 +65,5 @@ def weight_bytes(model: CausalLM) -> int:
     and packed bfloat16 ones (workers/models/linears.py) besides."""
     module: nn.Module = model  # type: ignore[assignment]  # a CausalLM is an nn.Module
     held = {t.data_ptr(): t.numel() * t.element_size() for t in module.state_dict().values()}  # tied: once
-    return sum(held.values()) + sum(m.packed_bytes for m in module.modules() if isinstance(m, PackedLinear))
+    packed = [m.packed for m in module.modules() if isinstance(m, PackedLinear)]  # not in the state
+    return sum(held.values()) + sum(t.numel() * t.element_size() for t in packed)

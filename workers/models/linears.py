@@ -68,9 +68,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.parts = dict(linear.parts) if isinstance(linear, StackedLinear) else {}
-        weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # not a buffer: no .to()
-        self.packed_bytes = weight.numel() * weight.element_size()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)  # no .to()
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: Tensor) -> Tensor:

@@ -76,15 +76,15 @@ def test_a_bfloat16_model_is_served_packed_and_its_copies_are_made_from_the_same
     layers = dict(served.named_modules())
     assert {type(layers[n]) for n in ("lm_head", "model.layers.0.self_attn.qkv_proj")} == {PackedLinear}
     assert not any(isinstance(m, nn.Linear) for m in layers.values())
-    assert isinstance(layers["model.embed_tokens"], nn.Embedding)  # the tied head's own copy is packed
+    assert isinstance(layers["model.embed_tokens"], nn.Embedding)  # the embeddings stay as loaded
     tokens = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(1))
     logits, expected = served(tokens).float(), loaded(tokens).float()
     assert ((logits - expected).norm() / expected.norm()).item() < 0.02
     assert all(torch.equal(served(tokens[i : i + 1])[0], served(tokens)[i]) for i in range(3))
-    assert weight_bytes(served) >= weight_bytes(loaded)  # the packed head beside the embeddings
-    heads = [m for m in served.modules() if isinstance(m, PackedLinear)]
+    assert weight_bytes(served) >= weight_bytes(loaded)  # packed weights count as held (a tied head: twice)
+    packed_layers = [m for m in served.modules() if isinstance(m, PackedLinear)]
     serving_layout(served)  # laying out twice changes nothing
-    assert heads == [m for m in served.modules() if isinstance(m, PackedLinear)]
+    assert packed_layers == [m for m in served.modules() if isinstance(m, PackedLinear)]
     fused = copy.deepcopy(loaded)
     fuse_projections(fused)
     unpacked = unpacked_copy(served).state_dict()  # the same values, in the plain layout
