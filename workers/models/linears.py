@@ -10,13 +10,16 @@ gate/up product took 179 / 162 / 268 us at 1 / 16 / 64 rows plain and 68 / 72 / 
 49152-wide head 1.85 / 1.99 / 3.45 ms plain and 1.28 / 1.40 / 2.28 packed.
 
 The layout is the one oneDNN picks for one row (`_reorder_linear_weight(w, 1)`): with it every row
-count ran the same kernel, so each row came out with the same bits in any batch (with the layouts
-picked for 16 or 64 rows, a row's bits changed between 5 and 32 rows, as they do unpacked on that
-CPU). A product over more than ROW_CHUNK rows (a long prefill) runs in chunks of ROW_CHUNK: from
-about 150 rows oneDNN splits the inner dimension of a 1536-wide input between the threads, and a
-split sum rounds differently. Whether a weight's shape keeps its rows' bits on this CPU is measured
-once per shape (`keeps_row_bits`), at every row count up to ROW_CHUNK; a shape that does not is left
-unpacked (docs/batching.md#exactness).
+count ran the same kernel on that Xeon, so each row came out with the same bits in any batch (with
+the layouts picked for 16 or 64 rows, a row's bits changed between 5 and 32 rows, as they do
+unpacked on that CPU). A product over more than ROW_CHUNK rows (a long prefill) runs in chunks of
+ROW_CHUNK: from about 150 rows oneDNN splits the inner dimension of a 1536-wide input between the
+threads, and a split sum rounds differently. On an AMD EPYC without AMX, a 1536-wide input's single
+row rounds differently from the same row among others (at any thread count), and from two rows on
+every row kept its bits: such a shape's products are padded to two rows. How many rows each shape
+needs on this CPU is measured once per shape (`rows_for_same_bits`), at every row count up to
+ROW_CHUNK against each row alone; a shape that needs more than MAX_PADDED_ROWS is left unpacked
+(docs/batching.md#exactness).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 
 PACKED_DTYPE = torch.bfloat16  # the weights oneDNN's packed products take here
 ROW_CHUNK = 128  # most rows in one packed product: longer inputs run in chunks of this many
+MAX_PADDED_ROWS = 8  # most rows a packed product is padded to; a shape needing more stays unpacked
 
 
 class StackedLinear(nn.Linear):
@@ -64,20 +68,29 @@ class PackedLinear(nn.Module):
 
     bias: Tensor | None
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, min_rows: int = 1):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.parts = dict(linear.parts) if isinstance(linear, StackedLinear) else {}
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)  # no .to()
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.min_rows = min_rows  # fewer rows are padded to this many (`rows_for_same_bits`)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)
         if len(rows) <= ROW_CHUNK:  # a decode step's rows: one product
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+            y = self._product(rows)
         else:
-            y = torch.cat([self(chunk) for chunk in rows.split(ROW_CHUNK)])
+            y = torch.cat([self._product(chunk) for chunk in rows.split(ROW_CHUNK)])
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _product(self, rows: Tensor) -> Tensor:
+        """At most ROW_CHUNK rows' product, padded with zero rows to `min_rows`."""
+        short = self.min_rows - len(rows)
+        if short > 0:
+            rows = torch.cat([rows, rows.new_zeros(short, self.in_features)])
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return y[: len(y) - short] if short > 0 else y
 
     def unpacked(self) -> nn.Linear:
         """The layer it was packed from: the weight back in its plain layout (the same values)."""
@@ -99,15 +112,16 @@ def packs(model: nn.Module) -> bool:
 
 
 def pack_linears(model: nn.Module) -> None:
-    """Replaces each linear layer of `model` whose shape keeps its rows' bits packed
-    (`keeps_row_bits`) by a `PackedLinear`, in place, where `packs(model)`. A tied output head gets a
-    packed copy of its own (the embeddings keep theirs)."""
+    """Replaces each linear layer of `model` whose shape keeps its rows' bits packed, padded to as
+    many rows as that takes (`rows_for_same_bits`), by a `PackedLinear`, in place, where
+    `packs(model)`. A tied output head gets a packed copy of its own (the embeddings keep theirs)."""
     if not packs(model):
         return
     for path, linear in [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]:
-        if keeps_row_bits(linear.in_features, linear.out_features):
+        min_rows = rows_for_same_bits(linear.in_features, linear.out_features, linear.bias is not None)
+        if min_rows is not None:
             parent, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent), child, PackedLinear(linear))
+            setattr(model.get_submodule(parent), child, PackedLinear(linear, min_rows))
 
 
 def unpacked_copy(model: nn.Module) -> nn.Module:
@@ -118,16 +132,24 @@ def unpacked_copy(model: nn.Module) -> nn.Module:
 
 
 @functools.cache
-def keeps_row_bits(in_features: int, out_features: int) -> bool:
-    """Whether a packed product of this shape gives each of up to ROW_CHUNK rows the same bits at
-    every row count on this CPU (and thread count), as the rows of ROW_CHUNK computed at once."""
+def rows_for_same_bits(in_features: int, out_features: int, bias: bool) -> int | None:
+    """The fewest rows (1, 2, 4 or 8) a packed product of this shape must be padded to for each row
+    to come out with the same bits at every row count up to ROW_CHUNK and at every place among them
+    as it does alone, on this CPU (and thread count); None when padding to MAX_PADDED_ROWS is not
+    enough."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(PACKED_DTYPE)
+    bias_values = torch.randn(out_features, generator=generator).to(PACKED_DTYPE) if bias else None
     rows = torch.randn(ROW_CHUNK, in_features, generator=generator).to(PACKED_DTYPE)
-    packed = PackedLinear(plain_linear(weight, None))
+    min_rows = 1
     with torch.inference_mode():
-        every = packed(rows)
-        return all(torch.equal(packed(rows[:n]), every[:n]) for n in range(1, ROW_CHUNK))
+        while min_rows <= MAX_PADDED_ROWS:
+            packed = PackedLinear(plain_linear(weight, bias_values), min_rows)
+            alone = torch.cat([packed(row) for row in rows.split(1)])
+            if all(torch.equal(packed(rows[:n]), alone[:n]) for n in range(2, ROW_CHUNK + 1)):
+                return min_rows
+            min_rows *= 2
+    return None
 
 
 def plain_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:

@@ -432,8 +432,8 @@ class LlamaForCausalLM(nn.Module):
         MKL's float32 GEMMs give every row the same bits whatever the batch (measured for 1..64
         rows; 2 rows differ); 1 for Hugging Face shapes, where MKL's kernel choice changes at row
         counts padding cannot avoid (below 16 rows and, for a 576x1536 projection, between 57 and
-        ~200), so padding would only cost. 1 in bfloat16 and float16: oneDNN's products, packed
-        where they keep each row's bits (workers/models/linears.py), are not padded either."""
+        ~200), so padding would only cost. 1 in bfloat16 and float16: each of oneDNN's packed
+        products pads itself as its shape needs (workers/models/linears.py)."""
         return self.config.float32_batch_rows if self.dtype == torch.float32 else 1
 
     @property
