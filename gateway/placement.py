@@ -15,6 +15,10 @@ what this gateway runs on each worker meanwhile (WorkerLoad), which only placeme
   would take (1 + blocks needed / blocks free): of two equally fast workers, the one whose cache is
   nearly full stops attracting long prompts first. An option whose pool has fewer free blocks than
   the request needs would queue behind it; it meets no deadline.
+- A worker this gateway has placed nothing on for EXPLORE_AFTER_S gets the next request it would
+  serve on its reference copy (within the deadline, if there is one), whatever its cost: a fit is
+  corrected only by the streams placed on it, so without this a worker predicted slower once (cut
+  off, or busy with another gateway's streams) would stay unused while another predicts faster.
 
 A worker's copies take turns on its one engine thread, so a busy worker stays on the copy it runs
 and switches only as `choose` says (docs/latency.md#one-engine-thread).
@@ -41,6 +45,7 @@ from reflow.v1 import inference_pb2, worker_pb2
 # would meet the deadline within this share of it once it ran alone: hysteresis against flapping.
 RETURN_SHARE = 0.6
 SMOOTHING = 0.2  # weight of the newest gap in a worker's arrival rate
+EXPLORE_AFTER_S = 30.0  # a worker this gateway placed nothing on for this long is tried again
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +79,7 @@ class Option:
     blocks: Blocks
     mixes: bool = False  # its worker is busy, on another copy lately
     harms: bool = False  # its steps would push a stream on its worker past a deadline it would meet
+    idle_s: float = math.inf  # since this gateway last placed a request on its worker (inf: never)
 
     @property
     def name(self) -> str:
@@ -282,6 +288,7 @@ class Placer:
         busy = load.busy(held)
         now = time.perf_counter()
         rate = load.arrivals.per_second(now)
+        idle_s = math.inf if load.arrivals.last is None else now - load.arrivals.last
         options = []
         for copy in held:
             fit = fits[copy.name]
@@ -298,6 +305,7 @@ class Placer:
                     ),
                     mixes=mixes,
                     harms=mixes and load.pushes_past_deadline(copy.name, fit.step_ms(), now),
+                    idle_s=idle_s,
                 )
             )  # fmt: skip
         return options
@@ -377,7 +385,14 @@ def choose(options: list[Option], budget_ms: float | None) -> Option:
     Never on another copy than the one a worker runs when its steps would push a stream there past
     a deadline it is on course to meet.
 
-    The lowest-cost option of all when none would."""
+    The lowest-cost option of all when none would. Before all of these, while this gateway uses
+    other workers: the reference copy on a worker it has not used for EXPLORE_AFTER_S, where that
+    meets the deadline and takes no new copy into the worker's turns (the module's docstring)."""
+    unused = [
+        o for o in options if o.idle_s >= EXPLORE_AFTER_S and o.best and not o.mixes and o.meets(budget_ms)
+    ]
+    if unused and {o.worker.address for o in unused} != {o.worker.address for o in options}:
+        return min(unused, key=lambda o: o.cost_ms)  # some workers are in use: try an unused one
     if budget_ms is None:
         return min([o for o in options if o.best] or options, key=lambda o: o.cost_ms)  # or a pinned one
     meeting = [

@@ -5,13 +5,14 @@ slowed or saturated worker would report."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import pytest
 
 from gateway.latency import LatencyModel, Load, Observation, RecursiveLeastSquares
-from gateway.placement import Placement, Placer, WorkerLoad
+from gateway.placement import EXPLORE_AFTER_S, Placement, Placer, WorkerLoad
 from gateway.routing import ModelSpec, ServedVersion, WorkerHandle, WorkerPool
 from gateway.validation import RequestLimits
 from reflow.errors import NotFound
@@ -194,6 +195,29 @@ async def test_load_balances_by_running_sequences_and_queued_prompt_tokens(placi
     placing.load(free).queued_tokens = 5000  # a long prompt waits for its first token
     assert placing.place().option.worker is busy
     assert placing.place().option.load == Load(running=0, queued_tokens=0)
+
+
+async def test_a_worker_unused_for_a_while_is_tried_again_though_another_is_predicted_faster(
+    placing: Placing,
+) -> None:
+    fast = placing.worker(0, version((FLOAT32,)))
+    slow = placing.worker(1, version((dict(FLOAT32, decode_ms_per_token=120.0),)))  # predicted 3x slower
+
+    def last_used(worker: WorkerHandle, seconds_ago: float) -> None:
+        placing.load(worker).arrivals.last = time.perf_counter() - seconds_ago
+
+    assert placing.place().option.worker is fast  # neither used yet: the cheaper
+    last_used(fast, 0)
+    assert placing.place().option.worker is slow  # the one never used, while the other is
+    last_used(slow, EXPLORE_AFTER_S - 5)
+    assert placing.place().option.worker is fast
+    last_used(slow, EXPLORE_AFTER_S)
+    assert placing.place().option.worker is slow  # its fit is corrected by what this stream takes
+    # not where it would miss the deadline: 1.5x the fast worker's prediction, a third of its own
+    last_used(slow, 0)
+    tight = placing.place().option.prediction.total_ms * 1.5
+    last_used(slow, EXPLORE_AFTER_S)
+    assert placing.place(budget_ms=tight).option.worker is fast
 
 
 async def test_another_choice_runs_beside_the_first_where_its_prompt_is_cached(placing: Placing) -> None:
