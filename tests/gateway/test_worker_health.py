@@ -17,6 +17,7 @@ from reflow.settings import Settings
 from reflow.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.relay import relaying
 from tests.support.stack import generate, request, start_stack, start_worker, stop_stack
+from tests.support.waiting import eventually
 
 LOADED = worker_pb2.LoadedVersion(model="arith", version="1", aliases=["champion"])
 
@@ -83,7 +84,12 @@ async def test_a_call_to_a_worker_whose_link_is_cut_fails_unavailable_not_at_the
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
             assert "every worker serving arith@champion failed" in str(failed.value.details())
             link.restore()
-            await stack.pool.refresh()  # the next status poll, on a new connection
+
+            async def back() -> bool:  # status polls, answered once gRPC's reconnect backoff lets it connect
+                await stack.pool.refresh()
+                return all(w.healthy for w in stack.pool.workers)
+
+            await eventually(back, 60, what="the worker back in routing once its link is", interval_s=0.5)
             assert [m.finish_reason for m in await generate(stack, request())][-1]
         finally:
             link.restore()
