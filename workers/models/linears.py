@@ -15,7 +15,7 @@ the layouts picked for 16 or 64 rows, a row's bits changed between 5 and 32 rows
 unpacked on that CPU). A product over more than ROW_CHUNK rows (a long prefill) runs in chunks of
 ROW_CHUNK: from about 150 rows oneDNN splits the inner dimension of a 1536-wide input between the
 threads, and a split sum rounds differently. On an AMD EPYC without AMX, a 1536-wide input's single
-row rounds differently from the same row among others (at any thread count), and from two rows on
+row rounds differently from the same row among others (at one thread as at two), and from two rows on
 every row kept its bits: such a shape's products are padded to two rows. How many rows each shape
 needs on this CPU is measured once per shape (`rows_for_same_bits`), at every row count up to
 ROW_CHUNK against each row alone; a shape that needs more than MAX_PADDED_ROWS is left unpacked
