@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import threading
 from collections.abc import AsyncIterator, Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +19,7 @@ from reflow.errors import InvalidArgument, NotFound, ResourceExhausted
 from reflow.v1 import inference_pb2
 from tests.support.models import collect, reference_greedy, tiny_model
 from tests.support.waiting import eventually
+from workers.batch_scheduler import Output
 from workers.engine import Engine, EngineConfig
 from workers.metrics import WorkerMetrics
 from workers.models.builtin import TOKENIZER, new_model
@@ -63,14 +66,39 @@ async def test_output_is_the_same_alone_and_in_any_batch_mix(
     assert engine.metrics is not None and engine.metrics.batch_size.collect()[0].samples  # it batched
 
 
-async def test_a_request_arriving_mid_generation_joins_at_the_next_step(engine: Engine) -> None:
-    long = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
-    for _ in range(5):
-        await anext(long)
-    late = await collect(engine, "47+38=", GenerationParams(max_tokens=10))
-    assert engine.running == 1  # the long one is still going: they overlapped
-    assert late.token_ids == reference_greedy(tiny_model(0), "47+38=", 10)
-    await long.aclose()
+class PausingMetrics(WorkerMetrics):
+    """Holds the engine thread after its first step that produced a token (before the token is
+    delivered), until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused, self.release = threading.Event(), threading.Event()
+
+    def observe_outputs(self, outputs: Seq[Output], step_seconds: float) -> None:
+        super().observe_outputs(outputs, step_seconds)
+        if outputs and not self.paused.is_set():
+            self.paused.set()
+            self.release.wait()
+
+
+async def test_a_request_arriving_mid_generation_joins_at_the_next_step() -> None:
+    metrics = PausingMetrics()
+    engine = Engine(EngineConfig(speculative_tokens=0), metrics)  # no drafts: one token a step each
+    engine.add(ResidentVersion("arith", "1", tiny_model(0), TOK, torch.device("cpu")))
+    try:
+        long = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
+        first = asyncio.ensure_future(anext(long))
+        await eventually(metrics.paused.is_set, 5.0)  # the long one has 1 of its 60 tokens
+        late = asyncio.ensure_future(collect(engine, "47+38=", GenerationParams(max_tokens=10)))
+        await eventually(lambda: engine.waiting == 1, 5.0)
+        metrics.release.set()
+        await first
+        assert (await late).token_ids == reference_greedy(tiny_model(0), "47+38=", 10)
+        assert engine.running == 1  # the long one is still going (11 steps in): they overlapped
+        await long.aclose()
+    finally:
+        metrics.release.set()
+        engine.close()
 
 
 async def one_running_one_waiting(engine: Engine) -> tuple[AsyncIterator[Delta], asyncio.Future[Delta]]:
