@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kafka import KafkaConsumer
+from kafka.errors import KafkaTimeoutError
 from kafka.structs import TopicPartition
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
@@ -44,7 +46,7 @@ def kafka_stats(bootstrap: str, group_id: str = STORE_GROUP, *, security: KafkaS
         }
         every = [tp for tps in partitions.values() for tp in tps]
         end = last_offsets(consumer, every)
-        start = consumer.beginning_offsets(every)
+        start = listed_offsets(consumer.beginning_offsets, every)
         consumed = partitions[INFERENCES_TOPIC] + partitions[FEEDBACK_TOPIC]
         committed = admin.list_group_offsets({group_id: consumed}).get(group_id, {})
         lag = {}
@@ -60,6 +62,28 @@ def kafka_stats(bootstrap: str, group_id: str = STORE_GROUP, *, security: KafkaS
         admin.close()
 
 
+def listed_offsets(
+    list_offsets: Callable[[list[TopicPartition]], dict[TopicPartition, int]],
+    partitions: list[TopicPartition],
+    timeout_s: float = 5.0,
+) -> dict[TopicPartition, int]:
+    """What `list_offsets` (a consumer's beginning_offsets or end_offsets) answers for `partitions`.
+
+    Where kafka-python (3.0) does not know a partition's leader yet, or the broker answered it no
+    offset (a topic created a moment ago), it leaves the partition out of the broker's answer and
+    then fails looking it up, with a KeyError naming it. That is asked again until `timeout_s`;
+    then KafkaTimeoutError names the partition.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return list_offsets(partitions)
+        except KeyError as error:
+            if time.monotonic() > deadline:
+                raise KafkaTimeoutError(f"Kafka gave no offset for {error} in {timeout_s:g} s") from None
+            time.sleep(0.1)
+
+
 def last_offsets(consumer: KafkaConsumer, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
     """The offset after the last record of each partition.
 
@@ -67,7 +91,7 @@ def last_offsets(consumer: KafkaConsumer, partitions: list[TopicPartition]) -> d
     log, so the end is checked by reading from there: the fetch returns the whole last batch, and
     on Kafka, whose answer is exact, it returns just the last record.
     """
-    reported = consumer.end_offsets(partitions)
+    reported = listed_offsets(consumer.end_offsets, partitions)
     ends = dict(reported)
     consumer.assign([tp for tp in partitions if reported[tp] > 0])
     for tp in consumer.assignment():
