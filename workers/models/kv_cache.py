@@ -82,16 +82,29 @@ class CacheView:
     read: Tensor  # [B, N]: the blocks holding key positions 0..N*block_size-1 of each row
     block_size: int
 
-    def mask(self, window: int = 0) -> Tensor:
+    def mask(self, window: int = 0) -> KeyMask:
         """Which keys each query attends to: its own and earlier positions (the last `window`
-        of them when the model attends over a sliding window): [B, 1, T, S], S = N*block_size."""
+        of them when the model attends over a sliding window)."""
         keys = self.read.shape[1] * self.block_size
         key_pos = torch.arange(keys, device=self.read.device)[None, None, :]  # [1, 1, S]
         query_pos = self.positions[:, :, None]  # [B, T, 1]
         allowed = key_pos <= query_pos
         if window:
             allowed &= key_pos > query_pos - window
-        return allowed[:, None]
+        return KeyMask.of(allowed[:, None])
+
+
+@dataclass(frozen=True)
+class KeyMask:
+    """A forward's attention mask, made once for all its layers in the two shapes they read."""
+
+    allowed: Tensor  # [B, 1, T, S]: the keys each query attends to (fused_attention's mask)
+    hidden: Tensor  # [B, 1, 1, T, S]: the others, as grouped_attention's [B, KVH, G, T, S] scores hide
+
+    @classmethod
+    def of(cls, allowed: Tensor) -> KeyMask:
+        """The mask that attends to `allowed` ([B, 1, T, S])."""
+        return cls(allowed, ~allowed[:, :, None])
 
 
 def paged_attention(
@@ -101,13 +114,13 @@ def paged_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask: Tensor,
+    mask: KeyMask,
     scale: float | None = None,
 ) -> Tensor:
     """Writes the new keys and values, then attends over each row's cached ones.
 
     q: [B, T, H, D]; k, v: [B, T, KVH, D] with H a multiple of KVH (grouped-query attention), as
-    the projections lay them out; mask: [B, 1, T, S] from `view.mask`; returns [B, H, T, D].
+    the projections lay them out; mask: `view.mask`'s; returns [B, H, T, D].
     """
     b, t, kv_heads, d = k.shape
     slots = view.write.reshape(-1)  # [B*T]
@@ -124,15 +137,17 @@ def paged_attention(
     return fused_attention(q, keys, values, mask, scale)
 
 
-def fused_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+def fused_attention(q: Tensor, keys: Tensor, values: Tensor, mask: KeyMask, scale: float | None) -> Tensor:
     """torch's fused kernel (transformers' `sdpa` attention): float32 on the CPU, and on CUDA."""
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask.allowed, scale=scale, enable_gqa=True
+    )
 
 
-def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: KeyMask, scale: float | None) -> Tensor:
     """Attention as three plain operators, as transformers' eager attention computes it (scores in
     the query's dtype, softmax in float32), each key/value head serving its group of query heads
-    in place (never repeated): q [B, H, T, D], keys and values [B, KVH, S, D], mask [B, 1, T, S].
+    in place (never repeated): q [B, H, T, D], keys and values [B, KVH, S, D].
 
     For bfloat16 and float16 on the CPU, where torch's fused kernel costs ~70 us a row at one
     query a row (bfloat16, 9 heads of 64, 128 keys: 970 us for 16 rows against 170 us here), and
@@ -145,6 +160,6 @@ def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, sca
     keys, values = keys.reshape(b * kv_heads, s, d), values.reshape(b * kv_heads, s, d)
     scores = torch.bmm(q.reshape(b * kv_heads, group * t, d), keys.transpose(1, 2))
     scores.mul_(d**-0.5 if scale is None else scale)  # [B*KVH, G*T, S]
-    scores.view(b, kv_heads, group, t, s).masked_fill_(~mask[:, :, None], float("-inf"))
+    scores.view(b, kv_heads, group, t, s).masked_fill_(mask.hidden, float("-inf"))
     weights = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
     return torch.bmm(weights, values).view(b, heads, t, d)

@@ -77,8 +77,11 @@ class PackedLinear(nn.Module):
         self.min_rows = min_rows  # fewer rows are padded to this many (`rows_for_same_bits`)
 
     def forward(self, x: Tensor) -> Tensor:
+        count = x.numel() // self.in_features
+        if self.min_rows <= count <= ROW_CHUNK:  # a decode step's rows: one product, of x as it is
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         rows = x.reshape(-1, self.in_features)
-        if len(rows) <= ROW_CHUNK:  # a decode step's rows: one product
+        if count <= ROW_CHUNK:
             y = self._product(rows)
         else:
             y = torch.cat([self._product(chunk) for chunk in rows.split(ROW_CHUNK)])

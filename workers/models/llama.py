@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from workers.models.kv_cache import CacheView, PagedKVCache, paged_attention
+from workers.models.kv_cache import CacheView, KeyMask, PagedKVCache, paged_attention
 from workers.models.linears import StackedLinear, pack_linears
 from workers.models.lora import Adapter, AdapterRows, project, project_stacked
 
@@ -132,26 +132,40 @@ def inverse_frequencies(config: LlamaConfig) -> Tensor:
 
 def rope_table(config: LlamaConfig, length: int) -> Tensor:
     """cos and sin of every position's angles, float32: [length, 2, D], each frequency's angle at
-    both features it turns (halves repeated, or pairs with `interleaved_rope`)."""
+    both features it turns (halves repeated, or pairs with `interleaved_rope`); sin carries the
+    sign of the turn (`rotate`): negative at the first of the two features."""
     angles = torch.outer(torch.arange(length).float(), inverse_frequencies(config))  # [S, D/2]
+    sin = angles.sin()
     if config.interleaved_rope:
         angles = angles.repeat_interleave(2, dim=-1)  # [S, D]
+        sin = torch.stack([-sin, sin], dim=-1).flatten(-2)
     else:
         angles = torch.cat([angles, angles], dim=-1)  # [S, D]
-    return torch.stack([angles.cos(), angles.sin()], dim=1)
+        sin = torch.cat([-sin, sin], dim=-1)
+    return torch.stack([angles.cos(), sin], dim=1)
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor, pairs: bool) -> Tensor:
-    """x * cos + x turned a quarter * sin in cos's dtype, for x: [B, T, H, D] and cos, sin:
-    [B, T, 1, D]; the features turned together are halves (transformers' rotate_half), or
-    adjacent `pairs` (gpt-fast's apply_rotary_emb)."""
-    y = x.to(cos.dtype)
-    if pairs:
-        turned = torch.stack([-y[..., 1::2], y[..., ::2]], dim=-1).flatten(-2)
-    else:
-        half = y.shape[-1] // 2
-        turned = torch.cat([-y[..., half:], y[..., :half]], dim=-1)
-    return (y * cos + turned * sin).to(x.dtype)
+@dataclass(frozen=True)
+class Rotation:
+    """What turns one forward's q and k: cos and sin [B, T, 1, D] of each token's position
+    (`rope_table`'s, sin signed) in the dtype they turn in; the features turned together are
+    halves (transformers' rotate_half), or adjacent `pairs` (gpt-fast's apply_rotary_emb)."""
+
+    cos: Tensor
+    sin: Tensor
+    pairs: bool
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [B, T, H, D] turned: x * cos + x turned a quarter * sin, in cos's dtype. x turned a
+        quarter is x with the features of each half (or pair) swapped, each negated where sin is:
+        (-a) * s and a * (-s) are the same bits."""
+        y = x if x.dtype == self.cos.dtype else x.to(self.cos.dtype)
+        if self.pairs:
+            swapped = y.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        else:
+            swapped = y.roll(y.shape[-1] // 2, -1)
+        turned = y * self.cos + swapped * self.sin
+        return turned if turned.dtype == x.dtype else turned.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -165,7 +179,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # torch's fused kernel computes x * rsqrt(mean(x^2) + eps) as transformers' three steps do,
         # bit for bit (checked on SmolLM2's widths and more, in float32 and bfloat16)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        normed = F.rms_norm(x if x.dtype == torch.float32 else x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype))
 
 
 class Attention(nn.Module):
@@ -181,7 +196,6 @@ class Attention(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, config.head_dim
         )  # fmt: skip
         self.window = config.sliding_window
-        self.pairs = config.interleaved_rope
         self.scale = self.head_dim**-0.5  # as transformers passes it to attention
         bias = config.qkv_bias
         q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -207,11 +221,10 @@ class Attention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rotation: Rotation,
         cache: PagedKVCache | None,
         view: CacheView | None,
-        mask: Tensor | None,
+        mask: KeyMask | None,
         adapters: AdapterRows | None,
     ) -> Tensor:
         b, t, _ = x.shape
@@ -226,17 +239,17 @@ class Attention(nn.Module):
         k, v = k.view(b, t, self.kv_heads, self.head_dim), v.view(b, t, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin, self.pairs), rotate(k, cos, sin, self.pairs)  # [B, T, heads, D]
+        q, k = rotation(q), rotation(k)  # [B, T, heads, D]
         if cache is None or view is None:  # training: one causal pass over whole rows
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-            mask = None
+            window = None
             if self.window:
                 positions = torch.arange(t, device=x.device)
-                mask = (positions[None, :] <= positions[:, None]) & (
+                window = (positions[None, :] <= positions[:, None]) & (
                     positions[None, :] > positions[:, None] - self.window
                 )  # [T, T]
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+                q, k, v, attn_mask=window, is_causal=window is None, scale=self.scale, enable_gqa=True
             )
         else:
             assert mask is not None
@@ -311,14 +324,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rotation: Rotation,
         cache: PagedKVCache | None,
         view: CacheView | None,
-        mask: Tensor | None,
+        mask: KeyMask | None,
         adapters: AdapterRows | None,
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, view, mask, adapters)
+        x = x + self.self_attn(self.input_layernorm(x), rotation, cache, view, mask, adapters)
         return x + self.mlp(self.post_attention_layernorm(x), adapters)
 
 
@@ -392,10 +404,10 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope[positions]  # [B, T, 2, D] float32
         if not self.config.interleaved_rope:
             rope = rope.to(x.dtype)  # transformers turns q and k in their own dtype
-        cos, sin = rope[:, :, None, 0], rope[:, :, None, 1]  # [B, T, 1, D]
-        mask = None if view is None else view.mask(self.config.sliding_window)  # [B, 1, T, S]
+        rotation = Rotation(rope[:, :, None, 0], rope[:, :, None, 1], self.config.interleaved_rope)
+        mask = None if view is None else view.mask(self.config.sliding_window)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, view, mask, adapters)
+            x = layer(x, rotation, cache, view, mask, adapters)
         if at is not None:
             x = x[torch.arange(b, device=x.device), at][:, None]  # [B, 1, dim]
         return self.lm_head(self.model.norm(x))  # [B, T, V]
