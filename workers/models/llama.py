@@ -133,7 +133,7 @@ def inverse_frequencies(config: LlamaConfig) -> Tensor:
 def rope_table(config: LlamaConfig, length: int) -> Tensor:
     """cos and sin of every position's angles, float32: [length, 2, D], each frequency's angle at
     both features it turns (halves repeated, or pairs with `interleaved_rope`); sin carries the
-    sign of the turn (`rotate`): negative at the first of the two features."""
+    sign of the turn (`Rotation`): negative at the first of the two features."""
     angles = torch.outer(torch.arange(length).float(), inverse_frequencies(config))  # [S, D/2]
     sin = angles.sin()
     if config.interleaved_rope:
