@@ -180,7 +180,7 @@ def start_reflow(copy: str, data: Path) -> Server:
     wrote its endpoints."""
     variant = copy in QUANTIZED
     # The scheduler's jobs are the learning loop's, which no peer runs: deferred past the run. Else
-    # its first evaluation, 30 s after start, imports MLflow and the experiments code (~1.5 s of a
+    # its first evaluation, 30 s after start, imports MLflow and the experiments code (1.3 s of a
     # core) inside a measured level, and its first fine-tune check, at 300 s, imports torch.
     deferred = "3600"
     env = {
