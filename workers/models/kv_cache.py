@@ -40,6 +40,15 @@ class PagedKVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.n_blocks = n_blocks
         self.block_size = block_size
+        self._layers = [torch.tensor(i, device=device) for i in range(n_layers)]  # index_put_'s
+
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Stores one layer's keys and values [N, KVH, D] in token `slots` [N]: by index_put_ on
+        the pool itself, never on a layer's view of it, which a compiled step would write by
+        copying the whole pool (2 x 360 MB) every step."""
+        at = (self._layers[layer], slots)
+        self.k.index_put_(at, k)
+        self.v.index_put_(at, v)
 
     @staticmethod
     def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -124,8 +133,7 @@ def paged_attention(
     """
     b, t, kv_heads, d = k.shape
     slots = view.write.reshape(-1)  # [B*T]
-    cache.k[layer][slots] = k.reshape(b * t, kv_heads, d)
-    cache.v[layer][slots] = v.reshape(b * t, kv_heads, d)
+    cache.write(layer, slots, k.reshape(b * t, kv_heads, d), v.reshape(b * t, kv_heads, d))
     blocks = view.read.reshape(-1)  # [B*N]: whole blocks are gathered, far faster than token slots
     shape = (cache.n_blocks, cache.block_size, kv_heads, d)
     keys = cache.k[layer].view(shape).index_select(0, blocks).view(b, -1, kv_heads, d).transpose(1, 2)
