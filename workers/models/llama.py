@@ -177,10 +177,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # torch's fused kernel computes x * rsqrt(mean(x^2) + eps) as transformers' three steps do,
-        # bit for bit (checked on SmolLM2's widths and more, in float32 and bfloat16)
-        normed = F.rms_norm(x if x.dtype == torch.float32 else x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype))
+        # torch's kernel computes x * rsqrt(mean(x^2) + eps) as transformers' three steps do, bit
+        # for bit, and in float32 for bfloat16 and float16 input, rounded once, as transformers'
+        # cast to float32 and back does (checked on widths 64 to 4096, scales 0.01 to 30)
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 class Attention(nn.Module):

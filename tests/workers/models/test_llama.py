@@ -14,7 +14,7 @@ import torch
 from tests.support.hf import EOS, VOCAB, tiny_checkpoint, transformers
 from workers.engine import Engine, EngineConfig
 from workers.loading import load_directory
-from workers.models.llama import LlamaForCausalLM
+from workers.models.llama import LlamaForCausalLM, RMSNorm
 from workers.models.loader import load_checkpoint
 from workers.sampling import TokenLogprob
 from workers.sequence import GenerationParams
@@ -91,6 +91,19 @@ def test_logits_equal_transformers_over_a_prefill_and_32_decode_steps(checkpoint
             got[i].append(logits[i])
     for i in range(4):
         torch.testing.assert_close(torch.cat(got[i]), expected[i], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_norm_gives_transformers_bits_in_every_dtype(dtype: torch.dtype) -> None:
+    """Normalised in float32 and rounded once to the input's dtype, as LlamaRMSNorm's casts do."""
+    generator = torch.Generator().manual_seed(0)
+    for width, scale in [(64, 0.01), (576, 1.0), (960, 30.0), (2048, 1.0)]:
+        reference = transformers().models.llama.modeling_llama.LlamaRMSNorm(width, eps=1e-5)
+        norm = RMSNorm(width, eps=1e-5)
+        weight = torch.randn(width, generator=generator).to(dtype)
+        reference.weight.data, norm.weight.data = weight.clone(), weight.clone()
+        x = (torch.randn(64, 3, width, generator=generator) * scale).to(dtype)
+        assert torch.equal(norm(x), reference(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
