@@ -45,7 +45,7 @@ class PagedKVCache:
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Stores one layer's keys and values [N, KVH, D] in token `slots` [N]: by index_put_ on
         the pool itself, never on a layer's view of it, which a compiled step would write by
-        copying the whole pool (2 x 360 MB) every step."""
+        copying the whole pool every step."""
         at = (self._layers[layer], slots)
         self.k.index_put_(at, k)
         self.v.index_put_(at, v)
