@@ -6,8 +6,7 @@ import asyncio
 import random
 import re
 import threading
-from collections.abc import AsyncIterator, Iterator
-from collections.abc import Sequence as Seq
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -74,7 +73,7 @@ class PausingMetrics(WorkerMetrics):
         super().__init__()
         self.paused, self.release = threading.Event(), threading.Event()
 
-    def observe_outputs(self, outputs: Seq[Output], step_seconds: float) -> None:
+    def observe_outputs(self, outputs: Sequence[Output], step_seconds: float) -> None:
         super().observe_outputs(outputs, step_seconds)
         if outputs and not self.paused.is_set():
             self.paused.set()
