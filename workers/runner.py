@@ -17,6 +17,7 @@ from reflow.errors import NotFound
 from workers.batch_scheduler import BatchScheduler, Output, Request
 from workers.metrics import WorkerMetrics
 from workers.models.kv_cache import CacheView
+from workers.models.linears import unpack_linears
 from workers.models.lora import Adapter, AdapterRows, AdapterSet
 from workers.residency import Copy, ResidentVersion
 from workers.sampling import TokenLogprob, adjust, sample, token_logprob
@@ -58,6 +59,10 @@ class ModelRunner:
         self.min_rows = max(self.model.min_batch_rows, 2 if compile else 1)
         self.min_blocks = 2 if compile else 1
         # Never inductor `freezing`: it bakes weights in, and in-place weight loads go silently wrong.
+        # Without it, inductor cannot lower bfloat16 weights packed for oneDNN: compiled, they are
+        # multiplied unpacked (eager packed is faster on the CPU: docs/benchmarks.md).
+        if compile:
+            unpack_linears(self.model)  # type: ignore[arg-type]  # a CausalLM is an nn.Module
         self.decode_step: Callable[[Tensor, CacheView, AdapterRows | None], Tensor] = (
             torch.compile(self._decode_step, dynamic=True) if compile else self._decode_step
         )

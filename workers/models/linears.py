@@ -123,8 +123,21 @@ def pack_linears(model: nn.Module) -> None:
     for path, linear in [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]:
         min_rows = rows_for_same_bits(linear.in_features, linear.out_features, linear.bias is not None)
         if min_rows is not None:
-            parent, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent), child, PackedLinear(linear, min_rows))
+            replace_layer(model, path, PackedLinear(linear, min_rows))
+
+
+def unpack_linears(model: nn.Module) -> None:
+    """Replaces each `PackedLinear` of `model` by the layer it was packed from, in place: what a
+    compiled step multiplies, since inductor lowers a packed product only over weights it packed
+    itself when freezing them (which a served model never is: its weights change in place)."""
+    for path, layer in [(p, m) for p, m in model.named_modules() if isinstance(m, PackedLinear)]:
+        replace_layer(model, path, layer.unpacked())
+
+
+def replace_layer(model: nn.Module, path: str, layer: nn.Module) -> None:
+    """Puts `layer` in `model` at `path` (a submodule's full name), in place of what is there."""
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent), child, layer)
 
 
 def unpacked_copy(model: nn.Module) -> nn.Module:

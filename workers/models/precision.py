@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from workers.models.interface import CausalLM
-from workers.models.linears import unpacked_copy
+from workers.models.linears import replace_layer, unpacked_copy
 from workers.models.llama import fuse_projections
 
 QUANTIZED = ("int8", "int4")  # the weight-only precisions; the others are float dtypes' names
@@ -61,9 +61,8 @@ def quantize_linears(module: nn.Module, name: str, vocab_size: int) -> None:
     """Replaces every linear layer of `module` by its weights in `name`, the output head (the layer
     `vocab_size` wide) in int8."""
     for path, linear in [(p, m) for p, m in module.named_modules() if isinstance(m, nn.Linear)]:
-        parent, _, child = path.rpartition(".")
         head = linear.out_features == vocab_size
-        setattr(module.get_submodule(parent), child, quantized(linear, "int8" if head else name))
+        replace_layer(module, path, quantized(linear, "int8" if head else name))
 
 
 def quantized(linear: nn.Linear, name: str) -> nn.Module:
