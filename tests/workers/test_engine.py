@@ -319,10 +319,10 @@ async def test_a_bfloat16_model_packed_for_the_cpu_compiles_and_serves() -> None
     torch._dynamo.reset()
     model = tiny_model(0).to(torch.bfloat16)  # type: ignore[attr-defined]  # a CausalLM is an nn.Module
     serving_layout(model)
-    compiled = Engine(EngineConfig(compile=True, max_batch_size=4))
+    compiled = Engine(EngineConfig(compile=True, max_batch_size=2))
     try:
         compiled.add(ResidentVersion("arith", "1", model, TOK, torch.device("cpu")))
-        out = await collect(compiled, PROMPTS[0], GenerationParams(max_tokens=12))
+        out = await collect(compiled, PROMPTS[0], GenerationParams(max_tokens=4))
     finally:
         compiled.close()
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
