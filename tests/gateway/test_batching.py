@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import urllib.request
 
@@ -16,6 +17,7 @@ from reflow.settings import Settings
 from reflow.v1 import inference_pb2 as P
 from reflow.v1 import worker_pb2
 from tests.support.stack import Stack, start_stack, stop_stack
+from tests.support.waiting import eventually
 from workers.engine import EngineConfig
 
 
@@ -32,23 +34,34 @@ def scrape(url: str) -> dict[str, float]:
 
 async def test_a_full_worker_queue_is_resource_exhausted_with_pushback(settings: Settings) -> None:
     stack = await start_stack(settings, engine_config=EngineConfig(max_batch_size=1, max_waiting=1))
+    engine = stack.workers[0].engine
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # on the engine thread, between two steps: no request moves meanwhile
+        held.set()
+        release.wait()
+
+    holding = None
     try:
         running = stack.stub.Generate(request(max_tokens=60), metadata=stack.metadata)
-        await running.read()
+        await running.read()  # it runs: the one batch row is taken
+        holding = asyncio.get_running_loop().run_in_executor(None, engine.run, hold)
+        await eventually(held.is_set, what="the engine thread held")
         waiting = stack.stub.Generate(request(max_tokens=3), metadata=stack.metadata)
-        for _ in range(100):
-            if stack.workers[0].engine.waiting == 1:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: engine.waiting == 1, what="the second request queued")
         call = stack.stub.Generate(request(max_tokens=3), metadata=stack.metadata)
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await call.read()
+            await asyncio.wait_for(call.read(), 30)  # queued instead, it would wait for the engine
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "retry" in info.value.details()
         assert int(dict(info.value.trailing_metadata())[RETRY_PUSHBACK_KEY]) > 0
+        release.set()
         running.cancel()
         assert [m async for m in waiting][-1].finish_reason != P.FINISH_REASON_UNSPECIFIED
     finally:
+        release.set()
+        if holding is not None:
+            await holding
         await stop_stack(stack)
 
 
