@@ -39,8 +39,9 @@ async def test_stream_carries_header_first_and_usage_last(stack: Stack) -> None:
     assert all(m.finish_reason == P.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
     assert last.finish_reason in (P.FINISH_REASON_STOP, P.FINISH_REASON_LENGTH)
     assert last.usage.prompt_tokens == 7  # <bos> + "47+38="
-    # one message per token, unless the client fell behind and deltas were coalesced
-    assert 1 < len(messages) <= last.usage.completion_tokens <= 12
+    # one message per token, unless a reader fell behind and deltas were coalesced: on a loaded
+    # machine all twelve can arrive as one, so a message count above one is not asserted
+    assert len(messages) <= last.usage.completion_tokens <= 12
     assert last.usage.completion_tokens == 12 or last.finish_reason == P.FINISH_REASON_STOP
     assert 0 < last.usage.time_to_first_token_ms <= last.usage.total_ms
 
