@@ -30,7 +30,8 @@ from tests.support.store import migrated_store
 from workers.models.builtin import TOKENIZER
 from workers.models.interface import CausalLM
 
-pytestmark = pytest.mark.slow
+# whole fine-tune rounds: one took all of the suite's 300 s on 2 cores of a 2 GHz AVX2 EPYC
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture
