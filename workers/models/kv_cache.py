@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from workers.models import native
+
 BLOCK_SIZE = 16  # token slots per block, as vLLM's default
 SCRATCH_BLOCK = 0
 
@@ -100,7 +102,7 @@ class CacheView:
         allowed = key_pos <= query_pos
         if window:
             allowed &= key_pos > query_pos - window
-        return KeyMask.of(allowed[:, None])
+        return KeyMask.of(allowed[:, None], window)
 
 
 @dataclass(frozen=True)
@@ -109,11 +111,12 @@ class KeyMask:
 
     allowed: Tensor  # [B, 1, T, S]: the keys each query attends to (fused_attention's mask)
     hidden: Tensor  # [B, 1, 1, T, S]: the others, as grouped_attention's [B, KVH, G, T, S] scores hide
+    window: int  # the sliding window `allowed` keeps (0: none), which the native kernel applies itself
 
     @classmethod
-    def of(cls, allowed: Tensor) -> KeyMask:
-        """The mask that attends to `allowed` ([B, 1, T, S])."""
-        return cls(allowed, ~allowed[:, :, None])
+    def of(cls, allowed: Tensor, window: int = 0) -> KeyMask:
+        """The mask that attends to `allowed` ([B, 1, T, S]), made with a sliding `window`."""
+        return cls(allowed, ~allowed[:, :, None], window)
 
 
 def paged_attention(
@@ -130,8 +133,17 @@ def paged_attention(
 
     q: [B, T, H, D]; k, v: [B, T, KVH, D] with H a multiple of KVH (grouped-query attention), as
     the projections lay them out; mask: `view.mask`'s; returns [B, H, T, D].
+
+    bfloat16 and float16 on the CPU attend through the native kernel where it builds and takes
+    the head width (`native.attends`), except in a compiled step; else as torch operators
+    (`grouped_attention`).
     """
     b, t, kv_heads, d = k.shape
+    if not torch.compiler.is_compiling() and native.attends(q):
+        return native.paged_attention(
+            cache.k[layer], cache.v[layer], cache.block_size, view.write, view.read, view.positions,
+            q, k, v, mask.window, d**-0.5 if scale is None else scale,
+        )  # fmt: skip
     slots = view.write.reshape(-1)  # [B*T]
     cache.write(layer, slots, k.reshape(b * t, kv_heads, d), v.reshape(b * t, kv_heads, d))
     blocks = view.read.reshape(-1)  # [B*N]: whole blocks are gathered, far faster than token slots
@@ -157,9 +169,11 @@ def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: KeyMask, sc
     the query's dtype, softmax in float32), each key/value head serving its group of query heads
     in place (never repeated): q [B, H, T, D], keys and values [B, KVH, S, D].
 
-    For bfloat16 and float16 on the CPU, where torch's fused kernel costs ~70 us a row at one
-    query a row (bfloat16, 9 heads of 64, 128 keys: 970 us for 16 rows against 170 us here), and
-    decode steps are made of such rows (benchmarks/decode_attention.py). It serves prefill too, so
+    For bfloat16 and float16 on the CPU where the native kernel does not attend (`native.attends`:
+    no C++ compiler, a head width it does not take, a compiled step). There torch's fused kernel
+    costs ~70 us a row at one query a row (bfloat16, 9 heads of 64, 128 keys: 970 us for 16 rows
+    against 170 us here), and decode steps are made of such rows (benchmarks/decode_attention.py).
+    It serves prefill too, so
     that a token's attention is one computation however the tokens around it are batched (alone,
     in a batch, drafted or not)."""
     b, heads, t, d = q.shape

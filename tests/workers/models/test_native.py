@@ -1,0 +1,144 @@
+"""The native paged attention kernel that bfloat16 and float16 attend with on the CPU (native.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.models import native
+from workers.models.kv_cache import CacheView, PagedKVCache, grouped_attention, paged_attention
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, LAYER = 6, 2, 16, 3, 1
+CPU = torch.device("cpu")
+DTYPES = [torch.bfloat16, torch.float16]
+
+needs_kernel = pytest.mark.skipif(
+    not native.available(torch.bfloat16), reason="needs a C++ compiler (g++) to build the kernel"
+)
+
+
+def filled_cache(
+    rows: int, held: int, dtype: torch.dtype, seed: int, head_dim: int = HEAD_DIM
+) -> tuple[PagedKVCache, list[list[int]]]:
+    """A pool of random keys and values, and `rows` block tables of `held` tokens each, their blocks
+    shuffled through the pool as a running server's are."""
+    generator = torch.Generator().manual_seed(seed)
+    per_row = -(-held // 16)
+    cache = PagedKVCache(LAYERS, KV_HEADS, head_dim, 1 + rows * per_row, CPU, dtype)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
+    blocks = (1 + torch.randperm(rows * per_row, generator=generator)).tolist()
+    return cache, [blocks[r * per_row : (r + 1) * per_row] for r in range(rows)]
+
+
+def new_tokens(
+    rows: int, tokens: int, dtype: torch.dtype, seed: int, head_dim: int = HEAD_DIM
+) -> tuple[torch.Tensor, ...]:
+    """q, k and v of a forward as the decoder hands them over: q and k turned (new tensors), v a
+    view of the fused projection's product."""
+    generator = torch.Generator().manual_seed(seed)
+    product = torch.randn(rows, tokens, (HEADS + 2 * KV_HEADS) * head_dim, generator=generator).to(dtype)
+    parts = product.split([HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim], -1)
+    q, k, v = (part.unflatten(-1, (-1, head_dim)) for part in parts)
+    return q.contiguous(), k.contiguous(), v
+
+
+def attend(cache: PagedKVCache, view: CacheView, qkv: tuple[torch.Tensor, ...], window: int) -> torch.Tensor:
+    """One layer's attention through `paged_attention`, as the decoder calls it."""
+    q, k, v = qkv
+    return paged_attention(cache, LAYER, view, q, k, v, view.mask(window), q.shape[-1] ** -0.5)
+
+
+def gathered(cache: PagedKVCache, view: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's keys and values as written, read from its blocks: [B, KVH, S, D] each."""
+    head_dim = cache.k.shape[-1]
+    shape = (cache.n_blocks, cache.block_size, KV_HEADS, head_dim)
+    keys, values = (
+        pool[LAYER].view(shape)[view.read.reshape(-1)].view(view.read.shape[0], -1, KV_HEADS, head_dim)
+        for pool in (cache.k, cache.v)
+    )
+    return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+def float32_attention(cache: PagedKVCache, view: CacheView, q: torch.Tensor, window: int) -> torch.Tensor:
+    """The same attention over the cache as written, in float32 by torch's fused kernel: [B, H, T, D]."""
+    keys, values = gathered(cache, view)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2).float(), keys.float(), values.float(), attn_mask=view.mask(window).allowed,
+        scale=HEAD_DIM**-0.5, enable_gqa=True,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def no_compiler(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A process where the kernel cannot be built; built again after the test."""
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    native._library.cache_clear()
+    yield
+    monkeypatch.undo()
+    native._library.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_kernel_computes_attention_in_float32_rounded_once(
+    dtype: torch.dtype, tokens: int, window: int
+) -> None:
+    rows, held = 3, 70
+    cache, tables = filled_cache(rows, held + tokens, dtype, seed=0)
+    positions = [[held - 9 * r + i for i in range(tokens)] for r in range(rows)]  # rows of different lengths
+    view = cache.view(tables, positions, CPU)
+    qkv = new_tokens(rows, tokens, dtype, seed=1)
+    got = attend(cache, view, qkv, window)  # writes the new keys and values first
+    written = cache.k[LAYER, view.write.reshape(-1)].view(rows, tokens, KV_HEADS, HEAD_DIM)
+    assert torch.equal(written, qkv[1])
+    torch.testing.assert_close(got, float32_attention(cache, view, qkv[0], window).to(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [0, 12])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_query_has_the_same_bits_alone_in_a_batch_and_in_a_chunk(dtype: torch.dtype, window: int) -> None:
+    rows, tokens, held = 3, 11, 40
+    cache, tables = filled_cache(rows, held + tokens, dtype, seed=2)
+    positions = [[held - 7 * r + i for i in range(tokens)] for r in range(rows)]
+    q, k, v = new_tokens(rows, tokens, dtype, seed=3)
+    batched = attend(cache, cache.view(tables, positions, CPU), (q, k, v), window)  # [B, H, T, D]
+    for row in range(rows):
+        for token in range(tokens):  # each token alone, its own and earlier keys in the cache already
+            at = slice(token, token + 1)
+            one = (q[row : row + 1, at], k[row : row + 1, at], v[row : row + 1, at])
+            alone = attend(cache, cache.view([tables[row]], [positions[row][at]], CPU), one, window)
+            assert torch.equal(alone[0, :, 0], batched[row, :, token])
+
+
+def assert_attends_as_torch_operators(head_dim: int) -> None:
+    """A bfloat16 layer's attention is `grouped_attention`'s, bit for bit."""
+    cache, tables = filled_cache(2, 30, torch.bfloat16, seed=4, head_dim=head_dim)
+    view = cache.view(tables, [[29], [20]], CPU)
+    qkv = new_tokens(2, 1, torch.bfloat16, seed=5, head_dim=head_dim)
+    got = attend(cache, view, qkv, window=0)
+    keys, values = gathered(cache, view)
+    assert torch.equal(
+        got, grouped_attention(qkv[0].transpose(1, 2), keys, values, view.mask(), head_dim**-0.5)
+    )
+
+
+def test_without_a_compiler_attention_runs_as_torch_operators(
+    no_compiler: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert not native.available(torch.bfloat16)
+    assert "install a C++ compiler (e.g. `apt-get install g++`)" in caplog.text
+    assert_attends_as_torch_operators(HEAD_DIM)
+
+
+@needs_kernel
+def test_a_head_width_the_kernel_does_not_take_attends_as_torch_operators() -> None:
+    assert_attends_as_torch_operators(HEAD_DIM + native.HEAD_DIM_MULTIPLE // 2)

@@ -1,0 +1,125 @@
+"""Paged attention in C++ for bfloat16 and float16 on the CPU (`paged_attention.cpp`), compiled for
+this CPU the first time a process needs it.
+
+Why: a decode step's attention made of torch operators (`kv_cache.grouped_attention`: gather the
+blocks, two batched products, a masked float32 softmax) is a dozen small kernels a layer, and
+bfloat16 products as small as one query's cost far more than their arithmetic where the CPU has no
+bfloat16 instructions. The kernel reads each sequence's keys and values in place in its blocks, once
+for all the queries that share them, and computes in float32 in the CPU's vector instructions,
+for heads a multiple of HEAD_DIM_MULTIPLE wide. Measured with `benchmarks/decode_attention.py`
+(docs/benchmarks.md).
+
+Its arithmetic is its own: bits differ from the torch operators' (it rounds once, they round the
+scores to bfloat16 too), so a process uses one or the other throughout, and a token's attention
+is the same computation however it is batched (the source file says how). Float32 attention stays
+torch's fused kernel, transformers' arithmetic. A compiled step (`torch.compile`) attends through
+the torch operators, which inductor fuses.
+
+The source is compiled with the C++ compiler `CXX` names (else `g++`, `c++`), `-march=native`,
+into a private temporary directory, in about 2 s, and loaded from there; OpenMP resolves to the
+runtime torch already loaded, so the kernel's threads are torch's. Where no compiler is found or
+the build fails, a warning names the fix and attention runs as torch operators.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+SYMBOLS = {torch.bfloat16: "paged_attention_bfloat16", torch.float16: "paged_attention_float16"}
+INSTALL_HINT = "install a C++ compiler (e.g. `apt-get install g++`) or name one in CXX"
+HEAD_DIM_MULTIPLE = 8  # the kernel reads a head's features 8 at a time (its LANES)
+
+# q, k, v, the two pools, write, read, positions, out, dims; scale; threads
+ARGUMENTS = [ctypes.c_void_p] * 10 + [ctypes.c_float, ctypes.c_int]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The kernels, compiled and loaded once per process; None (said once, in the log) where they
+    cannot be built here."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.warning("bfloat16 attention on the CPU runs as torch operators, slower: %s", INSTALL_HINT)
+        return None
+    with tempfile.TemporaryDirectory(prefix="reflow-kernels-") as directory:  # 0700
+        built = Path(directory) / "paged_attention.so"
+        try:
+            result = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            result = subprocess.CompletedProcess([compiler], 1, "", str(error))
+        if result.returncode != 0:
+            logger.warning(
+                "bfloat16 attention on the CPU runs as torch operators, slower: %s failed to build %s "
+                "(%s); %s", compiler, SOURCE.name, result.stderr.strip()[-500:], INSTALL_HINT
+            )  # fmt: skip
+            return None
+        library = ctypes.CDLL(str(built))  # mapped: the file may go
+    for symbol in SYMBOLS.values():
+        function = getattr(library, symbol)
+        function.argtypes, function.restype = ARGUMENTS, None
+    return library
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether the kernel attends in `dtype` in this process (compiling it the first time)."""
+    return dtype in SYMBOLS and _library() is not None
+
+
+def attends(q: Tensor) -> bool:
+    """Whether the kernel attends queries `q` ([..., D]): on the CPU, in a dtype it takes, with D
+    a multiple of HEAD_DIM_MULTIPLE, where it builds."""
+    return q.device.type == "cpu" and q.shape[-1] % HEAD_DIM_MULTIPLE == 0 and available(q.dtype)
+
+
+def paged_attention(
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_size: int,
+    write: Tensor,
+    read: Tensor,
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window: int,
+    scale: float,
+) -> Tensor:
+    """Stores k and v ([B, T, KVH, D]) in the token slots `write` [B, T] of one layer's pools
+    ([slots, KVH, D], contiguous), then attends each query (q [B, T, H, D]) to the keys at
+    positions 0 to its own (`positions` [B, T]; the last `window` of them if set) of its row's
+    blocks (`read` [B, N]). Returns [B, H, T, D]. `attends(q)` must be true."""
+    b, t, heads, d = q.shape
+    kv_heads = k.shape[2]
+    if any(x.stride(3) != 1 or x.stride(2) != d for x in (q, k, v)):
+        strides = ", ".join(str(x.stride()) for x in (q, k, v))
+        raise ValueError(f"each token's heads must lie side by side in q, k and v: strides {strides}")
+    library = _library()
+    assert library is not None and k_pool.is_contiguous() and v_pool.is_contiguous()
+    write, read, positions = write.contiguous(), read.contiguous(), positions.contiguous()
+    out = torch.empty(b, t, heads, d, dtype=q.dtype)
+    dims = (ctypes.c_int64 * 14)(
+        b, t, heads, kv_heads, d, read.shape[1], block_size, window,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+    )  # fmt: skip
+    getattr(library, SYMBOLS[q.dtype])(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        write.data_ptr(), read.data_ptr(), positions.data_ptr(), out.data_ptr(), dims,
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return out.transpose(1, 2)

@@ -1,0 +1,241 @@
+// Paged attention for bfloat16 and float16 keys and values on the CPU (workers/models/native.py
+// compiles this file on first use and says why it exists).
+//
+// One call serves one layer of one forward: it stores the forward's new keys and values in their
+// slots of the pool, then computes each query token's attention over the keys of its own sequence,
+// read in place from the sequence's blocks (never gathered into a copy), in float32, rounded to the
+// output dtype once. Each query's arithmetic depends on its own inputs only: its dot products run
+// in fixed lanes over the head's features, its softmax and weighted sum over its own keys in
+// order, by the same code whatever else the call holds. So a token's attention has the same bits
+// alone, in a batch, in a prefill chunk of any length or verifying a draft; sharing each key's
+// reads among the queries of a work item, and the threads, only decide who computes what.
+//
+// The arithmetic is written in GCC's vector types (`Lanes`), which compile to the CPU's own
+// vector instructions (-march=native), fused multiply-adds included where it has them.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 8;         // a dot product's running sums, and a softmax's
+constexpr int64_t QUERY_TOKENS = 8;  // query tokens of one sequence per work item
+// query-key pairs below which a call runs on its own thread: waking the others costs more
+constexpr int64_t PARALLEL_PAIRS = 4096;
+
+struct BFloat16 {
+  uint16_t bits;
+  float load() const {
+    uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static BFloat16 store(float f) {  // round to nearest even, as torch rounds
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return {uint16_t((u >> 16) | 0x40)};  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return {uint16_t(u >> 16)};
+  }
+};
+
+struct Float16 {
+  _Float16 value;
+  float load() const { return float(value); }
+  static Float16 store(float f) { return {_Float16(f)}; }
+};
+
+using Lanes = float __attribute__((vector_size(LANES * sizeof(float))));
+using IntLanes = int32_t __attribute__((vector_size(LANES * sizeof(int32_t))));
+using HalfLanes = float __attribute__((vector_size(LANES / 2 * sizeof(float))));
+using QuarterLanes = float __attribute__((vector_size(LANES / 4 * sizeof(float))));
+
+inline Lanes load_lanes(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_lanes(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+
+inline float sum_lanes(Lanes v) {  // pairwise: lanes 0-3 plus 4-7, then 0-1 plus 2-3, then 0 plus 1
+  const HalfLanes half = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const QuarterLanes quarter = __builtin_shufflevector(half, half, 0, 1) + __builtin_shufflevector(half, half, 2, 3);
+  return quarter[0] + quarter[1];
+}
+
+// e^x of each lane, for x <= 0 (Cephes' expf, ~1 ulp): std::exp's calls cost more than the rest
+// of a decode step's softmax
+inline Lanes exp_nonpositive(Lanes x) {
+  const Lanes floor_ = Lanes{} - 87.0f;  // e^-87 is near float32's smallest normal
+  x = x < floor_ ? floor_ : x;
+  const Lanes shift = Lanes{} + 12582912.0f;  // 1.5 * 2^23: adding and taking it away rounds
+  const Lanes n = (x * 1.44269504088896341f + shift) - shift;  // x / ln 2, rounded
+  const Lanes r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln 2, in two parts
+  Lanes p = Lanes{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const IntLanes exponent = (__builtin_convertvector(n, IntLanes) + 127) << 23;  // 2^n's bits
+  Lanes scale;
+  std::memcpy(&scale, &exponent, sizeof scale);
+  return p * scale;
+}
+
+struct Shape {
+  int64_t rows, tokens, heads, kv_heads, dim, n_read, block_size, window;
+  int64_t q_row, q_token, k_row, k_token, v_row, v_token;  // element strides: row and token
+  float scale;
+};
+
+// q . k over d features (a multiple of LANES), feature j in lane j % LANES, the lanes summed pairwise
+inline float dot(const float* q, const float* k, int64_t d) {
+  Lanes sums{};
+  for (int64_t j = 0; j < d; j += LANES) sums += load_lanes(q + j) * load_lanes(k + j);
+  return sum_lanes(sums);
+}
+
+// Attention of query tokens [t0, t1) of row b through key/value head kvh: the group of query
+// heads that head serves, every token's keys from the first its window allows to its own. Each
+// key (and value) is read and widened to float32 once for all those queries.
+template <typename T>
+void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* table,
+            const int64_t* positions, T* out, const Shape& s, int64_t b, int64_t kvh, int64_t t0,
+            int64_t t1) {
+  const int64_t group = s.heads / s.kv_heads, d = s.dim, slot_size = s.kv_heads * d;
+  const int64_t n_queries = (t1 - t0) * group;
+  // Each thread's buffers, grown to the longest range seen and kept: no allocation per call
+  thread_local std::vector<int64_t> first, last, offsets;
+  thread_local std::vector<float> queries, widened, scores, sums;
+  first.resize(n_queries);  // each query's keys: [first, last]
+  last.resize(n_queries);
+  queries.resize(n_queries * d);
+  int64_t lo = INT64_MAX, hi = 0;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t pos = positions[b * s.tokens + t];
+    const int64_t from = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
+    lo = std::min(lo, from);
+    hi = std::max(hi, pos);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t i = (t - t0) * group + g;
+      first[i] = from;
+      last[i] = pos;
+      const T* src = q + b * s.q_row + t * s.q_token + (kvh * group + g) * d;
+      for (int64_t j = 0; j < d; ++j) queries[i * d + j] = src[j].load();
+    }
+  }
+  const int64_t span = hi - lo + 1;
+  offsets.resize(span);  // where key lo + n of this head lies in the pools
+  for (int64_t key = lo, block = lo / s.block_size, at = lo % s.block_size; key <= hi; ++key) {
+    offsets[key - lo] = (table[b * s.n_read + block] * s.block_size + at) * slot_size + kvh * d;
+    if (++at == s.block_size) at = 0, ++block;
+  }
+  // The range's keys, then its values, widened to float32 once for every query
+  widened.resize(span * d);
+  scores.resize(n_queries * span);
+  sums.resize(n_queries * d);
+  auto widen = [&](const T* pool) {
+    for (int64_t key = 0; key < span; ++key)
+      for (int64_t j = 0; j < d; ++j) widened[key * d + j] = pool[offsets[key] + j].load();
+  };
+  widen(k_pool);
+  for (int64_t i = 0; i < n_queries; ++i)
+    for (int64_t key = first[i]; key <= last[i]; ++key)
+      scores[i * span + key - lo] = dot(&queries[i * d], &widened[(key - lo) * d], d) * s.scale;
+  // Softmax over each query's own keys, key l of its range in lane l % LANES
+  for (int64_t i = 0; i < n_queries; ++i) {
+    float* weights = &scores[i * span + (first[i] - lo)];
+    const int64_t n = last[i] - first[i] + 1;
+    float top = -INFINITY;
+    for (int64_t l = 0; l < n; ++l) top = std::max(top, weights[l]);
+    Lanes total{};
+    for (int64_t l = 0; l < n; l += LANES) {
+      float chunk[LANES] = {};
+      const int64_t width = std::min(LANES, n - l);
+      std::memcpy(chunk, weights + l, width * sizeof(float));
+      store_lanes(chunk, exp_nonpositive(load_lanes(chunk) - top));
+      std::fill(chunk + width, chunk + LANES, 0.0f);  // past the range: no weight
+      total += load_lanes(chunk);
+      std::memcpy(weights + l, chunk, width * sizeof(float));
+    }
+    const float inverse = 1.0f / sum_lanes(total);
+    for (int64_t l = 0; l < n; ++l) weights[l] *= inverse;
+  }
+  // The weighted sum of the values, keys in order, LANES features at a time
+  widen(v_pool);
+  for (int64_t i = 0; i < n_queries; ++i) {
+    const float* weights = &scores[i * span];  // key lo + n at n
+    float* sum = &sums[i * d];
+    int64_t j = 0;
+    for (; j + 4 * LANES <= d; j += 4 * LANES) {  // four sums at once: each add waits on its last
+      Lanes s0{}, s1{}, s2{}, s3{};
+      for (int64_t key = first[i] - lo; key <= last[i] - lo; ++key) {
+        const float* value = &widened[key * d + j];
+        s0 += weights[key] * load_lanes(value);
+        s1 += weights[key] * load_lanes(value + LANES);
+        s2 += weights[key] * load_lanes(value + 2 * LANES);
+        s3 += weights[key] * load_lanes(value + 3 * LANES);
+      }
+      store_lanes(sum + j, s0);
+      store_lanes(sum + j + LANES, s1);
+      store_lanes(sum + j + 2 * LANES, s2);
+      store_lanes(sum + j + 3 * LANES, s3);
+    }
+    for (; j < d; j += LANES) {
+      Lanes s0{};
+      for (int64_t key = first[i] - lo; key <= last[i] - lo; ++key)
+        s0 += weights[key] * load_lanes(&widened[key * d + j]);
+      store_lanes(sum + j, s0);
+    }
+  }
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t i = (t - t0) * group + g;
+      T* dst = out + ((b * s.tokens + t) * s.heads + kvh * group + g) * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] = T::store(sums[i * d + j]);
+    }
+}
+
+template <typename T>
+void paged_attention(const T* q, const T* k, const T* v, T* k_pool, T* v_pool, const int64_t* write,
+                     const int64_t* table, const int64_t* positions, T* out, const Shape& s,
+                     int threads) {
+  const int64_t slot_size = s.kv_heads * s.dim;
+  for (int64_t b = 0; b < s.rows; ++b)  // the new keys and values first: later tokens read them
+    for (int64_t t = 0; t < s.tokens; ++t) {
+      const int64_t to = write[b * s.tokens + t] * slot_size;
+      std::memcpy(k_pool + to, k + b * s.k_row + t * s.k_token, slot_size * sizeof(T));
+      std::memcpy(v_pool + to, v + b * s.v_row + t * s.v_token, slot_size * sizeof(T));
+    }
+  const int64_t chunks = (s.tokens + QUERY_TOKENS - 1) / QUERY_TOKENS;
+  const int64_t items = s.rows * s.kv_heads * chunks;
+  const int64_t pairs = s.rows * s.tokens * s.heads * s.n_read * s.block_size;  // at most
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (items > 1 && pairs >= PARALLEL_PAIRS)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t chunk = item % chunks, kvh = item / chunks % s.kv_heads, b = item / chunks / s.kv_heads;
+    const int64_t t0 = chunk * QUERY_TOKENS, t1 = std::min(s.tokens, t0 + QUERY_TOKENS);
+    attend(q, k_pool, v_pool, table, positions, out, s, b, kvh, t0, t1);
+  }
+}
+
+}  // namespace
+
+#define PAGED_ATTENTION(NAME, T)                                                                   \
+  extern "C" void NAME(const void* q, const void* k, const void* v, void* k_pool, void* v_pool,    \
+                       const int64_t* write, const int64_t* table, const int64_t* positions,       \
+                       void* out, const int64_t* dims, float scale, int threads) {                 \
+    const Shape s{dims[0], dims[1], dims[2],  dims[3],  dims[4],  dims[5],  dims[6],  dims[7],     \
+                  dims[8], dims[9], dims[10], dims[11], dims[12], dims[13], scale};                \
+    paged_attention(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),  \
+                    static_cast<T*>(k_pool), static_cast<T*>(v_pool), write, table, positions,     \
+                    static_cast<T*>(out), s, threads);                                             \
+  }
+
+PAGED_ATTENTION(paged_attention_bfloat16, BFloat16)
+PAGED_ATTENTION(paged_attention_float16, Float16)
