@@ -111,6 +111,7 @@ def paged_attention(
         raise ValueError(f"each token's heads must lie side by side in q, k and v: strides {strides}")
     library = _library()
     assert library is not None and k_pool.is_contiguous() and v_pool.is_contiguous()
+    assert all(x.dtype == q.dtype for x in (k, v, k_pool, v_pool)), "q, k, v and the pools in one dtype"
     write, read, positions = write.contiguous(), read.contiguous(), positions.contiguous()
     out = torch.empty(b, t, heads, d, dtype=q.dtype)
     dims = (ctypes.c_int64 * 14)(
