@@ -1,6 +1,7 @@
 """What attention costs a bfloat16 decode step of SmolLM2-135M-Instruct on the CPU: the step as
-served (`native`: the C++ kernel of workers/models/native.py) against the same step attending as
-torch operators (`grouped_attention`: two batched products and a float32 softmax, what runs where
+served (`native`: the C++ kernel of workers/models/native.py, which turns q and k too) against the
+same step with q and k turned by torch's operators before the kernel (`turned`), attending as torch
+operators (`grouped_attention`: two batched products and a float32 softmax, what runs where
 the kernel cannot be built) and with torch's fused kernel (`fused_attention`, as float32 steps
 attend), side by side.
 
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
@@ -33,15 +35,25 @@ from tests.support.smollm2 import converted_smollm2
 from workers.models import native
 from workers.models.llama import DTYPES, LlamaForCausalLM, serving_layout
 from workers.models.precision import QUANTIZED, in_precision
+from workers.models.rotary import Rotation
 
-ATTENTION = ("native", "grouped", "fused")
+ATTENTION = ("native", "turned", "grouped", "fused")
 served_natively, grouped, fused = native.attends, kv_cache.grouped_attention, kv_cache.fused_attention
+turned_natively = Rotation.of
+
+
+def turned_by_torch(table: Tensor, pairs: bool) -> Rotation:
+    """The rotation `Rotation.of` makes, its table in float32: the kernel, not given it, is handed
+    q and k turned by torch's operators (as before it turned them itself)."""
+    return Rotation(table.float(), table[:, :, None, 0], table[:, :, None, 1], pairs)
 
 
 def attend_with(name: str) -> None:
-    """Makes `paged_attention` attend with kernel `name` of ATTENTION."""
-    native.attends = served_natively if name == "native" else lambda q: False
+    """Makes `paged_attention` attend with kernel `name` of ATTENTION (`turned`: native, with q and
+    k turned by torch's operators before it)."""
+    native.attends = served_natively if name in ("native", "turned") else lambda q: False
     kv_cache.grouped_attention = fused if name == "fused" else grouped
+    Rotation.of = turned_by_torch if name == "turned" else turned_natively  # type: ignore[method-assign]
 
 
 @torch.inference_mode()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from workers.models import native
+from workers.models.rotary import Rotation
 
 BLOCK_SIZE = 16  # token slots per block, as vLLM's default
 SCRATCH_BLOCK = 0
@@ -127,23 +128,30 @@ def paged_attention(
     k: Tensor,
     v: Tensor,
     mask: KeyMask,
+    rotation: Rotation,
     scale: float | None = None,
 ) -> Tensor:
-    """Writes the new keys and values, then attends over each row's cached ones.
+    """Turns q and k by their positions (`rotation`), writes the new keys and values, then attends
+    over each row's cached ones.
 
     q: [B, T, H, D]; k, v: [B, T, KVH, D] with H a multiple of KVH (grouped-query attention), as
     the projections lay them out; mask: `view.mask`'s; returns [B, H, T, D].
 
     bfloat16 and float16 on the CPU attend through the native kernel where it builds and takes
     the head width (`native.attends`), except in a compiled step; else as torch operators
-    (`grouped_attention`).
+    (`grouped_attention`). The kernel turns q and k itself, with the same bits as `rotation`'s
+    operators, where they turn by halves in their own dtype (as transformers turns them).
     """
     b, t, kv_heads, d = k.shape
     if not torch.compiler.is_compiling() and native.attends(q):
+        rope = rotation.table if not rotation.pairs and rotation.table.dtype == q.dtype else None
+        if rope is None:  # pairs, turned in float32 (the built-in model's): as torch operators
+            q, k = rotation(q), rotation(k)
         return native.paged_attention(
             cache.k[layer], cache.v[layer], cache.block_size, view.write, view.read, view.positions,
-            q, k, v, mask.window, d**-0.5 if scale is None else scale,
+            q, k, v, rope, mask.window, d**-0.5 if scale is None else scale,
         )  # fmt: skip
+    q, k = rotation(q), rotation(k)
     slots = view.write.reshape(-1)  # [B*T]
     cache.write(layer, slots, k.reshape(b * t, kv_heads, d), v.reshape(b * t, kv_heads, d))
     blocks = view.read.reshape(-1)  # [B*N]: whole blocks are gathered, far faster than token slots

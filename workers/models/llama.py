@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from workers.models.kv_cache import CacheView, KeyMask, PagedKVCache, paged_attention
 from workers.models.linears import StackedLinear, pack_linears
 from workers.models.lora import Adapter, AdapterRows, project, project_stacked
+from workers.models.rotary import Rotation
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -145,29 +146,6 @@ def rope_table(config: LlamaConfig, length: int) -> Tensor:
     return torch.stack([angles.cos(), sin], dim=1)
 
 
-@dataclass(frozen=True)
-class Rotation:
-    """What turns one forward's q and k: cos and sin [B, T, 1, D] of each token's position
-    (`rope_table`'s, sin signed) in the dtype they turn in; the features turned together are
-    halves (transformers' rotate_half), or adjacent `pairs` (gpt-fast's apply_rotary_emb)."""
-
-    cos: Tensor
-    sin: Tensor
-    pairs: bool
-
-    def __call__(self, x: Tensor) -> Tensor:
-        """x [B, T, H, D] turned: x * cos + x turned a quarter * sin, in cos's dtype. x turned a
-        quarter is x with the features of each half (or pair) swapped, each negated where sin is:
-        (-a) * s and a * (-s) are the same bits."""
-        y = x if x.dtype == self.cos.dtype else x.to(self.cos.dtype)
-        if self.pairs:
-            swapped = y.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        else:
-            swapped = y.roll(y.shape[-1] // 2, -1)
-        turned = y * self.cos + swapped * self.sin
-        return turned if turned.dtype == x.dtype else turned.to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     """transformers' LlamaRMSNorm: normalised in float32, scaled in the input's dtype."""
 
@@ -239,8 +217,8 @@ class Attention(nn.Module):
         k, v = k.view(b, t, self.kv_heads, self.head_dim), v.view(b, t, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotation(q), rotation(k)  # [B, T, heads, D]
         if cache is None or view is None:  # training: one causal pass over whole rows
+            q, k = rotation(q), rotation(k)  # [B, T, heads, D]
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
             window = None
             if self.window:
@@ -253,7 +231,7 @@ class Attention(nn.Module):
             )
         else:
             assert mask is not None
-            y = paged_attention(cache, self.layer, view, q, k, v, mask, self.scale)
+            y = paged_attention(cache, self.layer, view, q, k, v, mask, rotation, self.scale)
         y = y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return project(self.o_proj, y, adapters, names["o_proj"])  # [B, T, dim]
 
@@ -404,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope[positions]  # [B, T, 2, D] float32
         if not self.config.interleaved_rope:
             rope = rope.to(x.dtype)  # transformers turns q and k in their own dtype
-        rotation = Rotation(rope[:, :, None, 0], rope[:, :, None, 1], self.config.interleaved_rope)
+        rotation = Rotation.of(rope, self.config.interleaved_rope)
         mask = None if view is None else view.mask(self.config.sliding_window)
         for layer in self.model.layers:
             x = layer(x, rotation, cache, view, mask, adapters)

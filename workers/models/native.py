@@ -43,8 +43,8 @@ SYMBOLS = {torch.bfloat16: "paged_attention_bfloat16", torch.float16: "paged_att
 INSTALL_HINT = "install a C++ compiler (e.g. `apt-get install g++`) or name one in CXX"
 HEAD_DIM_MULTIPLE = 8  # the kernel reads a head's features 8 at a time (its LANES)
 
-# q, k, v, the two pools, write, read, positions, out, dims; scale; threads
-ARGUMENTS = [ctypes.c_void_p] * 10 + [ctypes.c_float, ctypes.c_int]
+# q, k, v, rope, the two pools, write, read, positions, out, dims; scale; threads
+ARGUMENTS = [ctypes.c_void_p] * 11 + [ctypes.c_float, ctypes.c_int]
 
 
 @functools.cache
@@ -97,13 +97,19 @@ def paged_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    rope: Tensor | None,
     window: int,
     scale: float,
 ) -> Tensor:
-    """Stores k and v ([B, T, KVH, D]) in the token slots `write` [B, T] of one layer's pools
-    ([slots, KVH, D], contiguous), then attends each query (q [B, T, H, D]) to the keys at
-    positions 0 to its own (`positions` [B, T]; the last `window` of them if set) of its row's
-    blocks (`read` [B, N]). Returns [B, H, T, D]. `attends(q)` must be true."""
+    """Turns q and k by `rope` ([B, T, 2, D], contiguous: each token's cos and signed sin, as
+    `rotary.Rotation` holds them; None: they were turned already), stores k and v ([B, T, KVH, D])
+    in the token slots `write` [B, T] of one layer's pools ([slots, KVH, D], contiguous), then
+    attends each query (q [B, T, H, D]) to the keys at positions 0 to its own (`positions` [B, T];
+    the last `window` of them if set) of its row's blocks (`read` [B, N]). Returns [B, H, T, D].
+    `attends(q)` must be true.
+
+    A turned feature is rounded as `Rotation`'s operators in q's dtype round it (x * cos and the
+    swapped half's feature * sin each rounded, then their sum), so its bits are theirs."""
     b, t, heads, d = q.shape
     kv_heads = k.shape[2]
     if any(x.stride(3) != 1 or x.stride(2) != d for x in (q, k, v)):
@@ -112,6 +118,8 @@ def paged_attention(
     library = _library()
     assert library is not None and k_pool.is_contiguous() and v_pool.is_contiguous()
     assert all(x.dtype == q.dtype for x in (k, v, k_pool, v_pool)), "q, k, v and the pools in one dtype"
+    if rope is not None:
+        assert rope.dtype == q.dtype and rope.shape == (b, t, 2, d) and rope.is_contiguous()
     write, read, positions = write.contiguous(), read.contiguous(), positions.contiguous()
     out = torch.empty(b, t, heads, d, dtype=q.dtype)
     dims = (ctypes.c_int64 * 14)(
@@ -119,8 +127,8 @@ def paged_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
     )  # fmt: skip
     getattr(library, SYMBOLS[q.dtype])(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-        write.data_ptr(), read.data_ptr(), positions.data_ptr(), out.data_ptr(), dims,
-        scale, torch.get_num_threads(),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), None if rope is None else rope.data_ptr(),
+        k_pool.data_ptr(), v_pool.data_ptr(), write.data_ptr(), read.data_ptr(), positions.data_ptr(),
+        out.data_ptr(), dims, scale, torch.get_num_threads(),
     )  # fmt: skip
     return out.transpose(1, 2)

@@ -1,8 +1,9 @@
 // Paged attention for bfloat16 and float16 keys and values on the CPU (workers/models/native.py
 // compiles this file on first use and says why it exists).
 //
-// One call serves one layer of one forward: it stores the forward's new keys and values in their
-// slots of the pool, then computes each query token's attention over the keys of its own sequence,
+// One call serves one layer of one forward: it turns the forward's queries and keys by their
+// positions (rotary embeddings, when given their cos and sin), stores the new keys and values in
+// their slots of the pool, then computes each query token's attention over the keys of its own sequence,
 // read in place from the sequence's blocks (never gathered into a copy), in float32, rounded to the
 // output dtype once. Each query's arithmetic depends on its own inputs only: its dot products run
 // in fixed lanes over the head's features, its softmax and weighted sum over its own keys in
@@ -45,7 +46,13 @@ struct BFloat16 {
 struct Float16 {
   _Float16 value;
   float load() const { return float(value); }
-  static Float16 store(float f) { return {_Float16(f)}; }
+  static Float16 store(float f) {
+    Float16 h{_Float16(f)};
+    // rounded here, in memory: g++ may otherwise carry a _Float16 in float's precision into the
+    // arithmetic that loads it (its excess precision, which C++ cannot turn off in GCC 12)
+    asm("" : "+m"(h.value));
+    return h;
+  }
 };
 
 using Lanes = float __attribute__((vector_size(LANES * sizeof(float))));
@@ -94,6 +101,18 @@ struct Shape {
   float scale;
 };
 
+// Feature j of a head x turned by its token's `rope` (cos, then sin signed: 2 * d values), rounded
+// as torch's operators in T round `x * cos + rotate_half(x) * sin` (rotary.Rotation): each product
+// rounded to T, then their sum. So a key written here has the bits the torch operators give it.
+template <typename T>
+inline T turned(const T* x, const T* rope, int64_t j, int64_t d) {
+  const int64_t half = d / 2;
+  const float swapped = x[j < half ? j + half : j - half].load();
+  const float along = T::store(x[j].load() * rope[j].load()).load();
+  const float across = T::store(swapped * rope[d + j].load()).load();
+  return T::store(along + across);
+}
+
 // q . k over d features (a multiple of LANES), feature j in lane j % LANES, the lanes summed pairwise
 inline float dot(const float* q, const float* k, int64_t d) {
   Lanes sums{};
@@ -105,7 +124,7 @@ inline float dot(const float* q, const float* k, int64_t d) {
 // heads that head serves, every token's keys from the first its window allows to its own. Each
 // key (and value) is read and widened to float32 once for all those queries.
 template <typename T>
-void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* table,
+void attend(const T* q, const T* rope, const T* k_pool, const T* v_pool, const int64_t* table,
             const int64_t* positions, T* out, const Shape& s, int64_t b, int64_t kvh, int64_t t0,
             int64_t t1) {
   const int64_t group = s.heads / s.kv_heads, d = s.dim, slot_size = s.kv_heads * d;
@@ -127,7 +146,13 @@ void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* table,
       first[i] = from;
       last[i] = pos;
       const T* src = q + b * s.q_row + t * s.q_token + (kvh * group + g) * d;
-      for (int64_t j = 0; j < d; ++j) queries[i * d + j] = src[j].load();
+      float* query = &queries[i * d];
+      if (rope != nullptr) {
+        const T* angles = rope + (b * s.tokens + t) * 2 * d;
+        for (int64_t j = 0; j < d; ++j) query[j] = turned(src, angles, j, d).load();
+      } else {
+        for (int64_t j = 0; j < d; ++j) query[j] = src[j].load();
+      }
     }
   }
   const int64_t span = hi - lo + 1;
@@ -203,14 +228,21 @@ void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* table,
 }
 
 template <typename T>
-void paged_attention(const T* q, const T* k, const T* v, T* k_pool, T* v_pool, const int64_t* write,
-                     const int64_t* table, const int64_t* positions, T* out, const Shape& s,
-                     int threads) {
-  const int64_t slot_size = s.kv_heads * s.dim;
+void paged_attention(const T* q, const T* k, const T* v, const T* rope, T* k_pool, T* v_pool,
+                     const int64_t* write, const int64_t* table, const int64_t* positions, T* out,
+                     const Shape& s, int threads) {
+  const int64_t d = s.dim, slot_size = s.kv_heads * d;
   for (int64_t b = 0; b < s.rows; ++b)  // the new keys and values first: later tokens read them
     for (int64_t t = 0; t < s.tokens; ++t) {
       const int64_t to = write[b * s.tokens + t] * slot_size;
-      std::memcpy(k_pool + to, k + b * s.k_row + t * s.k_token, slot_size * sizeof(T));
+      const T* key = k + b * s.k_row + t * s.k_token;
+      if (rope != nullptr) {
+        const T* angles = rope + (b * s.tokens + t) * 2 * d;
+        for (int64_t h = 0; h < s.kv_heads; ++h)
+          for (int64_t j = 0; j < d; ++j) k_pool[to + h * d + j] = turned(key + h * d, angles, j, d);
+      } else {
+        std::memcpy(k_pool + to, key, slot_size * sizeof(T));
+      }
       std::memcpy(v_pool + to, v + b * s.v_row + t * s.v_token, slot_size * sizeof(T));
     }
   const int64_t chunks = (s.tokens + QUERY_TOKENS - 1) / QUERY_TOKENS;
@@ -220,21 +252,22 @@ void paged_attention(const T* q, const T* k, const T* v, T* k_pool, T* v_pool, c
   for (int64_t item = 0; item < items; ++item) {
     const int64_t chunk = item % chunks, kvh = item / chunks % s.kv_heads, b = item / chunks / s.kv_heads;
     const int64_t t0 = chunk * QUERY_TOKENS, t1 = std::min(s.tokens, t0 + QUERY_TOKENS);
-    attend(q, k_pool, v_pool, table, positions, out, s, b, kvh, t0, t1);
+    attend(q, rope, k_pool, v_pool, table, positions, out, s, b, kvh, t0, t1);
   }
 }
 
 }  // namespace
 
 #define PAGED_ATTENTION(NAME, T)                                                                   \
-  extern "C" void NAME(const void* q, const void* k, const void* v, void* k_pool, void* v_pool,    \
-                       const int64_t* write, const int64_t* table, const int64_t* positions,       \
-                       void* out, const int64_t* dims, float scale, int threads) {                 \
+  extern "C" void NAME(const void* q, const void* k, const void* v, const void* rope,             \
+                       void* k_pool, void* v_pool, const int64_t* write, const int64_t* table,     \
+                       const int64_t* positions, void* out, const int64_t* dims, float scale,      \
+                       int threads) {                                                              \
     const Shape s{dims[0], dims[1], dims[2],  dims[3],  dims[4],  dims[5],  dims[6],  dims[7],     \
                   dims[8], dims[9], dims[10], dims[11], dims[12], dims[13], scale};                \
     paged_attention(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),  \
-                    static_cast<T*>(k_pool), static_cast<T*>(v_pool), write, table, positions,     \
-                    static_cast<T*>(out), s, threads);                                             \
+                    static_cast<const T*>(rope), static_cast<T*>(k_pool), static_cast<T*>(v_pool), \
+                    write, table, positions, static_cast<T*>(out), s, threads);                    \
   }
 
 PAGED_ATTENTION(paged_attention_bfloat16, BFloat16)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from workers.models import native
 from workers.models.kv_cache import CacheView, PagedKVCache, grouped_attention, paged_attention
+from workers.models.rotary import Rotation
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, LAYER = 6, 2, 16, 3, 1
 CPU = torch.device("cpu")
@@ -38,19 +39,37 @@ def filled_cache(
 def new_tokens(
     rows: int, tokens: int, dtype: torch.dtype, seed: int, head_dim: int = HEAD_DIM
 ) -> tuple[torch.Tensor, ...]:
-    """q, k and v of a forward as the decoder hands them over: q and k turned (new tensors), v a
-    view of the fused projection's product."""
+    """q, k and v of a forward as the decoder hands them over: views of the fused projection's
+    product, not turned yet."""
     generator = torch.Generator().manual_seed(seed)
     product = torch.randn(rows, tokens, (HEADS + 2 * KV_HEADS) * head_dim, generator=generator).to(dtype)
     parts = product.split([HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim], -1)
     q, k, v = (part.unflatten(-1, (-1, head_dim)) for part in parts)
-    return q.contiguous(), k.contiguous(), v
+    return q, k, v
 
 
-def attend(cache: PagedKVCache, view: CacheView, qkv: tuple[torch.Tensor, ...], window: int) -> torch.Tensor:
+def rotation_of(
+    positions: torch.Tensor, dtype: torch.dtype, pairs: bool = False, d: int = HEAD_DIM
+) -> Rotation:
+    """The rotation of `positions` [B, T] as the decoder makes it: cos and signed sin of each
+    position's angles, halves repeated, in `dtype` (as transformers turns), or pairs in float32."""
+    angles = positions[..., None].float() * 10000.0 ** (-torch.arange(0, d, 2).float() / d)  # [B, T, D/2]
+    sin = angles.sin()
+    if pairs:
+        angles, sin = angles.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
+    else:
+        angles, sin = torch.cat([angles, angles], -1), torch.cat([-sin, sin], -1)
+    table = torch.stack([angles.cos(), sin], 2)  # [B, T, 2, D]
+    return Rotation.of(table if pairs else table.to(dtype), pairs)
+
+
+def attend(
+    cache: PagedKVCache, view: CacheView, qkv: tuple[torch.Tensor, ...], window: int, pairs: bool = False
+) -> torch.Tensor:
     """One layer's attention through `paged_attention`, as the decoder calls it."""
     q, k, v = qkv
-    return paged_attention(cache, LAYER, view, q, k, v, view.mask(window), q.shape[-1] ** -0.5)
+    turn = rotation_of(view.positions, q.dtype, pairs, q.shape[-1])
+    return paged_attention(cache, LAYER, view, q, k, v, view.mask(window), turn, q.shape[-1] ** -0.5)
 
 
 def gathered(cache: PagedKVCache, view: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,11 +113,34 @@ def test_the_kernel_computes_attention_in_float32_rounded_once(
     cache, tables = filled_cache(rows, held + tokens, dtype, seed=0)
     positions = [[held - 9 * r + i for i in range(tokens)] for r in range(rows)]  # rows of different lengths
     view = cache.view(tables, positions, CPU)
-    qkv = new_tokens(rows, tokens, dtype, seed=1)
-    got = attend(cache, view, qkv, window)  # writes the new keys and values first
+    q, k, v = new_tokens(rows, tokens, dtype, seed=1)
+    turn = rotation_of(view.positions, dtype)
+    got = attend(cache, view, (q, k, v), window)  # turns q and k, writes the new keys and values first
     written = cache.k[LAYER, view.write.reshape(-1)].view(rows, tokens, KV_HEADS, HEAD_DIM)
-    assert torch.equal(written, qkv[1])
-    torch.testing.assert_close(got, float32_attention(cache, view, qkv[0], window).to(dtype))
+    assert torch.equal(written, turn(k))
+    torch.testing.assert_close(got, float32_attention(cache, view, turn(q), window).to(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("pairs", [False, True], ids=["halves", "pairs"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q_and_k_are_turned_with_the_bits_of_the_torch_operators(dtype: torch.dtype, pairs: bool) -> None:
+    """In the kernel (halves in their own dtype, transformers' rotation) or before it (pairs in
+    float32, the built-in model's), q and k are turned as `Rotation`'s operators turn them."""
+    rows, tokens, held = 2, 4, 30
+    turned_first, tables = filled_cache(rows, held + tokens, dtype, seed=6)
+    turned_inside, _ = filled_cache(rows, held + tokens, dtype, seed=6)
+    positions = [[held - 5 * r + i for i in range(tokens)] for r in range(rows)]
+    view = turned_first.view(tables, positions, CPU)
+    q, k, v = new_tokens(rows, tokens, dtype, seed=7)
+    turn = rotation_of(view.positions, dtype, pairs)
+    expected = native.paged_attention(
+        turned_first.k[LAYER], turned_first.v[LAYER], turned_first.block_size, view.write, view.read,
+        view.positions, turn(q), turn(k), v, None, 0, HEAD_DIM**-0.5,
+    )  # fmt: skip
+    got = attend(turned_inside, view, (q, k, v), window=0, pairs=pairs)
+    assert torch.equal(got, expected)
+    assert torch.equal(turned_inside.k, turned_first.k) and torch.equal(turned_inside.v, turned_first.v)
 
 
 @needs_kernel
@@ -122,11 +164,12 @@ def assert_attends_as_torch_operators(head_dim: int) -> None:
     """A bfloat16 layer's attention is `grouped_attention`'s, bit for bit."""
     cache, tables = filled_cache(2, 30, torch.bfloat16, seed=4, head_dim=head_dim)
     view = cache.view(tables, [[29], [20]], CPU)
-    qkv = new_tokens(2, 1, torch.bfloat16, seed=5, head_dim=head_dim)
-    got = attend(cache, view, qkv, window=0)
+    q, k, v = new_tokens(2, 1, torch.bfloat16, seed=5, head_dim=head_dim)
+    got = attend(cache, view, (q, k, v), window=0)
     keys, values = gathered(cache, view)
+    turned = rotation_of(view.positions, torch.bfloat16, d=head_dim)(q)
     assert torch.equal(
-        got, grouped_attention(qkv[0].transpose(1, 2), keys, values, view.mask(), head_dim**-0.5)
+        got, grouped_attention(turned.transpose(1, 2), keys, values, view.mask(), head_dim**-0.5)
     )
 
 
