@@ -97,16 +97,15 @@ class ResidentVersion:
     dtype_choice: DtypeChoice | None = None  # how REFLOW_DTYPE=auto chose its dtype; None: not measured
     copies: dict[str, Copy] = field(init=False)  # by name, the reference first
     adapters: dict[str, ResidentAdapter] = field(init=False, default_factory=dict)  # by version
-    banned_tokens: torch.Tensor = field(init=False)  # [V] bool
+    banned_tokens: torch.Tensor = field(init=False)  # [K] the ids it never generates (often none)
     grammars: Grammars = field(init=False)  # the structured outputs compiled for its vocabulary
 
     def __post_init__(self) -> None:
         reference = Copy(dtype_name(self.model), self.model, reference=True)
         self.copies = {reference.name: reference}
         vocab_size = self.model.vocab_size
-        banned = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
-        banned[self.tokenizer.never_generated(vocab_size)] = True
-        self.banned_tokens = banned
+        never = self.tokenizer.never_generated(vocab_size)
+        self.banned_tokens = torch.tensor(never, dtype=torch.long, device=self.device)
         self.grammars = Grammars(self.tokenizer, vocab_size)
 
     @property

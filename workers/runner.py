@@ -50,7 +50,7 @@ class ModelRunner:
                 for dim in (0, 2, 3):  # the model's, never tied to a batch's sizes; slots vary by pool
                     torch._dynamo.mark_static(pool, dim)
         self.scheduler = scheduler  # plans the steps over the blocks of this cache
-        self.banned = version.banned_tokens  # [V] bool
+        self.banned = version.banned_tokens  # [K] ids
         # padded to the model's min_batch_rows, a forward gives every row the same bits in any
         # batch mix on the CPU (docs/batching.md). Compiled, a size of 1 gets a graph of its own
         # (torch.compile specialises 0 and 1): rows and blocks read are padded to 2, so the one
@@ -151,7 +151,9 @@ class ModelRunner:
                 ready += zip(plan.decode, rows, strict=True)
         if not ready:
             return outputs
-        logits = torch.cat([rows for _, rows in ready]).masked_fill_(self.banned, float("-inf"))  # [N, V]
+        logits = torch.cat([rows for _, rows in ready])  # [N, V]
+        if len(self.banned):  # by index: a [V] mask over every row cost 0.5 ms at 16 rows of SmolLM2
+            logits.index_fill_(1, self.banned, float("-inf"))
         bounds = list(itertools.accumulate((len(rows) for _, rows in ready), initial=0))
         spans = [
             (request, start, end)
