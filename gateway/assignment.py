@@ -47,18 +47,26 @@ def assigned_arm(key: bytes, experiment_id: int, tenant: str, unit: str, traffic
 @dataclass
 class Assignment:
     """Where one request goes: the spec to route, its arm, the experiment that chose it, and the
-    spec of its tenant's champion (where it goes when its challenger is gone)."""
+    spec of its tenant's champion (where it goes when its challenger is gone, in its arm still)."""
 
     spec: ModelSpec
     arm: str
     experiment: RunningExperiment | None = None
     champion: ModelSpec | None = None
 
-    def fall_back_to_champion(self) -> None:
-        """The challenger went away under the request (rolled back): the champion answers, and the
-        request no longer counts in the experiment."""
+    def fall_back_to_champion(self) -> bool:
+        """Routes a request of an experiment's challenger arm to the champion, once, where the
+        challenger went away under it (rolled back, or no worker serving it could take it); False
+        for any other request, or one routed there already.
+
+        It stays in the challenger's arm, where it was assigned (analysed as assigned, whoever
+        answers): dropping it would take units from that arm alone, whose split the sample ratio
+        check would then find skewed, and hide the challenger's failures from its guardrail."""
         champion = self.champion or ModelSpec(self.spec.name, alias=CHAMPION)
-        self.spec, self.arm, self.experiment = champion, CHAMPION, None
+        if self.experiment is None or self.arm != CHALLENGER or self.spec == champion:
+            return False
+        self.spec = champion
+        return True
 
 
 class ExperimentView:

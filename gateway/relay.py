@@ -31,7 +31,6 @@ from reflow.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from reflow.registry import CHALLENGER
 from reflow.streaming import Mailbox
 from reflow.v1 import inference_pb2, worker_pb2
 
@@ -81,7 +80,8 @@ class Relay:
         self, generation: Generation, on_finish: OnFinish
     ) -> AsyncGenerator[inference_pb2.GenerateResponse]:
         """Streams from a worker, moving to another one if the first fails before any token; a
-        challenger gone under the request (rolled back) hands it to the champion."""
+        challenger gone under the request (rolled back) hands it to the champion, in the
+        challenger's arm still."""
         assignment = generation.assignment
         spec = assignment.spec
         tried: set[str] = set()
@@ -96,8 +96,7 @@ class Relay:
                     exclude=frozenset(tried), near=near,
                 )  # fmt: skip
             except (NotFound, Unavailable):
-                if assignment.experiment is not None and assignment.arm == CHALLENGER and not full:
-                    assignment.fall_back_to_champion()
+                if not full and assignment.fall_back_to_champion():
                     spec = assignment.spec
                     tried.clear()
                     continue

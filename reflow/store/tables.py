@@ -75,7 +75,7 @@ class Inference(Base):
     user_id: Mapped[str] = mapped_column(String(256))
     model: Mapped[str] = mapped_column(String(128))
     version: Mapped[str] = mapped_column(String(32))
-    arm: Mapped[str] = mapped_column(String(32))  # the alias it was routed through; "" when pinned
+    arm: Mapped[str] = mapped_column(String(32))  # its A/B arm, as assigned; "" when pinned
     prompt: Mapped[str] = mapped_column(Text)  # "" for a chat completion
     # the conversation of a chat completion ({"role", "content"} each); [] for a prompt
     messages: Mapped[list[dict[str, str]]] = mapped_column(JSON, default=list, server_default=text("'[]'"))

@@ -38,6 +38,21 @@ async def ask(stack: Stack, user: str, model: str = "") -> P.GenerateResponse:
     return messages[0]
 
 
+async def serve_the_challenger(stack: Stack, settings: Settings) -> None:
+    """Has the stack's worker load what the aliases name (its follower never polls: a push moves
+    it) and the gateway see it."""
+    worker = stack.workers[0]
+    pushing = settings.model_copy(update={"workers": [worker.address]})
+    worker.servicer.follower = AliasFollower(
+        worker.servicer.versions, MODEL, [CHAMPION, CHALLENGER], poll_s=0
+    )
+    assert (await asyncio.to_thread(push_to_workers, WorkerTargets.from_settings(pushing))) == {
+        worker.address: "ok"
+    }
+    assert worker.engine.find(MODEL, "2") is not None
+    await stack.pool.refresh()
+
+
 async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_carry_it(
     swap_settings: Settings,
 ) -> None:
@@ -56,15 +71,7 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
         waiting = await ask(stack, "early-user")  # the challenger is not loaded: not assigned
         assert (waiting.arm, waiting.model_version) == (CHAMPION, "1")
 
-        # the worker follows both aliases but never polls: only the push makes it load v2
-        worker.servicer.follower = AliasFollower(
-            worker.servicer.versions, MODEL, [CHAMPION, CHALLENGER], poll_s=0
-        )
-        assert (await asyncio.to_thread(push_to_workers, WorkerTargets.from_settings(pushing))) == {
-            worker.address: "ok"
-        }
-        assert worker.engine.find(MODEL, "2") is not None
-        await stack.pool.refresh()
+        await serve_the_challenger(stack, swap_settings)
 
         users = [f"user-{i}" for i in range(24)]
         first = [await ask(stack, u) for u in users]
@@ -103,6 +110,45 @@ async def test_users_keep_their_arm_once_the_challenger_is_served_and_events_car
         assert (
             rows[waiting.request_id].experiment_id is None and rows[pinned.request_id].experiment_id is None
         )
+    finally:
+        store.dispose()
+        await stop_stack(stack)
+
+
+async def test_a_request_whose_challenger_went_away_is_answered_by_the_champion_in_its_arm(
+    swap_settings: Settings,
+) -> None:
+    """The worker drops the challenger after the gateway last looked: a request assigned to it is
+    answered by the champion and stays in the challenger's arm, in its response and its stored
+    event, so that arm keeps every unit it was assigned (the split the sample ratio check tests)."""
+    settings = swap_settings.model_copy(update={"worker_poll_s": 3600})  # the gateway looks when told
+    stack = await start_stack(settings, requests_per_minute=0)
+    store = open_db(settings.resolved_database_url)
+    try:
+        registry = Registry.from_settings(settings)
+        registry.set_alias(MODEL, CHALLENGER, "2")
+        experiment = reconcile(store, registry, MODEL, traffic=0.5)
+        assert experiment is not None
+        await stack.gateway.service.experiments.refresh()
+        await serve_the_challenger(stack, settings)
+        key = shared_secret(store, ASSIGNMENT_KEY)
+        users = [f"user-{i}" for i in range(40)]
+        first, second = [u for u in users if assigned_arm(key, experiment.id, "acme", u, 0.5) == CHALLENGER][
+            :2
+        ]
+        served = await ask(stack, first)
+        assert (served.arm, served.model_version) == (CHALLENGER, "2")
+
+        assert stack.workers[0].engine.remove(MODEL, "2")  # the gateway still routes the arm there
+        answered = await ask(stack, second)
+        assert (answered.arm, answered.model_version) == (CHALLENGER, "1")
+
+        with consuming(settings.kafka_bootstrap, store):
+            await asyncio.to_thread(wait_for, lambda: count(store, Inference) == 2)
+        with Session(store) as session:
+            row = session.get(Inference, answered.request_id)
+            assert row is not None
+            assert (row.arm, row.version, row.experiment_id) == (CHALLENGER, "1", experiment.id)
     finally:
         store.dispose()
         await stop_stack(stack)
