@@ -3,11 +3,11 @@
 //
 // One call serves one layer of one forward: it turns the forward's queries and keys by their
 // positions (rotary embeddings, when given their cos and sin), stores the new keys and values in
-// their slots of the pool, then computes each query token's attention over the keys of its own sequence,
-// read in place from the sequence's blocks (never gathered into a copy), in float32, rounded to the
-// output dtype once. Each query's arithmetic depends on its own inputs only: its dot products run
-// in fixed lanes over the head's features, its softmax and weighted sum over its own keys in
-// order, by the same code whatever else the call holds. So a token's attention has the same bits
+// their slots of the pool, then computes each query token's attention over the keys of its own
+// sequence, read in place from the sequence's blocks (never gathered into a copy), in float32,
+// rounded to the output dtype once. Each query's arithmetic depends on its own inputs only: its
+// dot products run in fixed lanes over the head's features, its softmax and weighted sum over its
+// own keys in order, by the same code whatever else the call holds. So a token's attention has the same bits
 // alone, in a batch, in a prefill chunk of any length or verifying a draft; sharing each key's
 // reads among the queries of a work item, and the threads, only decide who computes what.
 //
