@@ -4,6 +4,7 @@ served, then each user keeps one arm, responses name it, and the stored events c
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import openai
 from sqlalchemy import select
@@ -132,10 +133,10 @@ async def test_a_request_whose_challenger_went_away_is_answered_by_the_champion_
         await stack.gateway.service.experiments.refresh()
         await serve_the_challenger(stack, settings)
         key = shared_secret(store, ASSIGNMENT_KEY)
-        users = [f"user-{i}" for i in range(40)]
-        first, second = [u for u in users if assigned_arm(key, experiment.id, "acme", u, 0.5) == CHALLENGER][
-            :2
-        ]
+        users = (f"user-{i}" for i in itertools.count())
+        first, second = itertools.islice(
+            (u for u in users if assigned_arm(key, experiment.id, "acme", u, 0.5) == CHALLENGER), 2
+        )
         served = await ask(stack, first)
         assert (served.arm, served.model_version) == (CHALLENGER, "2")
 

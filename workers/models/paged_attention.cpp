@@ -7,9 +7,10 @@
 // sequence, read in place from the sequence's blocks (never gathered into a copy), in float32,
 // rounded to the output dtype once. Each query's arithmetic depends on its own inputs only: its
 // dot products run in fixed lanes over the head's features, its softmax and weighted sum over its
-// own keys in order, by the same code whatever else the call holds. So a token's attention has the same bits
-// alone, in a batch, in a prefill chunk of any length or verifying a draft; sharing each key's
-// reads among the queries of a work item, and the threads, only decide who computes what.
+// own keys in order, by the same code whatever else the call holds. So a token's attention has
+// the same bits alone, in a batch, in a prefill chunk of any length or verifying a draft; sharing
+// each key's reads among the queries of a work item, and the threads, only decide who computes
+// what.
 //
 // The arithmetic is written in GCC's vector types (`Lanes`), which compile to the CPU's own
 // vector instructions (-march=native), fused multiply-adds included where it has them.

@@ -12,9 +12,10 @@ from torch import Tensor
 @dataclass(frozen=True)
 class Rotation:
     """What turns one forward's q and k: `table` [B, T, 2, D], the cos and sin (signed) of each
-    token's position in the dtype they turn in, and `cos` and `sin` [B, T, 1, D], its two halves
-    as they broadcast over heads; the features turned together are halves (transformers'
-    rotate_half), or adjacent `pairs` (gpt-fast's apply_rotary_emb)."""
+    token's position in the dtype they turn in (what the native kernel reads), and `cos` and `sin`
+    [B, T, 1, D], its two halves as they broadcast over heads (made once a forward, not a layer);
+    the features turned together are halves (transformers' rotate_half), or adjacent `pairs`
+    (gpt-fast's apply_rotary_emb)."""
 
     table: Tensor
     cos: Tensor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from workers.models import native
 from workers.models.kv_cache import CacheView, PagedKVCache, grouped_attention, paged_attention
+from workers.models.llama import LlamaConfig, rope_table
 from workers.models.rotary import Rotation
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, LAYER = 6, 2, 16, 3, 1
@@ -49,17 +51,15 @@ def new_tokens(
 
 
 def rotation_of(
-    positions: torch.Tensor, dtype: torch.dtype, pairs: bool = False, d: int = HEAD_DIM
+    positions: torch.Tensor, dtype: torch.dtype, pairs: bool = False, head_dim: int = HEAD_DIM
 ) -> Rotation:
-    """The rotation of `positions` [B, T] as the decoder makes it: cos and signed sin of each
-    position's angles, halves repeated, in `dtype` (as transformers turns), or pairs in float32."""
-    angles = positions[..., None].float() * 10000.0 ** (-torch.arange(0, d, 2).float() / d)  # [B, T, D/2]
-    sin = angles.sin()
-    if pairs:
-        angles, sin = angles.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
-    else:
-        angles, sin = torch.cat([angles, angles], -1), torch.cat([-sin, sin], -1)
-    table = torch.stack([angles.cos(), sin], 2)  # [B, T, 2, D]
+    """The rotation of `positions` [B, T] as the decoder makes it from `rope_table`: halves in
+    `dtype` (as transformers turns), or pairs in float32 (the built-in model's)."""
+    config = LlamaConfig.from_json(
+        {"model_type": "llama", "vocab_size": 16, "hidden_size": HEADS * head_dim, "intermediate_size": 16,
+         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
+    )  # fmt: skip
+    table = rope_table(replace(config, interleaved_rope=pairs), int(positions.max()) + 1)[positions]
     return Rotation.of(table if pairs else table.to(dtype), pairs)
 
 
@@ -167,7 +167,7 @@ def assert_attends_as_torch_operators(head_dim: int) -> None:
     q, k, v = new_tokens(2, 1, torch.bfloat16, seed=5, head_dim=head_dim)
     got = attend(cache, view, (q, k, v), window=0)
     keys, values = gathered(cache, view)
-    turned = rotation_of(view.positions, torch.bfloat16, d=head_dim)(q)
+    turned = rotation_of(view.positions, torch.bfloat16, head_dim=head_dim)(q)
     assert torch.equal(
         got, grouped_attention(turned.transpose(1, 2), keys, values, view.mask(), head_dim**-0.5)
     )
