@@ -37,11 +37,14 @@ def engine() -> Iterator[Engine]:
     engine.close()
 
 
-def serve(engine: Engine, checkpoint: Path, tmp_path: Path) -> tuple[ResidentVersion, ResidentAdapter]:
+def serve(
+    engine: Engine, checkpoint: Path, tmp_path: Path, dtype: torch.dtype = torch.float32
+) -> tuple[ResidentVersion, ResidentAdapter]:
     """Base version 1 and, over it, adapter version 2 (saved in PEFT's format and loaded back)."""
-    base = load_directory(checkpoint, "tiny", "1", CPU)
+    base = load_directory(checkpoint, "tiny", "1", CPU, dtype=dtype)
     engine.add(base)
-    adapter = random_adapter(base.model, LoraConfig(rank=4, alpha=8), seed=3)  # type: ignore[arg-type]
+    trained = base if dtype == torch.float32 else load_directory(checkpoint, "tiny", "1", CPU)  # not packed
+    adapter = random_adapter(trained.model, LoraConfig(rank=4, alpha=8), seed=3)  # type: ignore[arg-type]
     adapter.save(tmp_path / "adapter", base_model="tiny")
     challenger = load_adapter(tmp_path / "adapter", "2", base)
     engine.add(challenger)
@@ -62,10 +65,12 @@ def prompts(n: int) -> list[list[int]]:
     return [torch.randint(2, VOCAB, (length,), generator=generator).tolist() for length in (5, 19, 33, 8)[:n]]
 
 
+# bfloat16: a step's rows in one packed forward, prompt tokens and decode rows of both versions
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_champion_and_challenger_rows_in_one_step_get_the_tokens_each_gets_alone(
-    engine: Engine, checkpoint: Path, tmp_path: Path
+    engine: Engine, checkpoint: Path, tmp_path: Path, dtype: torch.dtype
 ) -> None:
-    serve(engine, checkpoint, tmp_path)
+    serve(engine, checkpoint, tmp_path, dtype)
     rows = prompts(4)
     seeded = GenerationParams(max_tokens=24, sampling=SamplingParams(temperature=0.8, seed=7))
     work = [(version, p, params) for p in rows for version in ("1", "2") for params in (PARAMS, seeded)]

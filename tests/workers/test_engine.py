@@ -18,9 +18,10 @@ from reflow.errors import InvalidArgument, NotFound, ResourceExhausted
 from reflow.v1 import inference_pb2
 from tests.support.models import collect, reference_greedy, tiny_model
 from tests.support.waiting import eventually
-from workers.batch_scheduler import Output
+from workers.batch_scheduler import Output, StepPlan
 from workers.engine import Engine, EngineConfig
 from workers.metrics import WorkerMetrics
+from workers.models import native
 from workers.models.builtin import TOKENIZER, new_model
 from workers.models.linears import PackedLinear
 from workers.models.llama import serving_layout
@@ -423,3 +424,52 @@ async def test_a_grammar_holds_its_rows_alone_and_in_any_mix_with_drafts() -> No
             assert ids[-1] in TOKENIZER.eos_ids  # the answer ended where the pattern let it
             assert re.fullmatch(pattern, TOKENIZER.decode(ids))
     assert sum(runs.kept[0::2]) > 0  # held rows kept drafts
+
+
+async def bfloat16_run(
+    packs: bool, prompts: list[str], params: list[GenerationParams]
+) -> tuple[list[Delta], bool]:
+    """The prompts at once through the tiny model as a worker serves it in bfloat16, each step in one
+    forward (`packs`, where the native kernel attends) or in a prefill's and a decode's; prompts
+    prefill 10 tokens a step, so that steps hold prefill chunks and decoding sequences at once.
+    Also whether a packed forward held both."""
+    model = tiny_model(0).to(torch.bfloat16)  # type: ignore[attr-defined]  # a CausalLM is an nn.Module
+    serving_layout(model)
+    engine = Engine(EngineConfig(max_prefill_tokens=10, prefill_chunk=4), WorkerMetrics())
+    engine.add(ResidentVersion("arith", "1", model, TOK, torch.device("cpu")))
+    runner = engine._runners[engine.lookup("arith", "1").copy]
+    assert runner.packs  # what a worker runs where the kernel attends
+    runner.packs, packed, mixed = packs, runner._packed, []
+
+    def recorded(plan: StepPlan) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        mixed.append(bool(plan.prefill and plan.decode))
+        return packed(plan)
+
+    runner._packed = recorded  # type: ignore[method-assign]
+    try:
+        return list(
+            await asyncio.gather(*(collect(engine, p, params[i]) for i, p in enumerate(prompts)))
+        ), any(mixed)
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(
+    not native.available(torch.bfloat16), reason="needs a C++ compiler (g++) to build the kernel"
+)
+async def test_a_step_in_one_packed_forward_gives_every_token_and_log_probability_of_two_forwards() -> None:
+    prompts = [*PROMPTS, "12345678901234567890+1="]
+    params = [
+        GenerationParams(
+            max_tokens=6 + i, sampling=SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams(),
+            top_logprobs=2, prompt_logprobs=i % 3 == 0,
+        )
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    packed, mixed = await bfloat16_run(True, prompts, params)
+    padded, _ = await bfloat16_run(False, prompts, params)
+    assert mixed  # a forward held prompt chunks and decoding sequences
+    assert [d.token_ids for d in packed] == [d.token_ids for d in padded]
+    assert [d.logprobs for d in packed] == [d.logprobs for d in padded]  # the same bits
+    assert [d.prompt_logprobs for d in packed] == [d.prompt_logprobs for d in padded]
+    assert all(d.prompt_logprobs for d in packed[::3]) and not any(d.prompt_logprobs for d in packed[1::3])

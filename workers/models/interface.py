@@ -74,8 +74,9 @@ class CausalLM(Protocol):
         """Logits [B, T, V] of tokens [B, T]: a causal pass over whole rows without a cache (training),
         else the tokens placed in the cache's blocks where `view` says; each row through its LoRA
         adapter where `adapters` gives it one (ValueError for an adapted model: its own only). With
-        `at` ([B] positions in T), only those positions' logits, [B, 1, V]: a prefill wants its last
-        token's alone, and the output head is the widest product of a forward."""
+        `at` ([N] indices of tokens among the B*T, row by row), only those tokens' logits, [N, V]: a
+        prefill wants its last token's alone, and the output head is the widest product of a
+        forward."""
         ...
 
     def adapted(self, adapter: Adapter) -> CausalLM:

@@ -9,6 +9,7 @@ Block 0 is scratch: padding rows and padding tokens write there and nothing real
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,12 @@ class PagedKVCache:
         self.block_size = block_size
         self._layers = [torch.tensor(i, device=device) for i in range(n_layers)]  # index_put_'s
 
+    @property
+    def reads_packed(self) -> bool:
+        """Whether forwards over this pool may be laid out as `packed_view`s: where the native
+        kernel attends over its keys, outside a compiled step."""
+        return native.attends(self.k)
+
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Stores one layer's keys and values [N, KVH, D] in token `slots` [N]: by index_put_ on
         the pool itself, never on a layer's view of it, which a compiled step would write by
@@ -68,31 +75,68 @@ class PagedKVCache:
         """Where one forward's tokens go: row b holds tokens at `positions[b]` (-1 = padding) of
         the sequence whose blocks are `tables[b]` (empty = a padding row); every row reads at
         least `min_blocks` blocks (scratch past its own, which the mask hides)."""
-        bs = self.block_size
         width = max(len(row) for row in positions)
-        pos = torch.tensor([[*row, *[-1] * (width - len(row))] for row in positions])  # [B, T]
-        n_read = -(-(int(pos.max()) + 1) // bs)  # blocks every row reads: the longest row's
-        table = torch.full((len(tables), max(n_read, min_blocks)), SCRATCH_BLOCK)  # [B, n_read]
-        for row, blocks in enumerate(tables):
-            held = list(blocks[:n_read])
-            table[row, : len(held)] = torch.tensor(held, dtype=torch.long)
-        valid = pos >= 0
-        at = pos.clamp(min=0)
-        write = torch.where(valid, table.gather(1, at // bs) * bs + at % bs, SCRATCH_BLOCK * bs)
+        padded = torch.tensor([[*row, *[-1] * (width - len(row))] for row in positions])  # [B, T]
+        return self._view(tables, padded, [width] * len(tables), device, min_blocks)
+
+    def packed_view(
+        self, tables: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], device: torch.device
+    ) -> CacheView:
+        """Where one forward's tokens go when each is a row of its own ([N, 1]) and each sequence's
+        rows follow one another: sequence b's tokens at `positions[b]`, in its blocks `tables[b]`.
+        Only the native kernel attends over such a view (`CacheView.packed`)."""
+        flat = torch.tensor([position for row in positions for position in row])[:, None]  # [N, 1]
+        return self._view(tables, flat, [len(row) for row in positions], device)
+
+    def _view(
+        self,
+        tables: Sequence[Sequence[int]],
+        positions: Tensor,
+        lengths: list[int],
+        device: torch.device,
+        min_blocks: int = 1,
+    ) -> CacheView:
+        """The view of tokens at `positions` (any shape, -1 = padding), the first lengths[0] of them
+        (in row-major order) sequence 0's, the next lengths[1] sequence 1's, and so on."""
+        bs = self.block_size
+        n_read = -(-(int(positions.max()) + 1) // bs)  # blocks every sequence reads: the longest's
+        width = max(n_read, min_blocks)
+        table = torch.tensor(
+            [[*blocks[:n_read], *[SCRATCH_BLOCK] * (width - len(blocks[:n_read]))] for blocks in tables]
+        )  # [R, width]
+        owner = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(lengths)).view(
+            positions.shape
+        )
+        valid = positions >= 0
+        at = positions.clamp(min=0)
+        write = torch.where(valid, table[owner, at // bs] * bs + at % bs, SCRATCH_BLOCK * bs)
+        starts = torch.tensor([0, *itertools.accumulate(lengths)])
         return CacheView(
-            positions=at.to(device), write=write.to(device), read=table.to(device), block_size=bs
+            positions=at.to(device),
+            write=write.to(device),
+            read=table.to(device),
+            starts=starts.to(device),
+            block_size=bs,
         )
 
 
 @dataclass(frozen=True)
 class CacheView:
-    """One forward's place in the pool: positions and write slots [B, T], the blocks each row
-    reads [B, N] (its block table, cut or padded with scratch to the longest row's N blocks)."""
+    """One forward's place in the pool: positions and write slots [B, T], the blocks each
+    sequence reads [R, N] (its block table, cut or padded with scratch to the longest row's N
+    blocks) and where each sequence's tokens start among the forward's B*T tokens [R + 1]. A row
+    is one sequence's (R = B, starts every T tokens) unless the view is `packed`."""
 
     positions: Tensor  # [B, T]: each token's position in its sequence (0 for padding)
     write: Tensor  # [B, T]: the slot its key and value go to
-    read: Tensor  # [B, N]: the blocks holding key positions 0..N*block_size-1 of each row
+    read: Tensor  # [R, N]: the blocks holding key positions 0..N*block_size-1 of each sequence
+    starts: Tensor  # [R + 1]: sequence r's tokens are the forward's starts[r] to starts[r + 1]
     block_size: int
+
+    @property
+    def packed(self) -> bool:
+        """Whether the rows are tokens, one each, a sequence's side by side (`packed_view`)."""
+        return self.read.shape[0] != self.positions.shape[0]
 
     def mask(self, window: int = 0) -> KeyMask:
         """Which keys each query attends to: its own and earlier positions (the last `window`
@@ -103,7 +147,7 @@ class CacheView:
         allowed = key_pos <= query_pos
         if window:
             allowed &= key_pos > query_pos - window
-        return KeyMask.of(allowed[:, None], window)
+        return KeyMask.of(allowed[:, None])
 
 
 @dataclass(frozen=True)
@@ -112,12 +156,11 @@ class KeyMask:
 
     allowed: Tensor  # [B, 1, T, S]: the keys each query attends to (fused_attention's mask)
     hidden: Tensor  # [B, 1, 1, T, S]: the others, as grouped_attention's [B, KVH, G, T, S] scores hide
-    window: int  # the sliding window `allowed` keeps (0: none), which the native kernel applies itself
 
     @classmethod
-    def of(cls, allowed: Tensor, window: int = 0) -> KeyMask:
-        """The mask that attends to `allowed` ([B, 1, T, S]), made with a sliding `window`."""
-        return cls(allowed, ~allowed[:, :, None], window)
+    def of(cls, allowed: Tensor) -> KeyMask:
+        """The mask that attends to `allowed` ([B, 1, T, S])."""
+        return cls(allowed, ~allowed[:, :, None])
 
 
 def paged_attention(
@@ -127,30 +170,37 @@ def paged_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask: KeyMask,
+    mask: KeyMask | None,
     rotation: Rotation,
+    window: int = 0,
     scale: float | None = None,
 ) -> Tensor:
     """Turns q and k by their positions (`rotation`), writes the new keys and values, then attends
-    over each row's cached ones.
+    over each sequence's cached ones (the last `window` of them, if set).
 
     q: [B, T, H, D]; k, v: [B, T, KVH, D] with H a multiple of KVH (grouped-query attention), as
-    the projections lay them out; mask: `view.mask`'s; returns [B, H, T, D].
+    the projections lay them out; mask: `view.mask(window)`'s (None for a packed view); returns
+    [B, H, T, D].
 
     bfloat16 and float16 on the CPU attend through the native kernel where it builds and takes
     the head width (`native.attends`), except in a compiled step; else as torch operators
-    (`grouped_attention`). The kernel turns q and k itself, with the same bits as `rotation`'s
-    operators, where they turn by halves in their own dtype (as transformers turns them).
+    (`grouped_attention`), which read padded views only. The kernel turns q and k itself, with the
+    same bits as `rotation`'s operators, where they turn by halves in their own dtype (as
+    transformers turns them).
     """
     b, t, kv_heads, d = k.shape
     if not torch.compiler.is_compiling() and native.attends(q):
         rope = rotation.table if not rotation.pairs and rotation.table.dtype == q.dtype else None
         if rope is None:  # pairs, turned in float32 (the built-in model's): as torch operators
             q, k = rotation(q), rotation(k)
-        return native.paged_attention(
-            cache.k[layer], cache.v[layer], cache.block_size, view.write, view.read, view.positions,
-            q, k, v, rope, mask.window, d**-0.5 if scale is None else scale,
+        out = native.paged_attention(
+            cache.k[layer], cache.v[layer], cache.block_size, view.write.view(-1), view.read,
+            view.positions.view(-1), view.starts, q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+            None if rope is None else rope.flatten(0, 1), window, d**-0.5 if scale is None else scale,
         )  # fmt: skip
+        return out.view(b, t, -1, d).transpose(1, 2)
+    if mask is None:
+        raise ValueError("a packed view is attended by the native kernel only")
     q, k = rotation(q), rotation(k)
     slots = view.write.reshape(-1)  # [B*T]
     cache.write(layer, slots, k.reshape(b * t, kv_heads, d), v.reshape(b * t, kv_heads, d))

@@ -230,8 +230,7 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=window, is_causal=window is None, scale=self.scale, enable_gqa=True
             )
         else:
-            assert mask is not None
-            y = paged_attention(cache, self.layer, view, q, k, v, mask, rotation, self.scale)
+            y = paged_attention(cache, self.layer, view, q, k, v, mask, rotation, self.window, self.scale)
         y = y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return project(self.o_proj, y, adapters, names["o_proj"])  # [B, T, dim]
 
@@ -371,7 +370,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> Tensor:
         """Logits [B, T, V] of tokens [B, T]: causal over whole rows without a cache, else the
         tokens placed in the cache where `view` says; each row through its adapter, if any (an
-        adapted model's: its own). With `at` ([B] positions), those positions' alone: [B, 1, V]."""
+        adapted model's: its own). With `at` ([N] indices of tokens among the B*T, row by row),
+        those tokens' alone: [N, V]."""
         b, t = tokens.shape
         if self.adapter is not None:
             if adapters is not None:
@@ -383,12 +383,12 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.interleaved_rope:
             rope = rope.to(x.dtype)  # transformers turns q and k in their own dtype
         rotation = Rotation.of(rope, self.config.interleaved_rope)
-        mask = None if view is None else view.mask(self.config.sliding_window)
+        mask = None if view is None or view.packed else view.mask(self.config.sliding_window)
         for layer in self.model.layers:
             x = layer(x, rotation, cache, view, mask, adapters)
         if at is not None:
-            x = x[torch.arange(b, device=x.device), at][:, None]  # [B, 1, dim]
-        return self.lm_head(self.model.norm(x))  # [B, T, V]
+            x = x.flatten(0, 1)[at]  # [N, dim]
+        return self.lm_head(self.model.norm(x))  # [B, T, V] or [N, V]
 
     @property
     def model_type(self) -> str:

@@ -43,8 +43,8 @@ SYMBOLS = {torch.bfloat16: "paged_attention_bfloat16", torch.float16: "paged_att
 INSTALL_HINT = "install a C++ compiler (e.g. `apt-get install g++`) or name one in CXX"
 HEAD_DIM_MULTIPLE = 8  # the kernel reads a head's features 8 at a time (its LANES)
 
-# q, k, v, rope, the two pools, write, read, positions, out, dims; scale; threads
-ARGUMENTS = [ctypes.c_void_p] * 11 + [ctypes.c_float, ctypes.c_int]
+# q, k, v, rope, the two pools, write, read, positions, starts, out, dims; scale; threads
+ARGUMENTS = [ctypes.c_void_p] * 12 + [ctypes.c_float, ctypes.c_int]
 
 
 @functools.cache
@@ -94,6 +94,7 @@ def paged_attention(
     write: Tensor,
     read: Tensor,
     positions: Tensor,
+    starts: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -101,34 +102,41 @@ def paged_attention(
     window: int,
     scale: float,
 ) -> Tensor:
-    """Turns q and k by `rope` ([B, T, 2, D], contiguous: each token's cos and signed sin, as
-    `rotary.Rotation` holds them; None: they were turned already), stores k and v ([B, T, KVH, D])
-    in the token slots `write` [B, T] of one layer's pools ([slots, KVH, D], contiguous), then
-    attends each query (q [B, T, H, D]) to the keys at positions 0 to its own (`positions` [B, T];
-    the last `window` of them if set) of its row's blocks (`read` [B, N]). Returns [B, H, T, D].
-    `attends(q)` must be true.
+    """Turns the tokens' q and k by `rope` ([N, 2, D], contiguous: each token's cos and signed sin,
+    as `rotary.Rotation` holds them; None: they were turned already), stores k and v ([N, KVH, D])
+    in the token slots `write` [N] of one layer's pools ([slots, KVH, D], contiguous), then attends
+    each query (q [N, H, D]) to the keys at positions 0 to its own (`positions` [N]; the last
+    `window` of them if set) of its sequence: tokens starts[b] to starts[b + 1] are sequence b's,
+    whose blocks are `read[b]` ([R, N_read]; starts: [R + 1]). Returns [N, H, D]. `attends(q)` must
+    be true.
 
     A turned feature is rounded as `Rotation`'s operators in q's dtype round it (x * cos and the
     swapped half's feature * sin each rounded, then their sum), so its bits are theirs."""
-    b, t, heads, d = q.shape
-    kv_heads = k.shape[2]
-    if any(x.stride(3) != 1 or x.stride(2) != d for x in (q, k, v)):
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if any(x.stride(2) != 1 or x.stride(1) != d for x in (q, k, v)):
         strides = ", ".join(str(x.stride()) for x in (q, k, v))
         raise ValueError(f"each token's heads must lie side by side in q, k and v: strides {strides}")
     library = _library()
     assert library is not None and k_pool.is_contiguous() and v_pool.is_contiguous()
     assert all(x.dtype == q.dtype for x in (k, v, k_pool, v_pool)), "q, k, v and the pools in one dtype"
+    assert starts.shape == (read.shape[0] + 1,) and write.shape == positions.shape == (n,)
     if rope is not None:
-        assert rope.dtype == q.dtype and rope.shape == (b, t, 2, d) and rope.is_contiguous()
-    write, read, positions = write.contiguous(), read.contiguous(), positions.contiguous()
-    out = torch.empty(b, t, heads, d, dtype=q.dtype)
-    dims = (ctypes.c_int64 * 14)(
-        b, t, heads, kv_heads, d, read.shape[1], block_size, window,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        assert rope.dtype == q.dtype and rope.shape == (n, 2, d) and rope.is_contiguous()
+    write, read, positions, starts = (
+        write.contiguous(),
+        read.contiguous(),
+        positions.contiguous(),
+        starts.contiguous(),
+    )
+    out = torch.empty(n, heads, d, dtype=q.dtype)
+    dims = (ctypes.c_int64 * 11)(
+        read.shape[0], n, heads, kv_heads, d, read.shape[1], block_size, window,
+        q.stride(0), k.stride(0), v.stride(0),
     )  # fmt: skip
     getattr(library, SYMBOLS[q.dtype])(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), None if rope is None else rope.data_ptr(),
         k_pool.data_ptr(), v_pool.data_ptr(), write.data_ptr(), read.data_ptr(), positions.data_ptr(),
-        out.data_ptr(), dims, scale, torch.get_num_threads(),
+        starts.data_ptr(), out.data_ptr(), dims, scale, torch.get_num_threads(),
     )  # fmt: skip
-    return out.transpose(1, 2)
+    return out

@@ -8,9 +8,9 @@
 // rounded to the output dtype once. Each query's arithmetic depends on its own inputs only: its
 // dot products run in fixed lanes over the head's features, its softmax and weighted sum over its
 // own keys in order, by the same code whatever else the call holds. So a token's attention has
-// the same bits alone, in a batch, in a prefill chunk of any length or verifying a draft; sharing
-// each key's reads among the queries of a work item, and the threads, only decide who computes
-// what.
+// the same bits alone, in a batch, in a prefill chunk of any length, verifying a draft or packed
+// beside other sequences' tokens; sharing each key's reads among the queries of a work item (up
+// to QUERY_TOKENS of one sequence), and the threads, only decide who computes what.
 //
 // The arithmetic is written in GCC's vector types (`Lanes`), which compile to the CPU's own
 // vector instructions (-march=native), fused multiply-adds included where it has them.
@@ -96,9 +96,11 @@ inline Lanes exp_nonpositive(Lanes x) {
   return p * scale;
 }
 
+// A call's tokens lie one after another (q, k, v, rope, write, positions, out); the tokens of
+// row b (a sequence's, reading its blocks `table[b]`) are those from starts[b] to starts[b + 1].
 struct Shape {
   int64_t rows, tokens, heads, kv_heads, dim, n_read, block_size, window;
-  int64_t q_row, q_token, k_row, k_token, v_row, v_token;  // element strides: row and token
+  int64_t q_token, k_token, v_token;  // element strides from one token to the next
   float scale;
 };
 
@@ -121,7 +123,7 @@ inline float dot(const float* q, const float* k, int64_t d) {
   return sum_lanes(sums);
 }
 
-// Attention of query tokens [t0, t1) of row b through key/value head kvh: the group of query
+// Attention of query tokens [t0, t1) (the call's) of row b through key/value head kvh: the group of query
 // heads that head serves, every token's keys from the first its window allows to its own. Each
 // key (and value) is read and widened to float32 once for all those queries.
 template <typename T>
@@ -138,7 +140,7 @@ void attend(const T* q, const T* rope, const T* k_pool, const T* v_pool, const i
   queries.resize(n_queries * d);
   int64_t lo = INT64_MAX, hi = 0;
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t pos = positions[b * s.tokens + t];
+    const int64_t pos = positions[t];
     const int64_t from = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
     lo = std::min(lo, from);
     hi = std::max(hi, pos);
@@ -146,10 +148,10 @@ void attend(const T* q, const T* rope, const T* k_pool, const T* v_pool, const i
       const int64_t i = (t - t0) * group + g;
       first[i] = from;
       last[i] = pos;
-      const T* src = q + b * s.q_row + t * s.q_token + (kvh * group + g) * d;
+      const T* src = q + t * s.q_token + (kvh * group + g) * d;
       float* query = &queries[i * d];
       if (rope != nullptr) {
-        const T* angles = rope + (b * s.tokens + t) * 2 * d;
+        const T* angles = rope + t * 2 * d;
         for (int64_t j = 0; j < d; ++j) query[j] = turned(src, angles, j, d).load();
       } else {
         for (int64_t j = 0; j < d; ++j) query[j] = src[j].load();
@@ -223,37 +225,38 @@ void attend(const T* q, const T* rope, const T* k_pool, const T* v_pool, const i
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t i = (t - t0) * group + g;
-      T* dst = out + ((b * s.tokens + t) * s.heads + kvh * group + g) * d;
+      T* dst = out + (t * s.heads + kvh * group + g) * d;
       for (int64_t j = 0; j < d; ++j) dst[j] = T::store(sums[i * d + j]);
     }
 }
 
 template <typename T>
 void paged_attention(const T* q, const T* k, const T* v, const T* rope, T* k_pool, T* v_pool,
-                     const int64_t* write, const int64_t* table, const int64_t* positions, T* out,
-                     const Shape& s, int threads) {
+                     const int64_t* write, const int64_t* table, const int64_t* positions,
+                     const int64_t* starts, T* out, const Shape& s, int threads) {
   const int64_t d = s.dim, slot_size = s.kv_heads * d;
-  for (int64_t b = 0; b < s.rows; ++b)  // the new keys and values first: later tokens read them
-    for (int64_t t = 0; t < s.tokens; ++t) {
-      const int64_t to = write[b * s.tokens + t] * slot_size;
-      const T* key = k + b * s.k_row + t * s.k_token;
-      if (rope != nullptr) {
-        const T* angles = rope + (b * s.tokens + t) * 2 * d;
-        for (int64_t h = 0; h < s.kv_heads; ++h)
-          for (int64_t j = 0; j < d; ++j) k_pool[to + h * d + j] = turned(key + h * d, angles, j, d);
-      } else {
-        std::memcpy(k_pool + to, key, slot_size * sizeof(T));
-      }
-      std::memcpy(v_pool + to, v + b * s.v_row + t * s.v_token, slot_size * sizeof(T));
+  for (int64_t t = 0; t < s.tokens; ++t) {  // the new keys and values first: later tokens read them
+    const int64_t to = write[t] * slot_size;
+    const T* key = k + t * s.k_token;
+    if (rope != nullptr) {
+      const T* angles = rope + t * 2 * d;
+      for (int64_t h = 0; h < s.kv_heads; ++h)
+        for (int64_t j = 0; j < d; ++j) k_pool[to + h * d + j] = turned(key + h * d, angles, j, d);
+    } else {
+      std::memcpy(k_pool + to, key, slot_size * sizeof(T));
     }
-  const int64_t chunks = (s.tokens + QUERY_TOKENS - 1) / QUERY_TOKENS;
+    std::memcpy(v_pool + to, v + t * s.v_token, slot_size * sizeof(T));
+  }
+  int64_t longest = 0;
+  for (int64_t b = 0; b < s.rows; ++b) longest = std::max(longest, starts[b + 1] - starts[b]);
+  const int64_t chunks = (longest + QUERY_TOKENS - 1) / QUERY_TOKENS;
   const int64_t items = s.rows * s.kv_heads * chunks;
-  const int64_t pairs = s.rows * s.tokens * s.heads * s.n_read * s.block_size;  // at most
+  const int64_t pairs = s.tokens * s.heads * s.n_read * s.block_size;  // at most
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (items > 1 && pairs >= PARALLEL_PAIRS)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t chunk = item % chunks, kvh = item / chunks % s.kv_heads, b = item / chunks / s.kv_heads;
-    const int64_t t0 = chunk * QUERY_TOKENS, t1 = std::min(s.tokens, t0 + QUERY_TOKENS);
-    attend(q, rope, k_pool, v_pool, table, positions, out, s, b, kvh, t0, t1);
+    const int64_t t0 = starts[b] + chunk * QUERY_TOKENS, t1 = std::min(starts[b + 1], t0 + QUERY_TOKENS);
+    if (t0 < t1) attend(q, rope, k_pool, v_pool, table, positions, out, s, b, kvh, t0, t1);
   }
 }
 
@@ -262,13 +265,13 @@ void paged_attention(const T* q, const T* k, const T* v, const T* rope, T* k_poo
 #define PAGED_ATTENTION(NAME, T)                                                                   \
   extern "C" void NAME(const void* q, const void* k, const void* v, const void* rope,             \
                        void* k_pool, void* v_pool, const int64_t* write, const int64_t* table,     \
-                       const int64_t* positions, void* out, const int64_t* dims, float scale,      \
-                       int threads) {                                                              \
-    const Shape s{dims[0], dims[1], dims[2],  dims[3],  dims[4],  dims[5],  dims[6],  dims[7],     \
-                  dims[8], dims[9], dims[10], dims[11], dims[12], dims[13], scale};                \
+                       const int64_t* positions, const int64_t* starts, void* out,                 \
+                       const int64_t* dims, float scale, int threads) {                            \
+    const Shape s{dims[0], dims[1], dims[2], dims[3], dims[4],  dims[5],                           \
+                  dims[6], dims[7], dims[8], dims[9], dims[10], scale};                            \
     paged_attention(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),  \
                     static_cast<const T*>(rope), static_cast<T*>(k_pool), static_cast<T*>(v_pool), \
-                    write, table, positions, static_cast<T*>(out), s, threads);                    \
+                    write, table, positions, starts, static_cast<T*>(out), s, threads);            \
   }
 
 PAGED_ATTENTION(paged_attention_bfloat16, BFloat16)

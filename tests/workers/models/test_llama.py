@@ -80,8 +80,9 @@ def test_logits_equal_transformers_over_a_prefill_and_32_decode_steps(checkpoint
     for i, p in enumerate(rows[1:], start=1):
         got[i].append(logits[i - 1, len(p) - 1 :][:1])
     last = torch.tensor([len(p) - 1 for p in rows[1:]])  # the same forward for the last tokens' alone
-    at_last = model(tokens, cache, cache.view(tables[1:], positions, CPU), at=last)
-    torch.testing.assert_close(at_last[:, 0], logits[torch.arange(3), last], rtol=0, atol=1e-6)
+    at = torch.arange(3) * width + last  # among the forward's tokens, row by row
+    at_last = model(tokens, cache, cache.view(tables[1:], positions, CPU), at=at)
+    torch.testing.assert_close(at_last, logits[torch.arange(3), last], rtol=0, atol=1e-6)
     # 32 decode steps of all four rows in one batch
     for step in range(32):
         tokens = torch.tensor([[c[step]] for c in continuations])

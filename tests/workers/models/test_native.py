@@ -69,7 +69,8 @@ def attend(
     """One layer's attention through `paged_attention`, as the decoder calls it."""
     q, k, v = qkv
     turn = rotation_of(view.positions, q.dtype, pairs, q.shape[-1])
-    return paged_attention(cache, LAYER, view, q, k, v, view.mask(window), turn, q.shape[-1] ** -0.5)
+    mask = None if view.packed else view.mask(window)
+    return paged_attention(cache, LAYER, view, q, k, v, mask, turn, window, q.shape[-1] ** -0.5)
 
 
 def gathered(cache: PagedKVCache, view: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,9 +136,10 @@ def test_q_and_k_are_turned_with_the_bits_of_the_torch_operators(dtype: torch.dt
     q, k, v = new_tokens(rows, tokens, dtype, seed=7)
     turn = rotation_of(view.positions, dtype, pairs)
     expected = native.paged_attention(
-        turned_first.k[LAYER], turned_first.v[LAYER], turned_first.block_size, view.write, view.read,
-        view.positions, turn(q), turn(k), v, None, 0, HEAD_DIM**-0.5,
-    )  # fmt: skip
+        turned_first.k[LAYER], turned_first.v[LAYER], turned_first.block_size, view.write.view(-1),
+        view.read, view.positions.view(-1), view.starts, turn(q).flatten(0, 1), turn(k).flatten(0, 1),
+        v.flatten(0, 1), None, 0, HEAD_DIM**-0.5,
+    ).unflatten(0, (rows, tokens)).transpose(1, 2)  # fmt: skip
     got = attend(turned_inside, view, (q, k, v), window=0, pairs=pairs)
     assert torch.equal(got, expected)
     assert torch.equal(turned_inside.k, turned_first.k) and torch.equal(turned_inside.v, turned_first.v)
@@ -146,7 +148,9 @@ def test_q_and_k_are_turned_with_the_bits_of_the_torch_operators(dtype: torch.dt
 @needs_kernel
 @pytest.mark.parametrize("window", [0, 12])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_query_has_the_same_bits_alone_in_a_batch_and_in_a_chunk(dtype: torch.dtype, window: int) -> None:
+def test_a_query_has_the_same_bits_alone_in_a_batch_in_a_chunk_and_packed(
+    dtype: torch.dtype, window: int
+) -> None:
     rows, tokens, held = 3, 11, 40
     cache, tables = filled_cache(rows, held + tokens, dtype, seed=2)
     positions = [[held - 7 * r + i for i in range(tokens)] for r in range(rows)]
@@ -158,6 +162,13 @@ def test_a_query_has_the_same_bits_alone_in_a_batch_and_in_a_chunk(dtype: torch.
             one = (q[row : row + 1, at], k[row : row + 1, at], v[row : row + 1, at])
             alone = attend(cache, cache.view([tables[row]], [positions[row][at]], CPU), one, window)
             assert torch.equal(alone[0, :, 0], batched[row, :, token])
+    # packed: every token a row, the sequences' of different lengths (1, 5 and 9 tokens)
+    spans = [(row, slice(tokens - 1 - 4 * row, tokens)) for row in range(rows)]
+    view = cache.packed_view([tables[r] for r, _ in spans], [positions[r][at] for r, at in spans], CPU)
+    assert view.packed and view.starts.tolist() == [0, 1, 6, 15]
+    flat = (torch.cat([x[r, at] for r, at in spans])[:, None] for x in (q, k, v))  # [N, 1, heads, D]
+    packed = attend(cache, view, tuple(flat), window)[:, :, 0]  # [N, H, D]
+    assert torch.equal(packed, torch.cat([batched[r, :, at].transpose(0, 1) for r, at in spans]))
 
 
 def assert_attends_as_torch_operators(head_dim: int) -> None:
