@@ -104,9 +104,7 @@ class PagedKVCache:
         table = torch.tensor(
             [[*blocks[:n_read], *[SCRATCH_BLOCK] * (width - len(blocks[:n_read]))] for blocks in tables]
         )  # [R, width]
-        owner = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(lengths)).view(
-            positions.shape
-        )
+        owner = torch.arange(len(tables)).repeat_interleave(torch.tensor(lengths)).view(positions.shape)
         valid = positions >= 0
         at = positions.clamp(min=0)
         write = torch.where(valid, table[owner, at // bs] * bs + at % bs, SCRATCH_BLOCK * bs)

@@ -123,12 +123,7 @@ def paged_attention(
     assert starts.shape == (read.shape[0] + 1,) and write.shape == positions.shape == (n,)
     if rope is not None:
         assert rope.dtype == q.dtype and rope.shape == (n, 2, d) and rope.is_contiguous()
-    write, read, positions, starts = (
-        write.contiguous(),
-        read.contiguous(),
-        positions.contiguous(),
-        starts.contiguous(),
-    )
+    write, read, positions, starts = (x.contiguous() for x in (write, read, positions, starts))
     out = torch.empty(n, heads, d, dtype=q.dtype)
     dims = (ctypes.c_int64 * 11)(
         read.shape[0], n, heads, kv_heads, d, read.shape[1], block_size, window,

@@ -123,9 +123,9 @@ inline float dot(const float* q, const float* k, int64_t d) {
   return sum_lanes(sums);
 }
 
-// Attention of query tokens [t0, t1) (the call's) of row b through key/value head kvh: the group of query
-// heads that head serves, every token's keys from the first its window allows to its own. Each
-// key (and value) is read and widened to float32 once for all those queries.
+// Attention of the call's query tokens [t0, t1), all of row b's, through key/value head kvh: the
+// group of query heads that head serves, every token's keys from the first its window allows to
+// its own. Each key (and value) is read and widened to float32 once for all those queries.
 template <typename T>
 void attend(const T* q, const T* rope, const T* k_pool, const T* v_pool, const int64_t* table,
             const int64_t* positions, T* out, const Shape& s, int64_t b, int64_t kvh, int64_t t0,
@@ -255,7 +255,8 @@ void paged_attention(const T* q, const T* k, const T* v, const T* rope, T* k_poo
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (items > 1 && pairs >= PARALLEL_PAIRS)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t chunk = item % chunks, kvh = item / chunks % s.kv_heads, b = item / chunks / s.kv_heads;
-    const int64_t t0 = starts[b] + chunk * QUERY_TOKENS, t1 = std::min(starts[b + 1], t0 + QUERY_TOKENS);
+    const int64_t t0 = starts[b] + chunk * QUERY_TOKENS;
+    const int64_t t1 = std::min(starts[b + 1], t0 + QUERY_TOKENS);
     if (t0 < t1) attend(q, rope, k_pool, v_pool, table, positions, out, s, b, kvh, t0, t1);
   }
 }
