@@ -50,6 +50,7 @@ from workers.residency import ResidentVersion
 from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
 
+CPU = torch.device("cpu")
 QUOTING = (
     "Put this shopping list in alphabetical order, one item per line: milk, bread, eggs, apples, "
     "cheese, butter, rice, tomatoes, onions, coffee.",
@@ -151,7 +152,7 @@ def main() -> None:
     engine = Engine(EngineConfig(), WorkerMetrics())
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = converted_smollm2(Path(tmp) / "smollm2")
-        reference = engine.run(lambda: load_directory(checkpoint, "smollm2", "1", torch.device("cpu")))
+        reference = engine.run(lambda: load_directory(checkpoint, "smollm2", "1", CPU))
         tokenizer = reference.tokenizer
         workloads = {
             "quoting": rendered(tokenizer, QUOTING),
@@ -164,16 +165,13 @@ def main() -> None:
         for precision in args.precisions:
             model = reference.model
             if precision == "bfloat16":  # as REFLOW_DTYPE=bfloat16 loads it
-                model = engine.run(
-                    lambda: (
-                        load_directory(
-                            checkpoint, "smollm2", "1", torch.device("cpu"), dtype=torch.bfloat16
-                        ).model
-                    )
+                loaded = engine.run(
+                    lambda: load_directory(checkpoint, "smollm2", "1", CPU, dtype=torch.bfloat16)
                 )
+                model = loaded.model
             elif precision != "float32":
                 model = engine.run(lambda: in_precision(reference.model, precision))  # noqa: B023  # run now
-            engine.add(ResidentVersion("smollm2", "1", model, tokenizer, torch.device("cpu")))
+            engine.add(ResidentVersion("smollm2", "1", model, tokenizer, CPU))
             print(precision)
             asyncio.run(measure(engine, workloads, args))
             engine.remove("smollm2", "1")
