@@ -79,9 +79,10 @@ class Relay:
     async def stream(
         self, generation: Generation, on_finish: OnFinish
     ) -> AsyncGenerator[inference_pb2.GenerateResponse]:
-        """Streams from a worker, moving to another one if the first fails before any token; a
-        challenger gone under the request (rolled back) hands it to the champion, in the
-        challenger's arm still."""
+        """Streams from a worker, moving to another one if the first fails before any token (or
+        back to the same one when it refused a version that its alias has since moved off, as a
+        worker frees the old champion before this gateway's next status poll); a challenger gone
+        under the request (rolled back) hands it to the champion, in the challenger's arm still."""
         assignment = generation.assignment
         spec = assignment.spec
         tried: set[str] = set()
@@ -144,6 +145,9 @@ class Relay:
                     self.pool.mark_unhealthy(worker)
                 elif error.code == grpc.StatusCode.NOT_FOUND:  # it no longer holds the version
                     await self.pool.refresh_one(worker)
+                    now = worker.serves(spec)
+                    if now is not None and now.version != loaded.version:  # the alias moved: ask again
+                        tried.discard(worker.address)
                 else:
                     full.add(worker.address)
                 logger.warning(

@@ -59,6 +59,22 @@ async def test_an_alias_moved_by_hand_is_served_within_the_poll_interval(swap_se
         await stop_stack(stack)
 
 
+async def test_a_worker_that_freed_the_version_a_gateway_routes_to_serves_the_alias_now(
+    swap_settings: Settings,
+) -> None:
+    # the gateway polls once an hour: it still sends the champion to v1 after the worker freed it
+    stack = await start_stack(swap_settings.model_copy(update={"worker_poll_s": 3600.0}))
+    worker = stack.workers[0]
+    try:
+        assert (await answer(stack, "12+30="))[0] == "1"
+        async with following(worker, swap_settings):
+            move_champion(swap_settings, "2")
+            await eventually(lambda: _unloaded(worker, "1"))
+        assert (await answer(stack, "12+30="))[0] == "2"  # refused as v1, asked again as v2
+    finally:
+        await stop_stack(stack)
+
+
 async def _serves(stack: Stack, version: str) -> bool:
     return (await answer(stack, "12+30="))[0] == version
 
