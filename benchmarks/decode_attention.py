@@ -1,9 +1,9 @@
-"""What attention costs a bfloat16 decode step of SmolLM2-135M-Instruct on the CPU: the step as
-served (`native`: the C++ kernel of workers/models/native.py, which turns q and k too) against the
-same step with q and k turned by torch's operators before the kernel (`turned`), attending as torch
-operators (`grouped_attention`: two batched products and a float32 softmax, what runs where
-the kernel cannot be built) and with torch's fused kernel (`fused_attention`, as float32 steps
-attend), side by side.
+"""What attention costs a bfloat16 (or --dtype) decode step of SmolLM2-135M-Instruct on the CPU: the
+step as served (`native`: the C++ kernel of workers/models/native.py, which turns q and k too)
+against the same step with q and k turned by torch's operators before the kernel (`turned`),
+attending as torch operators (`grouped_attention`: two batched products and a float32 softmax,
+what bfloat16 runs where the kernel cannot be built) and with torch's fused kernel
+(`fused_attention`, what float32 runs there), side by side.
 
     .venv/bin/python benchmarks/decode_attention.py [--dtype bfloat16] [--precision int4] [--rounds 9]
 
@@ -61,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--precision", choices=QUANTIZED, help="time this copy of the weights instead")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()

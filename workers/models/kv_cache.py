@@ -180,9 +180,10 @@ def paged_attention(
     the projections lay them out; mask: `view.mask(window)`'s (None for a packed view); returns
     [B, H, T, D].
 
-    bfloat16 and float16 on the CPU attend through the native kernel where it builds and takes
-    the head width (`native.attends`), except in a compiled step; else as torch operators
-    (`grouped_attention`), which read padded views only. The kernel turns q and k itself, with the
+    On the CPU every dtype attends through the native kernel where it builds and takes the head
+    width (`native.attends`), except in a compiled step; else as torch operators
+    (`grouped_attention` in bfloat16 and float16, `fused_attention` in float32 and on CUDA), which
+    read padded views only. The kernel turns q and k itself, with the
     same bits as `rotation`'s operators, where they turn by halves in their own dtype (as
     transformers turns them).
     """
@@ -214,7 +215,8 @@ def paged_attention(
 
 
 def fused_attention(q: Tensor, keys: Tensor, values: Tensor, mask: KeyMask, scale: float | None) -> Tensor:
-    """torch's fused kernel (transformers' `sdpa` attention): float32 on the CPU, and on CUDA."""
+    """torch's fused kernel (transformers' `sdpa` attention): on CUDA, and for float32 on the CPU
+    where the native kernel does not attend."""
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask.allowed, scale=scale, enable_gqa=True
     )

@@ -1,5 +1,5 @@
-"""Paged attention in C++ for bfloat16 and float16 on the CPU (`paged_attention.cpp`), compiled for
-this CPU the first time a process needs it.
+"""Paged attention in C++ for bfloat16, float16 and float32 on the CPU (`paged_attention.cpp`),
+compiled for this CPU the first time a process needs it.
 
 Why: a decode step's attention made of torch operators (`kv_cache.grouped_attention`: gather the
 blocks, two batched products, a masked float32 softmax) is a dozen small kernels a layer, and
@@ -10,10 +10,13 @@ for heads a multiple of HEAD_DIM_MULTIPLE wide. Measured with `benchmarks/decode
 (docs/benchmarks.md).
 
 Its arithmetic is its own: bits differ from the torch operators' (it rounds once, they round the
-scores to bfloat16 too), so a process uses one or the other throughout, and a token's attention
-is the same computation however it is batched (the source file says how). Float32 attention stays
-torch's fused kernel, transformers' arithmetic. A compiled step (`torch.compile`) attends through
-the torch operators, which inductor fuses.
+scores to bfloat16 too; in float32 it sums in its own order, not that of torch's fused kernel,
+transformers' `sdpa`), so a process uses one or the other throughout, and a token's attention
+is the same computation however it is batched (the source file says how). float32 attends here
+too: a float32 step on the CPU is its weights' GEMMs more than its attention, but where the kernel
+attends a step runs in one packed forward (workers/runner.py), which took a float32 SmolLM2 from
+72 to 87 tokens/s at 16 streams on an AVX2 EPYC (docs/benchmarks.md). A compiled step
+(`torch.compile`) attends through the torch operators, which inductor fuses.
 
 The source is compiled with the C++ compiler `CXX` names (else `g++`, `c++`), `-march=native`,
 into a private temporary directory, in about 2 s, and loaded from there; OpenMP resolves to the
@@ -39,7 +42,11 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-SYMBOLS = {torch.bfloat16: "paged_attention_bfloat16", torch.float16: "paged_attention_float16"}
+SYMBOLS = {
+    torch.bfloat16: "paged_attention_bfloat16",
+    torch.float16: "paged_attention_float16",
+    torch.float32: "paged_attention_float32",
+}
 INSTALL_HINT = "install a C++ compiler (e.g. `apt-get install g++`) or name one in CXX"
 HEAD_DIM_MULTIPLE = 8  # the kernel reads a head's features 8 at a time (its LANES)
 
@@ -53,7 +60,7 @@ def _library() -> ctypes.CDLL | None:
     cannot be built here."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        logger.warning("bfloat16 attention on the CPU runs as torch operators, slower: %s", INSTALL_HINT)
+        logger.warning("attention on the CPU runs as torch operators, slower: %s", INSTALL_HINT)
         return None
     with tempfile.TemporaryDirectory(prefix="reflow-kernels-") as directory:  # 0700
         built = Path(directory) / "paged_attention.so"
@@ -65,7 +72,7 @@ def _library() -> ctypes.CDLL | None:
             result = subprocess.CompletedProcess([compiler], 1, "", str(error))
         if result.returncode != 0:
             logger.warning(
-                "bfloat16 attention on the CPU runs as torch operators, slower: %s failed to build %s "
+                "attention on the CPU runs as torch operators, slower: %s failed to build %s "
                 "(%s); %s", compiler, SOURCE.name, result.stderr.strip()[-500:], INSTALL_HINT
             )  # fmt: skip
             return None

@@ -1,5 +1,5 @@
-// Paged attention for bfloat16 and float16 keys and values on the CPU (workers/models/native.py
-// compiles this file on first use and says why it exists).
+// Paged attention for bfloat16, float16 and float32 keys and values on the CPU
+// (workers/models/native.py compiles this file on first use and says why it exists).
 //
 // One call serves one layer of one forward: it turns the forward's queries and keys by their
 // positions (rotary embeddings, when given their cos and sin), stores the new keys and values in
@@ -53,6 +53,18 @@ struct Float16 {
     // arithmetic that loads it (its excess precision, which C++ cannot turn off in GCC 12)
     asm("" : "+m"(h.value));
     return h;
+  }
+};
+
+struct Float32 {
+  float value;
+  float load() const { return value; }
+  static Float32 store(float f) {
+    Float32 x{f};
+    // in memory here, so that g++ never fuses a product stored this way into the sum that loads it
+    // (a fused multiply-add rounds once where torch's float32 operators round twice)
+    asm("" : "+m"(x.value));
+    return x;
   }
 };
 
@@ -277,3 +289,4 @@ void paged_attention(const T* q, const T* k, const T* v, const T* rope, T* k_poo
 
 PAGED_ATTENTION(paged_attention_bfloat16, BFloat16)
 PAGED_ATTENTION(paged_attention_float16, Float16)
+PAGED_ATTENTION(paged_attention_float32, Float32)

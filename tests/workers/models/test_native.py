@@ -1,4 +1,4 @@
-"""The native paged attention kernel that bfloat16 and float16 attend with on the CPU (native.py)."""
+"""The native paged attention kernel that bfloat16, float16 and float32 attend with on the CPU (native.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from workers.models.rotary import Rotation
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, LAYER = 6, 2, 16, 3, 1
 CPU = torch.device("cpu")
-DTYPES = [torch.bfloat16, torch.float16]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 needs_kernel = pytest.mark.skipif(
     not native.available(torch.bfloat16), reason="needs a C++ compiler (g++) to build the kernel"
