@@ -183,9 +183,8 @@ def paged_attention(
     On the CPU every dtype attends through the native kernel where it builds and takes the head
     width (`native.attends`), except in a compiled step; else as torch operators
     (`grouped_attention` in bfloat16 and float16, `fused_attention` in float32 and on CUDA), which
-    read padded views only. The kernel turns q and k itself, with the
-    same bits as `rotation`'s operators, where they turn by halves in their own dtype (as
-    transformers turns them).
+    read padded views only. The kernel turns q and k itself, with the same bits as `rotation`'s
+    operators, where they turn by halves in their own dtype (as transformers turns them).
     """
     b, t, kv_heads, d = k.shape
     if not torch.compiler.is_compiling() and native.attends(q):
