@@ -64,8 +64,8 @@ KAFKA_PORT, POSTGRES_PORT, REDIS_PORT, MLFLOW_PORT, WORKER_PORT = 9092, 5432, 63
 LOOP_TIMEOUT_S = 600  # as tests/test_loop.py: a turn takes 2-3 minutes
 # tests/test_loop.py's schedule, and --demo's split and task; half the recipe's 200 steps, as the
 # test asks for a promotion, not for how much better it is (that is tests/test_loop.py's), and on 2
-# cores in the suite each 100 steps cost 30-40 s (here a challenger trained 100 steps was rated
-# better on 56% of its answers against the champion's 28.5%, and promoted)
+# cores in the suite 100 steps took 29-37 s (here a challenger trained 100 steps had 56% of its
+# answers rated up against the champion's 28.5%, and was promoted)
 FAST_LOOP = {
     "REFLOW_FINETUNE_INTERVAL_S": "5", "REFLOW_FINETUNE_MIN_SAMPLES": "300", "REFLOW_FINETUNE_STEPS": "100",
     "REFLOW_AB_MIN_SAMPLES": "50", "REFLOW_AB_EVALUATE_S": "3", "REFLOW_AB_MAX_LATENCY_RATIO": "3",
