@@ -58,6 +58,12 @@ ARGUMENTS = [ctypes.c_void_p] * 12 + [ctypes.c_float, ctypes.c_int]
 def _library() -> ctypes.CDLL | None:
     """The kernels, compiled and loaded once per process; None (said once, in the log) where they
     cannot be built here."""
+    return build(SOURCE)
+
+
+def build(source: Path) -> ctypes.CDLL | None:
+    """The kernels of `source` (SOURCE, or another version of it), compiled for this CPU and
+    loaded; None, with a warning naming the fix, where they cannot be built here."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         logger.warning("attention on the CPU runs as torch operators, slower: %s", INSTALL_HINT)
@@ -66,14 +72,14 @@ def _library() -> ctypes.CDLL | None:
         built = Path(directory) / "paged_attention.so"
         try:
             result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
+                [compiler, *FLAGS, str(source), "-o", str(built)], capture_output=True, text=True, timeout=300
             )
         except (OSError, subprocess.TimeoutExpired) as error:
             result = subprocess.CompletedProcess([compiler], 1, "", str(error))
         if result.returncode != 0:
             logger.warning(
                 "attention on the CPU runs as torch operators, slower: %s failed to build %s "
-                "(%s); %s", compiler, SOURCE.name, result.stderr.strip()[-500:], INSTALL_HINT
+                "(%s); %s", compiler, source.name, result.stderr.strip()[-500:], INSTALL_HINT
             )  # fmt: skip
             return None
         library = ctypes.CDLL(str(built))  # mapped: the file may go

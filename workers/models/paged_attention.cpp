@@ -6,11 +6,13 @@
 // their slots of the pool, then computes each query token's attention over the keys of its own
 // sequence, read in place from the sequence's blocks (never gathered into a copy), in float32,
 // rounded to the output dtype once. Each query's arithmetic depends on its own inputs only: its
-// dot products run in fixed lanes over the head's features, its softmax and weighted sum over its
-// own keys in order, by the same code whatever else the call holds. So a token's attention has
-// the same bits alone, in a batch, in a prefill chunk of any length, verifying a draft or packed
-// beside other sequences' tokens; sharing each key's reads among the queries of a work item (up
-// to QUERY_TOKENS of one sequence), and the threads, only decide who computes what.
+// dot products run in fixed lanes over the head's features (LANES keys at a time from its first,
+// summed as one key's are), its softmax and weighted sum over its own keys in order, by the same
+// code whatever else the call holds. So a token's attention has the same bits alone, in a batch,
+// in a prefill chunk of any length, verifying a draft or packed beside other sequences' tokens;
+// sharing each key slot's reads among the queries of a work item (up to QUERY_TOKENS of one
+// sequence, through one or all of its key/value heads), and the threads, only decide who computes
+// what.
 //
 // The arithmetic is written in GCC's vector types (`Lanes`), which compile to the CPU's own
 // vector instructions (-march=native), fused multiply-adds included where it has them.
@@ -26,6 +28,7 @@ constexpr int64_t LANES = 8;         // a dot product's running sums, and a soft
 constexpr int64_t QUERY_TOKENS = 8;  // query tokens of one sequence per work item
 // query-key pairs below which a call runs on its own thread: waking the others costs more
 constexpr int64_t PARALLEL_PAIRS = 4096;
+constexpr int64_t PREFETCH_KEYS = 8;  // keys ahead whose slots are fetched while one is widened
 
 struct BFloat16 {
   uint16_t bits;
@@ -87,6 +90,20 @@ inline float sum_lanes(Lanes v) {  // pairwise: lanes 0-3 plus 4-7, then 0-1 plu
   return quarter[0] + quarter[1];
 }
 
+// sum_lanes of each of eight vectors, as the lanes of one: the same sums, added in the same order
+inline Lanes sum_lanes8(const Lanes* a) {
+  Lanes half[4];  // lanes 0-3 plus 4-7: vectors 2p and 2p + 1 side by side
+  for (int p = 0; p < 4; ++p)
+    half[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+              __builtin_shufflevector(a[2 * p], a[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  Lanes quarter[2];  // then 0-1 plus 2-3: vectors 4p to 4p + 3 side by side
+  for (int p = 0; p < 2; ++p)
+    quarter[p] = __builtin_shufflevector(half[2 * p], half[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+                 __builtin_shufflevector(half[2 * p], half[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(quarter[0], quarter[1], 0, 2, 4, 6, 8, 10, 12, 14) +  // then 0 plus 1
+         __builtin_shufflevector(quarter[0], quarter[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 // e^x of each lane, for x <= 0 (Cephes' expf, ~1 ulp): std::exp's calls cost more than the rest
 // of a decode step's softmax
 inline Lanes exp_nonpositive(Lanes x) {
@@ -135,69 +152,120 @@ inline float dot(const float* q, const float* k, int64_t d) {
   return sum_lanes(sums);
 }
 
-// Attention of the call's query tokens [t0, t1), all of row b's, through key/value head kvh: the
-// group of query heads that head serves, every token's keys from the first its window allows to
-// its own. Each key (and value) is read and widened to float32 once for all those queries.
+// N * LANES features of the weighted sum of values [from, to] (each `stride` apart), keys in
+// order: N sums at once, as each add waits on its last
+template <int N>
+inline void weigh(const float* weights, const float* values, int64_t stride, int64_t from, int64_t to, float* sum) {
+  Lanes sums[N] = {};
+  for (int64_t key = from; key <= to; ++key)
+    for (int n = 0; n < N; ++n) sums[n] += weights[key] * load_lanes(values + key * stride + n * LANES);
+  for (int n = 0; n < N; ++n) store_lanes(sum + n * LANES, sums[n]);
+}
+
+// Attention of the call's query tokens [t0, t1), all of row b's, through key/value heads [h0, h1):
+// the groups of query heads those heads serve, every token's keys from the first its window allows
+// to its own. Each key (and value) slot is read once, its heads side by side, and widened to
+// float32 once for all those queries.
 template <typename T>
 void attend(const T* q, const T* rope, const T* k_pool, const T* v_pool, const int64_t* table,
-            const int64_t* positions, T* out, const Shape& s, int64_t b, int64_t kvh, int64_t t0,
+            const int64_t* positions, T* out, const Shape& s, int64_t b, int64_t h0, int64_t h1, int64_t t0,
             int64_t t1) {
   const int64_t group = s.heads / s.kv_heads, d = s.dim, slot_size = s.kv_heads * d;
-  const int64_t n_queries = (t1 - t0) * group;
+  const int64_t per_head = (t1 - t0) * group, n_queries = (h1 - h0) * per_head, width = (h1 - h0) * d;
   // Each thread's buffers, grown to the longest range seen and kept: no allocation per call
   thread_local std::vector<int64_t> first, last, offsets;
-  thread_local std::vector<float> queries, widened, scores, sums;
+  thread_local std::vector<float> queries, keys, values, scores, sums;
   first.resize(n_queries);  // each query's keys: [first, last]
   last.resize(n_queries);
   queries.resize(n_queries * d);
   int64_t lo = INT64_MAX, hi = 0;
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t pos = positions[t];
-    const int64_t from = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
-    lo = std::min(lo, from);
-    hi = std::max(hi, pos);
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t i = (t - t0) * group + g;
-      first[i] = from;
-      last[i] = pos;
-      const T* src = q + t * s.q_token + (kvh * group + g) * d;
-      float* query = &queries[i * d];
-      if (rope != nullptr) {
-        const T* angles = rope + t * 2 * d;
-        for (int64_t j = 0; j < d; ++j) query[j] = turned(src, angles, j, d).load();
-      } else {
-        for (int64_t j = 0; j < d; ++j) query[j] = src[j].load();
+  for (int64_t kvh = h0; kvh < h1; ++kvh) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pos = positions[t];
+      const int64_t from = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
+      lo = std::min(lo, from);
+      hi = std::max(hi, pos);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = (kvh - h0) * per_head + (t - t0) * group + g;  // query i: head kvh's first
+        first[i] = from;
+        last[i] = pos;
+        const T* src = q + t * s.q_token + (kvh * group + g) * d;
+        float* query = &queries[i * d];
+        if (rope != nullptr) {
+          const T* angles = rope + t * 2 * d;
+          for (int64_t j = 0; j < d; ++j) query[j] = turned(src, angles, j, d).load();
+        } else {
+          for (int64_t j = 0; j < d; ++j) query[j] = src[j].load();
+        }
       }
     }
   }
   const int64_t span = hi - lo + 1;
-  offsets.resize(span);  // where key lo + n of this head lies in the pools
+  offsets.resize(span);  // where key lo + n of head h0 lies in the pools (heads h0 to h1 side by side)
   for (int64_t key = lo, block = lo / s.block_size, at = lo % s.block_size; key <= hi; ++key) {
-    offsets[key - lo] = (table[b * s.n_read + block] * s.block_size + at) * slot_size + kvh * d;
+    offsets[key - lo] = (table[b * s.n_read + block] * s.block_size + at) * slot_size + h0 * d;
     if (++at == s.block_size) at = 0, ++block;
   }
-  // The range's keys, then its values, widened to float32 once for every query
-  widened.resize(span * d);
+  // The range's keys and values, widened to float32 once for every query, read slot after slot
+  // with the slots PREFETCH_KEYS ahead on their way from memory
+  keys.resize(span * width);
+  values.resize(span * width);
   scores.resize(n_queries * span);
   sums.resize(n_queries * d);
-  auto widen = [&](const T* pool) {
-    for (int64_t key = 0; key < span; ++key)
-      for (int64_t j = 0; j < d; ++j) widened[key * d + j] = pool[offsets[key] + j].load();
-  };
-  widen(k_pool);
-  for (int64_t i = 0; i < n_queries; ++i)
-    for (int64_t key = first[i]; key <= last[i]; ++key)
-      scores[i * span + key - lo] = dot(&queries[i * d], &widened[(key - lo) * d], d) * s.scale;
+  for (int64_t key = 0; key < span; ++key) {
+    if (key + PREFETCH_KEYS < span) {
+      const char* k_ahead = reinterpret_cast<const char*>(k_pool + offsets[key + PREFETCH_KEYS]);
+      const char* v_ahead = reinterpret_cast<const char*>(v_pool + offsets[key + PREFETCH_KEYS]);
+      for (int64_t byte = 0; byte < width * int64_t(sizeof(T)); byte += 64) {
+        __builtin_prefetch(k_ahead + byte);
+        __builtin_prefetch(v_ahead + byte);
+      }
+    }
+    const T* k_slot = k_pool + offsets[key];
+    const T* v_slot = v_pool + offsets[key];
+    for (int64_t j = 0; j < width; ++j) keys[key * width + j] = k_slot[j].load();
+    for (int64_t j = 0; j < width; ++j) values[key * width + j] = v_slot[j].load();
+  }
+  for (int64_t i = 0; i < n_queries; ++i) {  // each query's dot products, scaled
+    const int64_t head = i / per_head * d;  // its key/value head's features in a widened slot
+    const float* query = &queries[i * d];
+    int64_t key = first[i];
+    for (; key + LANES - 1 <= last[i]; key += LANES) {  // LANES keys at once, each its own dot
+      Lanes dots[LANES] = {};
+      const float* first_key = &keys[(key - lo) * width + head];
+      for (int64_t j = 0; j < d; j += LANES) {
+        const Lanes features = load_lanes(query + j);
+        for (int64_t n = 0; n < LANES; ++n) dots[n] += features * load_lanes(first_key + n * width + j);
+      }
+      store_lanes(&scores[i * span + key - lo], sum_lanes8(dots) * s.scale);
+    }
+    for (; key <= last[i]; ++key)
+      scores[i * span + key - lo] = dot(query, &keys[(key - lo) * width + head], d) * s.scale;
+  }
   // Softmax over each query's own keys, key l of its range in lane l % LANES
   for (int64_t i = 0; i < n_queries; ++i) {
     float* weights = &scores[i * span + (first[i] - lo)];
     const int64_t n = last[i] - first[i] + 1;
     float top = -INFINITY;
-    for (int64_t l = 0; l < n; ++l) top = std::max(top, weights[l]);
+    int64_t l = 0;
+    if (n >= LANES) {
+      Lanes tops = load_lanes(weights);
+      for (l = LANES; l + LANES <= n; l += LANES) {
+        const Lanes next = load_lanes(weights + l);
+        tops = tops > next ? tops : next;
+      }
+      for (int64_t lane = 0; lane < LANES; ++lane) top = std::max(top, tops[lane]);
+    }
+    for (; l < n; ++l) top = std::max(top, weights[l]);
     Lanes total{};
-    for (int64_t l = 0; l < n; l += LANES) {
+    for (l = 0; l + LANES <= n; l += LANES) {
+      const Lanes e = exp_nonpositive(load_lanes(weights + l) - top);
+      total += e;
+      store_lanes(weights + l, e);
+    }
+    if (l < n) {
       float chunk[LANES] = {};
-      const int64_t width = std::min(LANES, n - l);
+      const int64_t width = n - l;
       std::memcpy(chunk, weights + l, width * sizeof(float));
       store_lanes(chunk, exp_nonpositive(load_lanes(chunk) - top));
       std::fill(chunk + width, chunk + LANES, 0.0f);  // past the range: no weight
@@ -205,41 +273,27 @@ void attend(const T* q, const T* rope, const T* k_pool, const T* v_pool, const i
       std::memcpy(weights + l, chunk, width * sizeof(float));
     }
     const float inverse = 1.0f / sum_lanes(total);
-    for (int64_t l = 0; l < n; ++l) weights[l] *= inverse;
+    for (l = 0; l < n; ++l) weights[l] *= inverse;
   }
   // The weighted sum of the values, keys in order, LANES features at a time
-  widen(v_pool);
   for (int64_t i = 0; i < n_queries; ++i) {
     const float* weights = &scores[i * span];  // key lo + n at n
     float* sum = &sums[i * d];
+    const int64_t head = i / per_head * d;
     int64_t j = 0;
-    for (; j + 4 * LANES <= d; j += 4 * LANES) {  // four sums at once: each add waits on its last
-      Lanes s0{}, s1{}, s2{}, s3{};
-      for (int64_t key = first[i] - lo; key <= last[i] - lo; ++key) {
-        const float* value = &widened[key * d + j];
-        s0 += weights[key] * load_lanes(value);
-        s1 += weights[key] * load_lanes(value + LANES);
-        s2 += weights[key] * load_lanes(value + 2 * LANES);
-        s3 += weights[key] * load_lanes(value + 3 * LANES);
+    for (; j + 8 * LANES <= d; j += 8 * LANES) weigh<8>(weights, &values[head + j], width, first[i] - lo, last[i] - lo, sum + j);
+    for (; j + 4 * LANES <= d; j += 4 * LANES) weigh<4>(weights, &values[head + j], width, first[i] - lo, last[i] - lo, sum + j);
+    for (; j < d; j += LANES) weigh<1>(weights, &values[head + j], width, first[i] - lo, last[i] - lo, sum + j);
+  }
+  for (int64_t kvh = h0; kvh < h1; ++kvh) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = (kvh - h0) * per_head + (t - t0) * group + g;
+        T* dst = out + (t * s.heads + kvh * group + g) * d;
+        for (int64_t j = 0; j < d; ++j) dst[j] = T::store(sums[i * d + j]);
       }
-      store_lanes(sum + j, s0);
-      store_lanes(sum + j + LANES, s1);
-      store_lanes(sum + j + 2 * LANES, s2);
-      store_lanes(sum + j + 3 * LANES, s3);
-    }
-    for (; j < d; j += LANES) {
-      Lanes s0{};
-      for (int64_t key = first[i] - lo; key <= last[i] - lo; ++key)
-        s0 += weights[key] * load_lanes(&widened[key * d + j]);
-      store_lanes(sum + j, s0);
     }
   }
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t i = (t - t0) * group + g;
-      T* dst = out + (t * s.heads + kvh * group + g) * d;
-      for (int64_t j = 0; j < d; ++j) dst[j] = T::store(sums[i * d + j]);
-    }
 }
 
 template <typename T>
@@ -262,14 +316,18 @@ void paged_attention(const T* q, const T* k, const T* v, const T* rope, T* k_poo
   int64_t longest = 0;
   for (int64_t b = 0; b < s.rows; ++b) longest = std::max(longest, starts[b + 1] - starts[b]);
   const int64_t chunks = (longest + QUERY_TOKENS - 1) / QUERY_TOKENS;
-  const int64_t items = s.rows * s.kv_heads * chunks;
+  // A work item attends through every key/value head of its slots where the items are enough to
+  // keep the threads busy, else through one (a long prompt's few chunks, one sequence's decode)
+  const int64_t parts = s.rows * chunks >= 4 * threads ? 1 : s.kv_heads;
+  const int64_t items = s.rows * parts * chunks;
   const int64_t pairs = s.tokens * s.heads * s.n_read * s.block_size;  // at most
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (items > 1 && pairs >= PARALLEL_PAIRS)
   for (int64_t item = 0; item < items; ++item) {
-    const int64_t chunk = item % chunks, kvh = item / chunks % s.kv_heads, b = item / chunks / s.kv_heads;
+    const int64_t chunk = item % chunks, part = item / chunks % parts, b = item / chunks / parts;
+    const int64_t h0 = part * s.kv_heads / parts, h1 = (part + 1) * s.kv_heads / parts;
     const int64_t t0 = starts[b] + chunk * QUERY_TOKENS;
     const int64_t t1 = std::min(starts[b + 1], t0 + QUERY_TOKENS);
-    if (t0 < t1) attend(q, rope, k_pool, v_pool, table, positions, out, s, b, kvh, t0, t1);
+    if (t0 < t1) attend(q, rope, k_pool, v_pool, table, positions, out, s, b, h0, h1, t0, t1);
   }
 }
 
