@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from workers.models import native
 from workers.models.kv_cache import CacheView, KeyMask, PagedKVCache, paged_attention
 from workers.models.linears import StackedLinear, pack_linears
 from workers.models.lora import Adapter, AdapterRows, project, project_stacked
@@ -147,7 +148,8 @@ def rope_table(config: LlamaConfig, length: int) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm: normalised in float32, scaled in the input's dtype."""
+    """transformers' LlamaRMSNorm: normalised in float32, scaled in the input's dtype; in one C++
+    kernel where a served bfloat16 or float16 forward runs on the CPU (`native.normalizes`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -155,6 +157,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if native.normalizes(x, self.weight):
+            return native.rms_norm(x, self.weight, self.eps)
         # torch's kernel computes x * rsqrt(mean(x^2) + eps) as transformers' three steps do, bit
         # for bit, and in float32 for bfloat16 and float16 input, rounded once, as transformers'
         # cast to float32 and back does (checked on widths 64 to 4096, scales 0.01 to 30)

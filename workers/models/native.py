@@ -1,12 +1,13 @@
-"""Paged attention in C++ for bfloat16, float16 and float32 on the CPU (`paged_attention.cpp`),
-compiled for this CPU the first time a process needs it.
+"""reflow's C++ kernels on the CPU, compiled for this CPU the first time a process needs them: paged
+attention for bfloat16, float16 and float32 (`paged_attention.cpp`), and RMSNorm for bfloat16 and
+float16 in served forwards (`rms_norm.cpp`).
 
 Why: a decode step's attention made of torch operators (`kv_cache.grouped_attention`: gather the
 blocks, two batched products, a masked float32 softmax) is a dozen small kernels a layer, and
 bfloat16 products as small as one query's cost far more than their arithmetic where the CPU has no
 bfloat16 instructions. The kernel reads each sequence's keys and values in place in its blocks, once
 for all the queries that share them, and computes in float32 in the CPU's vector instructions,
-for heads a multiple of HEAD_DIM_MULTIPLE wide. Measured with `benchmarks/decode_attention.py`
+for heads a multiple of LANES wide. Measured with `benchmarks/decode_attention.py`
 (docs/benchmarks.md).
 
 Its arithmetic is its own: bits differ from the torch operators' (it rounds once, they round the
@@ -18,10 +19,19 @@ attends a step runs in one packed forward (workers/runner.py), which took a floa
 72 to 87 tokens/s at 16 streams on an AVX2 EPYC (docs/benchmarks.md). A compiled step
 (`torch.compile`) attends through the torch operators, which inductor fuses.
 
-The source is compiled with the C++ compiler `CXX` names (else `g++`, `c++`), `-march=native`,
+RMSNorm: torch's norm is a composite of eight operators (a cast, a square, a mean, an add, rsqrt, a
+product, a cast back, the weight's product), 70 us a norm at 16 rows of SmolLM2 in bfloat16 on 2
+cores of a Xeon, 61 norms a step. The kernel is one pass over each row with transformers'
+arithmetic except the order in which it sums the squares (the source file says how), so a row's
+bits are the same in any batch and differ from transformers' in about one element in 100,000.
+float32 keeps torch's operators (float32 greedy tokens are transformers'), and so does anything
+autograd differentiates (a fine-tune's forward): the kernel normalises where no gradient is
+recorded, as a worker's forwards and evaluations run.
+
+The sources are compiled with the C++ compiler `CXX` names (else `g++`, `c++`), `-march=native`,
 into a private temporary directory, in about 2 s, and loaded from there; OpenMP resolves to the
-runtime torch already loaded, so the kernel's threads are torch's. Where no compiler is found or
-the build fails, a warning names the fix and attention runs as torch operators.
+runtime torch already loaded, so the kernels' threads are torch's. Where no compiler is found or
+the build fails, a warning names the fix and attention and norms run as torch operators.
 """
 
 from __future__ import annotations
@@ -41,17 +51,21 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+NORM_SOURCE = Path(__file__).with_name("rms_norm.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{SOURCE.parent}")  # vectors.h
 SYMBOLS = {
     torch.bfloat16: "paged_attention_bfloat16",
     torch.float16: "paged_attention_float16",
     torch.float32: "paged_attention_float32",
 }
+NORM_SYMBOLS = {torch.bfloat16: "rms_norm_bfloat16", torch.float16: "rms_norm_float16"}
 INSTALL_HINT = "install a C++ compiler (e.g. `apt-get install g++`) or name one in CXX"
-HEAD_DIM_MULTIPLE = 8  # the kernel reads a head's features 8 at a time (its LANES)
+LANES = 8  # the kernels read features 8 at a time (vectors.h): a head's, or a normed row's, a multiple of it
 
 # q, k, v, rope, the two pools, write, read, positions, starts, out, dims; scale; threads
 ARGUMENTS = [ctypes.c_void_p] * 12 + [ctypes.c_float, ctypes.c_int]
+# x, weight, out; rows, width; eps; threads
+NORM_ARGUMENTS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
 
 
 @functools.cache
@@ -61,9 +75,10 @@ def _library() -> ctypes.CDLL | None:
     return build(SOURCE)
 
 
-def build(source: Path) -> ctypes.CDLL | None:
-    """The kernels of `source` (SOURCE, or another version of it), compiled for this CPU and
-    loaded; None, with a warning naming the fix, where they cannot be built here."""
+def build(attention_source: Path) -> ctypes.CDLL | None:
+    """The kernels, the attention of `attention_source` (SOURCE, or another version of it),
+    compiled for this CPU and loaded; None, with a warning naming the fix, where they cannot be
+    built here."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         logger.warning("attention on the CPU runs as torch operators, slower: %s", INSTALL_HINT)
@@ -72,20 +87,24 @@ def build(source: Path) -> ctypes.CDLL | None:
         built = Path(directory) / "paged_attention.so"
         try:
             result = subprocess.run(
-                [compiler, *FLAGS, str(source), "-o", str(built)], capture_output=True, text=True, timeout=300
+                [compiler, *FLAGS, str(attention_source), str(NORM_SOURCE), "-o", str(built)],
+                capture_output=True,
+                text=True,
+                timeout=300,
             )
         except (OSError, subprocess.TimeoutExpired) as error:
             result = subprocess.CompletedProcess([compiler], 1, "", str(error))
         if result.returncode != 0:
             logger.warning(
                 "attention on the CPU runs as torch operators, slower: %s failed to build %s "
-                "(%s); %s", compiler, source.name, result.stderr.strip()[-500:], INSTALL_HINT
+                "(%s); %s", compiler, attention_source.name, result.stderr.strip()[-500:], INSTALL_HINT
             )  # fmt: skip
             return None
         library = ctypes.CDLL(str(built))  # mapped: the file may go
-    for symbol in SYMBOLS.values():
-        function = getattr(library, symbol)
-        function.argtypes, function.restype = ARGUMENTS, None
+    for symbols, arguments in ((SYMBOLS, ARGUMENTS), (NORM_SYMBOLS, NORM_ARGUMENTS)):
+        for symbol in symbols.values():
+            function = getattr(library, symbol)
+            function.argtypes, function.restype = arguments, None
     return library
 
 
@@ -96,8 +115,8 @@ def available(dtype: torch.dtype) -> bool:
 
 def attends(q: Tensor) -> bool:
     """Whether the kernel attends queries `q` ([..., D]): on the CPU, in a dtype it takes, with D
-    a multiple of HEAD_DIM_MULTIPLE, where it builds."""
-    return q.device.type == "cpu" and q.shape[-1] % HEAD_DIM_MULTIPLE == 0 and available(q.dtype)
+    a multiple of LANES, where it builds."""
+    return q.device.type == "cpu" and q.shape[-1] % LANES == 0 and available(q.dtype)
 
 
 def paged_attention(
@@ -148,3 +167,33 @@ def paged_attention(
         starts.data_ptr(), out.data_ptr(), dims, scale, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def normalizes(x: Tensor, weight: Tensor) -> bool:
+    """Whether `rms_norm` normalises `x` with `weight` here: on the CPU, in bfloat16 or float16 (the
+    weight's dtype too), rows a multiple of LANES wide, with no gradient recorded and no
+    step being compiled, where the kernels build."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in NORM_SYMBOLS
+        and weight.dtype == x.dtype
+        and x.shape[-1] % LANES == 0
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and _library() is not None
+    )
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' LlamaRMSNorm of `x` [..., W] scaled by `weight` [W], its squares summed in the
+    kernel's order (rms_norm.cpp). `normalizes(x, weight)` must be true."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width).contiguous()
+    weight = weight.contiguous()
+    out = torch.empty_like(rows)
+    library = _library()
+    assert library is not None and weight.shape == (width,)
+    getattr(library, NORM_SYMBOLS[x.dtype])(
+        rows.data_ptr(), weight.data_ptr(), out.data_ptr(), len(rows), width, eps, torch.get_num_threads()
+    )
+    return out.view(x.shape)

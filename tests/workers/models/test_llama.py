@@ -96,7 +96,8 @@ def test_logits_equal_transformers_over_a_prefill_and_32_decode_steps(checkpoint
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_the_norm_gives_transformers_bits_in_every_dtype(dtype: torch.dtype) -> None:
-    """Normalised in float32 and rounded once to the input's dtype, as LlamaRMSNorm's casts do."""
+    """Normalised in float32 and rounded once to the input's dtype, as LlamaRMSNorm's casts do (as
+    autograd runs it here; a served forward's norms in bfloat16 and float16: test_native.py)."""
     generator = torch.Generator().manual_seed(0)
     for width, scale in [(64, 0.01), (576, 1.0), (960, 30.0), (2048, 1.0)]:
         reference = transformers().models.llama.modeling_llama.LlamaRMSNorm(width, eps=1e-5)

@@ -1,4 +1,5 @@
-"""The native paged attention kernel that bfloat16, float16 and float32 attend with on the CPU (native.py)."""
+"""The native kernels on the CPU (native.py): paged attention that bfloat16, float16 and float32
+attend with, and the RMSNorm of served bfloat16 and float16 forwards."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from workers.models import native
 from workers.models.kv_cache import CacheView, PagedKVCache, grouped_attention, paged_attention
-from workers.models.llama import LlamaConfig, rope_table
+from workers.models.llama import LlamaConfig, RMSNorm, rope_table
 from workers.models.rotary import Rotation
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, LAYER = 6, 2, 16, 3, 1
@@ -184,15 +185,64 @@ def assert_attends_as_torch_operators(head_dim: int) -> None:
     )
 
 
-def test_without_a_compiler_attention_runs_as_torch_operators(
+def test_without_a_compiler_attention_and_norms_run_as_torch_operators(
     no_compiler: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert not native.available(torch.bfloat16)
     assert "install a C++ compiler (e.g. `apt-get install g++`)" in caplog.text
     assert_attends_as_torch_operators(HEAD_DIM)
+    norm, x = random_norm(torch.bfloat16, 64, seed=0)
+    with torch.inference_mode():
+        assert not native.normalizes(x, norm.weight)
+        assert torch.equal(norm(x), as_torch_operators(norm, x))
+
+
+def random_norm(
+    dtype: torch.dtype, width: int, seed: int, scale: float = 1.0
+) -> tuple[RMSNorm, torch.Tensor]:
+    """An RMSNorm of random weights and 64 rows of 3 tokens to normalise, in `dtype`."""
+    generator = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(width, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(width, generator=generator).to(dtype)
+    return norm, (torch.randn(64, 3, width, generator=generator) * scale).to(dtype)
+
+
+def as_torch_operators(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """What `norm` gives where the kernel does not normalise: torch's norm, transformers' bits
+    (tests/workers/models/test_llama.py)."""
+    return norm.weight * F.rms_norm(x, (x.shape[-1],), eps=norm.eps)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_served_norm_gives_a_row_the_same_bits_in_any_batch_and_transformers_bits_nearly_always(
+    dtype: torch.dtype,
+) -> None:
+    for width, scale in [(64, 0.01), (576, 1.0), (960, 30.0), (2048, 1.0)]:
+        norm, x = random_norm(dtype, width, seed=width, scale=scale)
+        with torch.inference_mode():
+            assert native.normalizes(x, norm.weight)
+            served = norm(x)
+            assert all(torch.equal(norm(x[row, token]), served[row, token])
+                       for row in range(0, 64, 7) for token in range(3))  # fmt: skip
+            reference = as_torch_operators(norm, x)
+        # the same arithmetic but the order of the sum of squares: its two roundings (normed, then
+        # scaled) may each go the other way, rarely
+        assert (served != reference).float().mean() < 1e-3
+        torch.testing.assert_close(served, reference, rtol=2 * torch.finfo(dtype).eps, atol=0)
+
+
+def test_a_norm_runs_as_torch_operators_in_float32_and_under_autograd() -> None:
+    """float32 greedy tokens stay transformers', and a fine-tune's forward differentiates the norm."""
+    norm, x = random_norm(torch.float32, 64, seed=1)
+    with torch.inference_mode():
+        assert not native.normalizes(x, norm.weight)
+    norm, x = random_norm(torch.bfloat16, 64, seed=1)
+    assert not native.normalizes(x, norm.weight)  # autograd records this forward
+    assert torch.equal(norm(x), as_torch_operators(norm, x))
 
 
 @needs_kernel
 def test_a_head_width_the_kernel_does_not_take_attends_as_torch_operators() -> None:
-    assert_attends_as_torch_operators(HEAD_DIM + native.HEAD_DIM_MULTIPLE // 2)
+    assert_attends_as_torch_operators(HEAD_DIM + native.LANES // 2)
