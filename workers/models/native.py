@@ -50,9 +50,9 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 NORM_SOURCE = Path(__file__).with_name("rms_norm.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{SOURCE.parent}")  # vectors.h
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{Path(__file__).parent}")  # vectors.h
 SYMBOLS = {
     torch.bfloat16: "paged_attention_bfloat16",
     torch.float16: "paged_attention_float16",
@@ -72,19 +72,19 @@ NORM_ARGUMENTS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float,
 def _library() -> ctypes.CDLL | None:
     """The kernels, compiled and loaded once per process; None (said once, in the log) where they
     cannot be built here."""
-    return build(SOURCE)
+    return build(ATTENTION_SOURCE)
 
 
 def build(attention_source: Path) -> ctypes.CDLL | None:
-    """The kernels, the attention of `attention_source` (SOURCE, or another version of it),
+    """The kernels, the attention of `attention_source` (ATTENTION_SOURCE, or another version of it),
     compiled for this CPU and loaded; None, with a warning naming the fix, where they cannot be
     built here."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        logger.warning("attention on the CPU runs as torch operators, slower: %s", INSTALL_HINT)
+        logger.warning("attention and norms on the CPU run as torch operators, slower: %s", INSTALL_HINT)
         return None
     with tempfile.TemporaryDirectory(prefix="reflow-kernels-") as directory:  # 0700
-        built = Path(directory) / "paged_attention.so"
+        built = Path(directory) / "kernels.so"
         try:
             result = subprocess.run(
                 [compiler, *FLAGS, str(attention_source), str(NORM_SOURCE), "-o", str(built)],
@@ -96,8 +96,9 @@ def build(attention_source: Path) -> ctypes.CDLL | None:
             result = subprocess.CompletedProcess([compiler], 1, "", str(error))
         if result.returncode != 0:
             logger.warning(
-                "attention on the CPU runs as torch operators, slower: %s failed to build %s "
-                "(%s); %s", compiler, attention_source.name, result.stderr.strip()[-500:], INSTALL_HINT
+                "attention and norms on the CPU run as torch operators, slower: %s failed to build "
+                "%s and %s (%s); %s", compiler, attention_source.name, NORM_SOURCE.name,
+                result.stderr.strip()[-500:], INSTALL_HINT,
             )  # fmt: skip
             return None
         library = ctypes.CDLL(str(built))  # mapped: the file may go
