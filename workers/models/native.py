@@ -23,7 +23,7 @@ RMSNorm: torch's norm is a composite of eight operators (a cast, a square, a mea
 product, a cast back, the weight's product), 70 us a norm at 16 rows of SmolLM2 in bfloat16 on 2
 cores of a Xeon, 61 norms a step. The kernel is one pass over each row with transformers'
 arithmetic except the order in which it sums the squares (the source file says how), so a row's
-bits are the same in any batch and differ from transformers' in about one element in 100,000.
+bits are the same in any batch and differ from transformers' in one element in 10,000 to 100,000.
 float32 keeps torch's operators (float32 greedy tokens are transformers'), and so does anything
 autograd differentiates (a fine-tune's forward): the kernel normalises where no gradient is
 recorded, as a worker's forwards and evaluations run.
@@ -172,12 +172,13 @@ def paged_attention(
 
 def normalizes(x: Tensor, weight: Tensor) -> bool:
     """Whether `rms_norm` normalises `x` with `weight` here: on the CPU, in bfloat16 or float16 (the
-    weight's dtype too), rows a multiple of LANES wide, with no gradient recorded and no
-    step being compiled, where the kernels build."""
+    weight's dtype and device too, one weight a feature), rows a multiple of LANES wide, with no
+    gradient recorded and no step being compiled, where the kernels build."""
     return (
         x.device.type == "cpu"
         and x.dtype in NORM_SYMBOLS
-        and weight.dtype == x.dtype
+        and (weight.dtype, weight.device, weight.shape) == (x.dtype, x.device, x.shape[-1:])
+        and x.shape[-1] > 0
         and x.shape[-1] % LANES == 0
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()

@@ -30,6 +30,8 @@ constexpr int64_t QUERY_TOKENS = 8;  // query tokens of one sequence per work it
 // query-key pairs below which a call runs on its own thread: waking the others costs more
 constexpr int64_t PARALLEL_PAIRS = 4096;
 constexpr int64_t PREFETCH_KEYS = 8;  // keys ahead whose slots are fetched while one is widened
+// most floats of a work item's widened keys (and as many values) read slot by slot, all heads: 2 MB
+constexpr int64_t WHOLE_SLOT_FLOATS = 1 << 19;
 
 // sum_lanes of each of eight vectors, as the lanes of one: the same sums, added in the same order
 inline Lanes sum_lanes8(const Lanes* a) {
@@ -258,8 +260,11 @@ void paged_attention(const T* q, const T* k, const T* v, const T* rope, T* k_poo
   for (int64_t b = 0; b < s.rows; ++b) longest = std::max(longest, starts[b + 1] - starts[b]);
   const int64_t chunks = (longest + QUERY_TOKENS - 1) / QUERY_TOKENS;
   // A work item attends through every key/value head of its slots where the items are enough to
-  // keep the threads busy, else through one (a long prompt's few chunks, one sequence's decode)
-  const int64_t parts = s.rows * chunks >= 4 * threads ? 1 : s.kv_heads;
+  // keep the threads busy and its widened slots stay small, else through one (a long prompt's few
+  // chunks, one sequence's decode, long contexts: each thread keeps its buffers, grown to the
+  // longest range it has seen)
+  const bool whole_slots = s.rows * chunks >= 4 * threads && s.n_read * s.block_size * slot_size <= WHOLE_SLOT_FLOATS;
+  const int64_t parts = whole_slots ? 1 : s.kv_heads;
   const int64_t items = s.rows * parts * chunks;
   const int64_t pairs = s.tokens * s.heads * s.n_read * s.block_size;  // at most
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (items > 1 && pairs >= PARALLEL_PAIRS)

@@ -172,6 +172,26 @@ def test_a_query_has_the_same_bits_alone_in_a_batch_in_a_chunk_and_packed(
     assert torch.equal(packed, torch.cat([batched[r, :, at].transpose(0, 1) for r, at in spans]))
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_decode_batch_read_slot_by_slot_gives_each_query_its_bits_alone(dtype: torch.dtype) -> None:
+    """Rows enough for the kernel's work items to attend through all key/value heads of each slot
+    (the batch), where a lone row attends head by head: the same bits either way, and float32
+    attention's values."""
+    rows = 4 * torch.get_num_threads() + 1
+    cache, tables = filled_cache(rows, 40, dtype, seed=6)
+    positions = [[38 - 3 * (r % 5)] for r in range(rows)]  # rows of different lengths
+    view = cache.view(tables, positions, CPU)
+    q, k, v = new_tokens(rows, 1, dtype, seed=7)
+    batched = attend(cache, view, (q, k, v), window=0)  # [B, H, 1, D]
+    turned = rotation_of(view.positions, dtype)(q)
+    torch.testing.assert_close(batched, float32_attention(cache, view, turned, window=0).to(dtype))
+    for row in range(rows):
+        one = (q[row : row + 1], k[row : row + 1], v[row : row + 1])
+        alone = attend(cache, cache.view([tables[row]], [positions[row]], CPU), one, window=0)
+        assert torch.equal(alone[0], batched[row])
+
+
 def assert_attends_as_torch_operators(head_dim: int) -> None:
     """A bfloat16 layer's attention is `grouped_attention`'s, bit for bit."""
     cache, tables = filled_cache(2, 30, torch.bfloat16, seed=4, head_dim=head_dim)
@@ -224,6 +244,7 @@ def test_a_served_norm_gives_a_row_the_same_bits_in_any_batch_and_transformers_b
         with torch.inference_mode():
             assert native.normalizes(x, norm.weight)
             served = norm(x)
+            assert torch.equal(served, native.rms_norm(x, norm.weight, norm.eps))  # through the kernel
             assert all(torch.equal(norm(x[row, token]), served[row, token])
                        for row in range(0, 64, 7) for token in range(3))  # fmt: skip
             reference = as_torch_operators(norm, x)
