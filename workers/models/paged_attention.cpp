@@ -263,7 +263,8 @@ void paged_attention(const T* q, const T* k, const T* v, const T* rope, T* k_poo
   // keep the threads busy and its widened slots stay small, else through one (a long prompt's few
   // chunks, one sequence's decode, long contexts: each thread keeps its buffers, grown to the
   // longest range it has seen)
-  const bool whole_slots = s.rows * chunks >= 4 * threads && s.n_read * s.block_size * slot_size <= WHOLE_SLOT_FLOATS;
+  const bool whole_slots =
+      s.rows * chunks >= 4 * threads && s.n_read * s.block_size * slot_size <= WHOLE_SLOT_FLOATS;
   const int64_t parts = whole_slots ? 1 : s.kv_heads;
   const int64_t items = s.rows * parts * chunks;
   const int64_t pairs = s.tokens * s.heads * s.n_read * s.block_size;  // at most
