@@ -9,7 +9,8 @@ through each server's OpenAI API, one after another in one run:
 Each server serves the model alone on this machine (`reflow up` with one worker, its scheduler's
 jobs deferred past the run; vLLM-CPU and llama.cpp's server by the setup's `start_peer.sh`), in the
 dtype its entry names: reflow in a `REFLOW_DTYPE` (float32, bfloat16, or auto, which measures them
-at load), or on its int8 or int4 copy (`REFLOW_VARIANTS`, each request naming the variant); vLLM in
+at load), or on its int8 or int4 copy (`REFLOW_VARIANTS`, each request naming the variant) of the
+weights in the dtype `auto` picks, as a user's worker holds them; vLLM in
 float32 or bfloat16 (`--dtype`); llama.cpp on the Q4_1 GGUF file itself. One OpenAI-API load generator
 (streamed chat completions, greedy, up to `--tokens` output tokens, prompts that ask for a long
 story; each server's tokens are counted as it produced them) sends, at each concurrency C, max(2C,
@@ -176,8 +177,9 @@ def busiest_processes(
 
 def start_reflow(copy: str, data: Path) -> Server:
     """`reflow up` with one worker serving SmolLM2 in `copy`: a REFLOW_DTYPE (float32, bfloat16, auto),
-    or a quantized variant (int8, int4) of its float32 weights that each request names; once it
-    wrote its endpoints."""
+    or a quantized variant (int8, int4) that each request names, of the weights in the dtype `auto`
+    picks (the copy's activations are in that dtype: bfloat16 ones where the CPU multiplies
+    bfloat16, which saves the casts around each product); once it wrote its endpoints."""
     variant = copy in QUANTIZED
     # The scheduler's jobs are the learning loop's, which no peer runs: deferred past the run. Else
     # its first evaluation, 30 s after start, imports MLflow and the experiments code (1.3 s of a
@@ -185,7 +187,7 @@ def start_reflow(copy: str, data: Path) -> Server:
     deferred = "3600"
     env = {
         "REFLOW_DATA_DIR": str(data), "REFLOW_ISOLATION": "none",
-        "REFLOW_DTYPE": "float32" if variant else copy, "REFLOW_VARIANTS": copy if variant else "",
+        "REFLOW_DTYPE": "auto" if variant else copy, "REFLOW_VARIANTS": copy if variant else "",
         "REFLOW_AB_EVALUATE_S": deferred, "REFLOW_FINETUNE_INTERVAL_S": deferred,
     }  # fmt: skip
     imported = reflow("models", "import", str(smollm2_gguf()), "--name", "smollm2", env=env)

@@ -40,6 +40,19 @@ def test_a_quantized_linear_stays_close_to_the_float_one_and_gives_each_row_the_
     assert all(torch.equal(layer(rows[i : i + 1])[0], together[i]) for i in range(len(rows)))
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@torch.inference_mode()
+def test_bfloat16_rows_give_the_products_of_the_same_rows_widened_in_any_layout(name: str) -> None:
+    # a copy of bfloat16 weights hands its rows to the kernel as they are, with no casts
+    torch.manual_seed(0)
+    layer = quantized(nn.Linear(128, 96, bias=False), name)
+    x = torch.randn(9, 2, 128).to(torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (9, 2, 96)
+    assert torch.equal(y, layer(x.float()).to(torch.bfloat16))  # the float32 path casts them
+    assert torch.equal(layer(x.transpose(0, 1)), y.transpose(0, 1))  # not contiguous: copied first
+
+
 def test_a_linear_the_int4_kernel_cannot_take_is_held_in_int8() -> None:
     assert isinstance(quantized(nn.Linear(128, 40), "int4"), Int8Linear)  # 40 outputs: not a multiple of 16
     assert isinstance(quantized(nn.Linear(48, 64), "int4"), Int8Linear)  # 48 inputs: not a multiple of 32
