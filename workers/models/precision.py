@@ -85,7 +85,7 @@ class WeightOnlyLinear(nn.Module, abc.ABC):
 
     def forward(self, x: Tensor) -> Tensor:
         # bfloat16 activations (a copy of bfloat16 weights) go to the kernel as they are: at one row
-        # the casts' and copies' calls cost as much as a fifth of a small product (4 of 30 us)
+        # the casts' and copies' calls cost a sixth of a small product (4.5 us against 29 at 576x1536)
         same = x.dtype == ACTIVATIONS
         if same and x.is_contiguous():
             rows = x.view(-1, self.in_features)
