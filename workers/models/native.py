@@ -1,6 +1,7 @@
 """reflow's C++ kernels on the CPU, compiled for this CPU the first time a process needs them: paged
-attention for bfloat16, float16 and float32 (`paged_attention.cpp`), and RMSNorm for bfloat16 and
-float16 in served forwards (`rms_norm.cpp`).
+attention for bfloat16, float16 and float32 (`paged_attention.cpp`), RMSNorm for bfloat16 and
+float16 in served forwards (`rms_norm.cpp`), and the product of bfloat16 rows with a weight-only
+copy's large int8 layers (`int8_linear.cpp`).
 
 Why: a decode step's attention made of torch operators (`kv_cache.grouped_attention`: gather the
 blocks, two batched products, a masked float32 softmax) is a dozen small kernels a layer, and
@@ -28,6 +29,13 @@ float32 keeps torch's operators (float32 greedy tokens are transformers'), and s
 autograd differentiates (a fine-tune's forward): the kernel normalises where no gradient is
 recorded, as a worker's forwards and evaluations run.
 
+int8 products: torch's `_weight_int8pack_mm` reads a large weight at well under the machine's
+bandwidth (SmolLM2's 28 MB int8 output head at 16 GB/s on 2 cores of an AMD EPYC that reads 33), the
+costliest product of a weight-only copy's one-row step; the kernel fetches the weights ahead of its
+reads and took that head from 1.9 to 1.1 ms at one row and 11.0 to 8.9 ms at 16 (int8_linear.cpp
+says how it computes). Small layers keep torch's kernel, as fast at one row and faster at more
+(`precision.Int8Linear`).
+
 The sources are compiled with the C++ compiler `CXX` names (else `g++`, `c++`), `-march=native`,
 into a private temporary directory, in about 2 s, and loaded from there; OpenMP resolves to the
 runtime torch already loaded, so the kernels' threads are torch's. Where no compiler is found or
@@ -52,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 NORM_SOURCE = Path(__file__).with_name("rms_norm.cpp")
+INT8_SOURCE = Path(__file__).with_name("int8_linear.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{Path(__file__).parent}")  # vectors.h
 SYMBOLS = {
     torch.bfloat16: "paged_attention_bfloat16",
@@ -59,6 +68,8 @@ SYMBOLS = {
     torch.float32: "paged_attention_float32",
 }
 NORM_SYMBOLS = {torch.bfloat16: "rms_norm_bfloat16", torch.float16: "rms_norm_float16"}
+INT8_SYMBOL = "int8_linear_bfloat16"
+FALLBACK = "attention, norms and int8 products on the CPU run as torch operators, slower"
 INSTALL_HINT = "install a C++ compiler (e.g. `apt-get install g++`) or name one in CXX"
 LANES = 8  # the kernels read features 8 at a time (vectors.h): a head's, or a normed row's, a multiple of it
 
@@ -66,6 +77,8 @@ LANES = 8  # the kernels read features 8 at a time (vectors.h): a head's, or a n
 ARGUMENTS = [ctypes.c_void_p] * 12 + [ctypes.c_float, ctypes.c_int]
 # x, weight, out; rows, width; eps; threads
 NORM_ARGUMENTS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+# x, weight, scales, out; rows, width, channels; threads
+INT8_ARGUMENTS = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
 @functools.cache
@@ -81,13 +94,14 @@ def build(attention_source: Path) -> ctypes.CDLL | None:
     built here."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        logger.warning("attention and norms on the CPU run as torch operators, slower: %s", INSTALL_HINT)
+        logger.warning("%s: %s", FALLBACK, INSTALL_HINT)
         return None
+    sources = (attention_source, NORM_SOURCE, INT8_SOURCE)
     with tempfile.TemporaryDirectory(prefix="reflow-kernels-") as directory:  # 0700
         built = Path(directory) / "kernels.so"
         try:
             result = subprocess.run(
-                [compiler, *FLAGS, str(attention_source), str(NORM_SOURCE), "-o", str(built)],
+                [compiler, *FLAGS, *map(str, sources), "-o", str(built)],
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -95,15 +109,19 @@ def build(attention_source: Path) -> ctypes.CDLL | None:
         except (OSError, subprocess.TimeoutExpired) as error:
             result = subprocess.CompletedProcess([compiler], 1, "", str(error))
         if result.returncode != 0:
+            names = ", ".join(source.name for source in sources)
             logger.warning(
-                "attention and norms on the CPU run as torch operators, slower: %s failed to build "
-                "%s and %s (%s); %s", compiler, attention_source.name, NORM_SOURCE.name,
-                result.stderr.strip()[-500:], INSTALL_HINT,
+                "%s: %s failed to build %s (%s); %s",
+                FALLBACK, compiler, names, result.stderr.strip()[-500:], INSTALL_HINT,
             )  # fmt: skip
             return None
         library = ctypes.CDLL(str(built))  # mapped: the file may go
-    for symbols, arguments in ((SYMBOLS, ARGUMENTS), (NORM_SYMBOLS, NORM_ARGUMENTS)):
-        for symbol in symbols.values():
+    for symbols, arguments in (
+        (SYMBOLS.values(), ARGUMENTS),
+        (NORM_SYMBOLS.values(), NORM_ARGUMENTS),
+        ([INT8_SYMBOL], INT8_ARGUMENTS),
+    ):
+        for symbol in symbols:
             function = getattr(library, symbol)
             function.argtypes, function.restype = arguments, None
     return library
@@ -199,3 +217,33 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         rows.data_ptr(), weight.data_ptr(), out.data_ptr(), len(rows), width, eps, torch.get_num_threads()
     )
     return out.view(x.shape)
+
+
+def multiplies_int8(rows: Tensor) -> bool:
+    """Whether `int8_linear` multiplies `rows` here: bfloat16 on the CPU, a multiple of LANES wide,
+    with no gradient recorded and no step being compiled, where the kernels build."""
+    return (
+        rows.device.type == "cpu"
+        and rows.dtype == torch.bfloat16
+        and rows.shape[-1] % LANES == 0
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and _library() is not None
+    )
+
+
+def int8_linear(rows: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """(rows W^T) * scales of bfloat16 `rows` [N, K] (contiguous) and int8 `weight` [M, K], one
+    bfloat16 scale an output channel ([M]): [N, M] bfloat16, each row's the same bits in any batch
+    (int8_linear.cpp). `multiplies_int8(rows)` must be true."""
+    count, width = rows.shape
+    assert all(x.is_contiguous() for x in (rows, weight, scales)) and weight.shape[1] == width
+    assert weight.dtype == torch.int8 and scales.dtype == torch.bfloat16 and scales.shape == weight.shape[:1]
+    out = torch.empty(count, len(weight), dtype=torch.bfloat16)
+    library = _library()
+    assert library is not None
+    getattr(library, INT8_SYMBOL)(
+        rows.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), count, width,
+        len(weight), torch.get_num_threads(),
+    )  # fmt: skip
+    return out

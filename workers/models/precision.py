@@ -37,6 +37,7 @@ import abc
 import torch
 from torch import Tensor, nn
 
+from workers.models import native
 from workers.models.interface import CausalLM
 from workers.models.linears import replace_layer, unpacked_copy
 from workers.models.llama import fuse_projections
@@ -45,6 +46,7 @@ QUANTIZED = ("int8", "int4")  # the weight-only precisions; the others are float
 GROUP_SIZE = 32  # int4: inputs per scale and zero point (gpt-fast's smallest; smaller keeps more)
 INT4_ROWS = 16  # int4: out_features must be a multiple of this for the kernel's packing
 ACTIVATIONS = torch.bfloat16  # what the weight-only kernels multiply
+STREAMED_BYTES = 4 << 20  # int8 weights this large are multiplied by reflow's kernel (`Int8Linear`)
 
 
 def in_precision(model: CausalLM, name: str) -> CausalLM:
@@ -101,7 +103,11 @@ class WeightOnlyLinear(nn.Module, abc.ABC):
 
 
 class Int8Linear(WeightOnlyLinear):
-    """Weights int8, one symmetric scale per output channel."""
+    """Weights int8, one symmetric scale per output channel. A layer of at least STREAMED_BYTES of
+    weights (SmolLM2's output head, 28 MB) is multiplied by reflow's kernel where it builds
+    (`native.int8_linear`: it fetches the weights ahead and reads them near the machine's bandwidth,
+    1.1 ms against torch's 1.9 for that head at one row), smaller ones by torch's (as fast at one
+    row and faster at more). Either way one kernel per layer in a process, whatever the rows."""
 
     weight: Tensor  # [out, in] int8
     scales: Tensor  # [out]
@@ -113,8 +119,11 @@ class Int8Linear(WeightOnlyLinear):
         q = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales)
+        self.streamed = q.numel() >= STREAMED_BYTES
 
     def product(self, rows: Tensor) -> Tensor:
+        if self.streamed and native.multiplies_int8(rows):
+            return native.int8_linear(rows, self.weight, self.scales)
         return torch._weight_int8pack_mm(rows, self.weight, self.scales)
 
 

@@ -1,5 +1,6 @@
 """The native kernels on the CPU (native.py): paged attention that bfloat16, float16 and float32
-attend with, and the RMSNorm of served bfloat16 and float16 forwards."""
+attend with, the RMSNorm of served bfloat16 and float16 forwards, and the product of bfloat16 rows
+with a weight-only copy's large int8 layers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from workers.models import native
 from workers.models.kv_cache import CacheView, PagedKVCache, grouped_attention, paged_attention
 from workers.models.llama import LlamaConfig, RMSNorm, rope_table
+from workers.models.precision import STREAMED_BYTES, Int8Linear
 from workers.models.rotary import Rotation
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, LAYER = 6, 2, 16, 3, 1
@@ -205,7 +207,7 @@ def assert_attends_as_torch_operators(head_dim: int) -> None:
     )
 
 
-def test_without_a_compiler_attention_and_norms_run_as_torch_operators(
+def test_without_a_compiler_attention_norms_and_int8_products_run_as_torch_operators(
     no_compiler: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger=native.__name__):
@@ -216,6 +218,10 @@ def test_without_a_compiler_attention_and_norms_run_as_torch_operators(
     with torch.inference_mode():
         assert not native.normalizes(x, norm.weight)
         assert torch.equal(norm(x), as_torch_operators(norm, x))
+        layer = Int8Linear(torch.nn.Linear(1024, STREAMED_BYTES // 1024, bias=False))
+        rows = torch.randn(3, 1024).to(torch.bfloat16)
+        assert not native.multiplies_int8(rows)
+        assert torch.equal(layer(rows), torch._weight_int8pack_mm(rows, layer.weight, layer.scales))
 
 
 def random_norm(
@@ -267,3 +273,48 @@ def test_a_norm_runs_as_torch_operators_in_float32_and_under_autograd() -> None:
 @needs_kernel
 def test_a_head_width_the_kernel_does_not_take_attends_as_torch_operators() -> None:
     assert_attends_as_torch_operators(HEAD_DIM + native.LANES // 2)
+
+
+def int8_weights(channels: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8 weights [channels, width] and their bfloat16 scales [channels]."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randint(-127, 128, (channels, width), generator=generator, dtype=torch.int8)
+    return weight, (torch.rand(channels, generator=generator) / 64).to(torch.bfloat16)
+
+
+@needs_kernel
+@torch.inference_mode()
+def test_an_int8_product_is_each_rows_dot_products_scaled_and_rounded_once() -> None:
+    weight, scales = int8_weights(203, 96, seed=0)  # channels past a whole number of tiles
+    rows = torch.randn(7, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert native.multiplies_int8(rows)
+    got = native.int8_linear(rows, weight, scales)
+    exact = rows.double() @ weight.double().T * scales.double()
+    # float32 sums carry about 2^-24 relative error, bfloat16 keeps 2^-8: the product rounded once
+    # from them is the exact one rounded, but where the exact value lies right at a rounding boundary
+    assert got.shape == (7, 203) and got.dtype == torch.bfloat16
+    assert (got != exact.to(torch.bfloat16)).float().mean() < 0.01
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)
+
+
+@needs_kernel
+@torch.inference_mode()
+def test_an_int8_product_gives_a_row_the_same_bits_alone_and_among_any_rows() -> None:
+    weight, scales = int8_weights(203, 576, seed=2)
+    rows = torch.randn(11, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    alone = torch.cat([native.int8_linear(rows[i : i + 1], weight, scales) for i in range(len(rows))])
+    for start, end in [(0, 11), (0, 4), (3, 9), (5, 6), (2, 11)]:  # whole tiles of rows and parts
+        assert torch.equal(native.int8_linear(rows[start:end].contiguous(), weight, scales), alone[start:end])
+
+
+@needs_kernel
+@torch.inference_mode()
+def test_an_int8_layer_of_streamed_size_multiplies_by_the_kernel_and_a_small_one_by_torchs() -> None:
+    rows = torch.randn(2, 5, 1024).to(torch.bfloat16)
+    large = Int8Linear(torch.nn.Linear(1024, STREAMED_BYTES // 1024, bias=False))
+    small = Int8Linear(torch.nn.Linear(1024, 96, bias=False))
+    flat, wide = rows.view(-1, 1024), large.out_features
+    assert torch.equal(large(rows).view(-1, wide), native.int8_linear(flat, large.weight, large.scales))
+    assert torch.equal(small(rows).view(-1, 96), torch._weight_int8pack_mm(flat, small.weight, small.scales))
+    with torch.enable_grad():  # an autograd-recorded forward (nothing in a served step) keeps torch's
+        assert not native.multiplies_int8(flat)
