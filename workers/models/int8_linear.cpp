@@ -45,6 +45,7 @@ void tile(const float* x, const int8_t* w, const BFloat16* scales, BFloat16* out
   Lanes sums[R][C] = {};
   for (int64_t j = 0; j < width; j += LANES) {
     Lanes weights[C];
+    // the last tiles fetch past the weights' end: a prefetch is a hint, which never faults
     for (int64_t i = 0; i < C; ++i) __builtin_prefetch(w + (c + i + PREFETCH_CHANNELS) * width + j);
     for (int64_t i = 0; i < C; ++i) weights[i] = widen(w + (c + i) * width + j);
     for (int64_t k = 0; k < R; ++k) {
