@@ -38,8 +38,8 @@ from workers.models import native
 from workers.models.llama import DTYPES, LlamaForCausalLM, serving_layout
 from workers.models.precision import in_precision
 
-SERVED: dict[str, Callable[..., bool]] = {"norm": native.normalizes, "int8": native.multiplies_int8}
 CHECKS = {"norm": "normalizes", "int8": "multiplies_int8"}  # the `native` function that says where it runs
+SERVED: dict[str, Callable[..., bool]] = {kernel: getattr(native, check) for kernel, check in CHECKS.items()}
 
 
 def kernel_with(kernel: str, name: str) -> None:

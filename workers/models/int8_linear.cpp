@@ -8,9 +8,9 @@
 // same bits alone or among any others. A tile of CHANNELS channels by ROWS rows shares each load:
 // a channel's weights are widened once for ROWS rows, a row's inputs read once for CHANNELS
 // channels. Each thread fetches the weights PREFETCH_CHANNELS channels ahead of those it multiplies:
-// without it, a 576 x 49152 head (SmolLM2's, 28 MB) read 6 GB/s on one thread of an AMD EPYC and 14 on
-// two, as torch's `_weight_int8pack_mm` does (7 and 16), where the machine reads 26 and 33; with it
-// 18 and 37 (16 channels ahead; 4 and 32 were slower).
+// without it, a 576 x 49152 head (SmolLM2's, 28 MB) read 6 GB/s on one thread of an AMD EPYC and
+// 12-15 on two, as torch's `_weight_int8pack_mm` does (7 and 13-16), where the machine reads 26 and
+// 33; with it 18 and 37 (16 channels ahead; 4 and 32 were slower).
 #include <cstdint>
 #include <vector>
 #if defined(__AVX2__)
