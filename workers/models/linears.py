@@ -31,6 +31,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from workers.models import served_forward
+
 PACKED_DTYPE = torch.bfloat16  # the weights oneDNN's packed products take here
 ROW_CHUNK = 128  # most rows in one packed product: longer inputs run in chunks of this many
 MAX_PADDED_ROWS = 8  # most rows a packed product is padded to; a shape needing more stays unpacked
@@ -138,6 +140,7 @@ def replace_layer(model: nn.Module, path: str, layer: nn.Module) -> None:
     """Puts `layer` in `model` at `path` (a submodule's full name), in place of what is there."""
     parent, _, child = path.rpartition(".")
     setattr(model.get_submodule(parent), child, layer)
+    served_forward.forget(model)
 
 
 def unpacked_copy(model: nn.Module) -> nn.Module:

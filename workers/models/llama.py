@@ -30,6 +30,7 @@ from workers.models.kv_cache import CacheView, KeyMask, PagedKVCache, paged_atte
 from workers.models.linears import StackedLinear, pack_linears
 from workers.models.lora import Adapter, AdapterRows, project, project_stacked
 from workers.models.rotary import Rotation
+from workers.models.served_forward import served_forward, serves
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -381,6 +382,9 @@ class LlamaForCausalLM(nn.Module):
             if adapters is not None:
                 raise ValueError("an adapted model applies its own adapter only")
             adapters = self.adapter.rows(b)
+        if adapters is None and serves(self, cache, view):
+            assert cache is not None and view is not None
+            return served_forward(self, tokens, cache, view, at)  # the same bits, less Python
         positions = view.positions if view is not None else torch.arange(t, device=tokens.device).expand(b, t)
         x = self.model.embed_tokens(tokens)  # [B, T, dim]
         rope = self.rope[positions]  # [B, T, 2, D] float32

@@ -51,6 +51,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -163,29 +165,77 @@ def paged_attention(
 
     A turned feature is rounded as `Rotation`'s operators in q's dtype round it (x * cos and the
     swapped half's feature * sin each rounded, then their sum), so its bits are theirs."""
-    n, heads, d = q.shape
-    kv_heads = k.shape[1]
+    _, heads, d = q.shape
     if any(x.stride(2) != 1 or x.stride(1) != d for x in (q, k, v)):
         strides = ", ".join(str(x.stride()) for x in (q, k, v))
         raise ValueError(f"each token's heads must lie side by side in q, k and v: strides {strides}")
-    library = _library()
-    assert library is not None and k_pool.is_contiguous() and v_pool.is_contiguous()
     assert all(x.dtype == q.dtype for x in (k, v, k_pool, v_pool)), "q, k, v and the pools in one dtype"
+    bound = bind_attention(
+        block_size, write, read, positions, starts, rope, (heads, k.shape[1], d), window, scale, q.dtype,
+        (q.stride(0), k.stride(0), v.stride(0)),
+    )  # fmt: skip
+    return bound(k_pool, v_pool, q, k, v)
+
+
+@dataclass(frozen=True)
+class BoundAttention:
+    """`paged_attention` for one forward's tokens, everything bound but each layer's pools and its
+    q, k and v: the view's tensors made contiguous and the kernel's dimensions packed once a
+    forward, not once a layer (`bind_attention`)."""
+
+    function: Callable[..., None]  # the kernel for the dtype
+    tensors: tuple[Tensor | None, ...]  # write, read, positions, starts, rope (or None): kept alive here
+    pointers: tuple[int | None, ...]  # their data
+    dims: ctypes.Array[ctypes.c_int64]
+    shape: tuple[int, int, int]  # the output's: [N, H, D]
+    dtype: torch.dtype
+    scale: float
+    threads: int
+
+    def __call__(self, k_pool: Tensor, v_pool: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """One layer's attention: q [N, H, D], k and v [N, KVH, D] laid out with the token strides
+        it was bound with, each token's heads side by side; the pools contiguous. Returns [N, H, D]."""
+        assert k_pool.is_contiguous() and v_pool.is_contiguous()
+        out = torch.empty(self.shape, dtype=self.dtype)
+        write, read, positions, starts, rope = self.pointers
+        self.function(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), rope, k_pool.data_ptr(), v_pool.data_ptr(), write,
+            read, positions, starts, out.data_ptr(), self.dims, self.scale, self.threads,
+        )  # fmt: skip
+        return out
+
+
+def bind_attention(
+    block_size: int,
+    write: Tensor,
+    read: Tensor,
+    positions: Tensor,
+    starts: Tensor,
+    rope: Tensor | None,
+    heads: tuple[int, int, int],
+    window: int,
+    scale: float,
+    dtype: torch.dtype,
+    token_strides: tuple[int, int, int],
+) -> BoundAttention:
+    """`paged_attention`'s call for tokens at `positions` with these slots, blocks and rope, `heads`
+    (query heads, key/value heads, head width) and `token_strides` (q's, k's and v's between two
+    tokens), bound for every layer of one forward. `available(dtype)` must be true."""
+    library = _library()
+    assert library is not None
+    n, (query_heads, kv_heads, d) = len(positions), heads
     assert starts.shape == (read.shape[0] + 1,) and write.shape == positions.shape == (n,)
     if rope is not None:
-        assert rope.dtype == q.dtype and rope.shape == (n, 2, d) and rope.is_contiguous()
+        assert rope.dtype == dtype and rope.shape == (n, 2, d) and rope.is_contiguous()
     write, read, positions, starts = (x.contiguous() for x in (write, read, positions, starts))
-    out = torch.empty(n, heads, d, dtype=q.dtype)
+    tensors = (write, read, positions, starts, rope)
     dims = (ctypes.c_int64 * 11)(
-        read.shape[0], n, heads, kv_heads, d, read.shape[1], block_size, window,
-        q.stride(0), k.stride(0), v.stride(0),
+        read.shape[0], n, query_heads, kv_heads, d, read.shape[1], block_size, window, *token_strides
     )  # fmt: skip
-    getattr(library, SYMBOLS[q.dtype])(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), None if rope is None else rope.data_ptr(),
-        k_pool.data_ptr(), v_pool.data_ptr(), write.data_ptr(), read.data_ptr(), positions.data_ptr(),
-        starts.data_ptr(), out.data_ptr(), dims, scale, torch.get_num_threads(),
+    return BoundAttention(
+        getattr(library, SYMBOLS[dtype]), tensors, tuple(x if x is None else x.data_ptr() for x in tensors),
+        dims, (n, query_heads, d), dtype, scale, torch.get_num_threads(),
     )  # fmt: skip
-    return out
 
 
 def normalizes(x: Tensor, weight: Tensor) -> bool:
@@ -207,16 +257,21 @@ def normalizes(x: Tensor, weight: Tensor) -> bool:
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """transformers' LlamaRMSNorm of `x` [..., W] scaled by `weight` [W], its squares summed in the
     kernel's order (rms_norm.cpp). `normalizes(x, weight)` must be true."""
-    width = x.shape[-1]
-    rows = x.reshape(-1, width).contiguous()
-    weight = weight.contiguous()
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(rows)
+    rms_norm_into(rows, weight.contiguous(), eps, out)
+    return out.view(x.shape)
+
+
+def rms_norm_into(rows: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+    """`rms_norm` of contiguous `rows` [N, W] with a contiguous `weight`, written into `out` (as
+    `rows`): for callers that checked `normalizes` once for many norms (served_forward.py)."""
     library = _library()
     assert library is not None
-    getattr(library, NORM_SYMBOLS[x.dtype])(
-        rows.data_ptr(), weight.data_ptr(), out.data_ptr(), len(rows), width, eps, torch.get_num_threads()
-    )
-    return out.view(x.shape)
+    getattr(library, NORM_SYMBOLS[rows.dtype])(
+        rows.data_ptr(), weight.data_ptr(), out.data_ptr(), len(rows), rows.shape[-1], eps,
+        torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def multiplies_int8(rows: Tensor) -> bool:

@@ -33,6 +33,7 @@ variant.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -96,6 +97,12 @@ class WeightOnlyLinear(nn.Module, abc.ABC):
         y = self.product(rows).view(*x.shape[:-1], self.out_features)
         y = y if same else y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def row_product(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+        """What multiplies contiguous rows [N, in_features] of `dtype` by this layer as `forward`
+        does, in fewer calls: the kernel's own where the rows go to it as they are (a served
+        forward's, workers/models/served_forward.py)."""
+        return self.product if dtype == ACTIVATIONS and self.bias is None else self.forward
 
     @abc.abstractmethod
     def product(self, rows: Tensor) -> Tensor:

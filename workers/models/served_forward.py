@@ -1,0 +1,134 @@
+"""A served forward of the decoder (llama.py) on the CPU, layer by layer in direct calls: the same
+kernels on the same tensors in the same order as its modules' forward, so the same bits, without
+their per-call Python.
+
+Why: at one row a step of SmolLM2-135M's int4 copy spent about a third of its time in Python around
+its kernels (2 cores of an AMD EPYC: 10.0 ms a step through the modules, 6.8 ms with the same
+kernels called in a flat loop). Per layer the modules make nine `nn.Module` calls, some 25 attribute
+lookups through `nn.Module.__getattr__`, each norm and each attention call checks where it may run
+and lays out the view's tensors again. Here the checks run once a forward (`serves`), the view's
+arguments for the attention kernel are bound once (`native.bind_attention`), each norm writes
+through the kernel directly and each layer's weights are looked up once.
+
+It runs where the worker's forwards run: on the CPU, with no gradient recorded, no step being
+compiled, no adapter in the batch, the projections fused (`llama.fuse_projections`) and the native
+kernel attending, for configs whose q and k are turned by halves in their own dtype with no per-head
+norms (every Hugging Face config but Qwen3; the built-in model turns them in float32 pairs). Anything
+else runs the modules' forward, as do fine-tunes and evaluations of adapters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workers.models import native
+from workers.models.kv_cache import CacheView, PagedKVCache
+
+# A model here is a llama.LlamaForCausalLM and a norm its RMSNorm, named loosely: llama.py imports
+# this module, and package modules import no cycle (even for type checking)
+Model = Any
+Norm = Any
+
+
+def serves(model: Model, cache: PagedKVCache | None, view: CacheView | None) -> bool:
+    """Whether `served_forward` computes this forward of `model`, with no adapter in it."""
+    config = model.config
+    return (
+        cache is not None
+        and view is not None
+        and not config.qk_norm
+        and not config.interleaved_rope
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and native.attends(cache.k)
+        and model.model.layers[0].self_attn.qkv_proj is not None
+        and model.model.layers[0].mlp.gate_up_proj is not None
+    )
+
+
+def served_forward(
+    model: Model, tokens: Tensor, cache: PagedKVCache, view: CacheView, at: Tensor | None
+) -> Tensor:
+    """`model(tokens, cache, view, at=at)`'s logits, computed in direct calls (`serves` must be true)."""
+    config = model.config
+    b, t = tokens.shape
+    x = F.embedding(tokens.reshape(-1), model.model.embed_tokens.weight)  # [N, dim]
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q_width, kv_width = heads * d, kv_heads * d
+    token_stride = q_width + 2 * kv_width  # q, k and v lie side by side in each row of the product
+    rope = model.rope[view.positions.reshape(-1)].to(x.dtype)  # [N, 2, D]: turned in their own dtype
+    attend = native.bind_attention(
+        cache.block_size, view.write.reshape(-1), view.read, view.positions.reshape(-1), view.starts,
+        rope, (heads, kv_heads, d), config.sliding_window, d**-0.5, x.dtype, (token_stride,) * 3,
+    )  # fmt: skip
+    norm = _norm(x, model.model.norm)
+    width = config.intermediate_size
+    layers = _layers.get(model) or _layers.setdefault(model, _bind(model))
+    for i, (input_norm, qkv_product, o_product, post_norm, gate_up_product, down_product) in enumerate(
+        layers
+    ):
+        qkv = qkv_product(norm(x, input_norm))
+        q = qkv[:, :q_width].view(-1, heads, d)
+        k = qkv[:, q_width : q_width + kv_width].view(-1, kv_heads, d)
+        v = qkv[:, q_width + kv_width :].view(-1, kv_heads, d)
+        x = x + o_product(attend(cache.k[i], cache.v[i], q, k, v).view(-1, q_width))
+        gate_up = gate_up_product(norm(x, post_norm))
+        x = x + down_product(F.silu(gate_up[:, :width]) * gate_up[:, width:])
+    if at is not None:
+        return model.lm_head(norm(x[at], model.model.norm))  # [N, V]
+    return model.lm_head(norm(x, model.model.norm)).view(b, t, -1)  # [B, T, V]
+
+
+def forget(model: nn.Module) -> None:
+    """Drops what `served_forward` bound of `model`'s layers: called wherever a layer is replaced
+    (`linears.replace_layer`), so that a forward never runs a layer the model no longer holds."""
+    _layers.pop(model, None)
+
+
+Product = Callable[[Tensor], Tensor]
+# a layer's input norm, q/k/v product, output product, post-attention norm, gate/up and down products
+LayerCalls = tuple[Norm, Product, Product, Norm, Product, Product]
+_layers: weakref.WeakKeyDictionary[nn.Module, list[LayerCalls]]
+_layers = weakref.WeakKeyDictionary()  # by model; never copied with one: a copy binds its own
+
+
+def _bind(model: Model) -> list[LayerCalls]:
+    """Each layer's norms and products as `served_forward` calls them, looked up once a model."""
+    dtype = model.dtype
+    layers = []
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        qkv, o, gate_up, down = (_product(linear, dtype) for linear in products)
+        layers.append((layer.input_layernorm, qkv, o, layer.post_attention_layernorm, gate_up, down))
+    return layers
+
+
+def _product(linear: nn.Module | None, dtype: torch.dtype) -> Product:
+    """What multiplies a forward's rows [N, in] of `dtype` by `linear` as its forward does: a
+    weight-only copy's kernel call itself where the rows go to it as they are (precision.py's
+    `row_product`), else the layer's forward."""
+    assert linear is not None  # fused: `serves`
+    row_product = getattr(linear, "row_product", None)
+    return linear.forward if row_product is None else row_product(dtype)
+
+
+def _norm(x: Tensor, probe: Norm) -> Callable[[Tensor, Norm], Tensor]:
+    """How this forward normalises rows like `x` (decided once): through the kernel where it
+    normalises them (`native.normalizes`), else by the norm's own forward (torch's operators)."""
+    if not native.normalizes(x, probe.weight):
+        return lambda rows, norm: norm(rows)
+    write = native.rms_norm_into
+
+    def normed(rows: Tensor, norm: Norm) -> Tensor:
+        out = torch.empty_like(rows)
+        write(rows, norm.weight, norm.eps, out)
+        return out
+
+    return normed
