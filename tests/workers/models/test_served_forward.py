@@ -4,8 +4,10 @@ every layout of a step's tokens; elsewhere the modules compute."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,14 @@ def test_the_modules_compute_where_the_served_forward_does_not_apply(
     serving_layout(model)
     with torch.inference_mode():
         assert not serves(model, model.new_cache(4), view)  # per-head q and k norms
+
+
+def test_a_model_that_served_is_freed_once_nothing_else_holds_it(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = served_model(checkpoint, "int4")
+    step(model, "packed", "served", monkeypatch)  # binds its layers
+    freed = weakref.ref(model)
+    del model
+    gc.collect()
+    assert freed() is None  # a swapped-out version's weights go with it
