@@ -195,7 +195,8 @@ class BoundAttention:
     def __call__(self, k_pool: Tensor, v_pool: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """One layer's attention: q [N, H, D], k and v [N, KVH, D] laid out with the token strides
         it was bound with, each token's heads side by side; the pools contiguous. Returns [N, H, D]."""
-        assert k_pool.is_contiguous() and v_pool.is_contiguous()
+        assert k_pool.is_contiguous() and v_pool.is_contiguous() and len(q) == self.shape[0]
+        assert q.dtype == k.dtype == v.dtype == k_pool.dtype == v_pool.dtype == self.dtype
         out = torch.empty(self.shape, dtype=self.dtype)
         write, read, positions, starts, rope = self.pointers
         self.function(

@@ -3,7 +3,7 @@ kernels on the same tensors in the same order as its modules' forward, so the sa
 their per-call Python.
 
 Why: at one row a step of SmolLM2-135M's int4 copy spent about a third of its time in Python around
-its kernels (2 cores of an AMD EPYC: 10.0-10.4 ms a step through the modules, 6.8 with the same
+its kernels (2 cores of an AMD EPYC: 10.4 ms a step through the modules, 6.8 with the same
 kernels called in a flat loop). Per layer the modules make nine `nn.Module` calls, some 25 attribute
 lookups through `nn.Module.__getattr__`, each norm and each attention call checks where it may run
 and lays out the view's tensors again. Here the checks run once a forward (`serves`), the view's
@@ -86,8 +86,9 @@ def served_forward(
 
 
 def forget(model: nn.Module) -> None:
-    """Drops what `served_forward` bound of `model`'s layers: called wherever a layer is replaced
-    (`linears.replace_layer`), so that a forward never runs a layer the model no longer holds."""
+    """Drops what `served_forward` bound of `model`'s layers: called by `linears.replace_layer`,
+    through which every change of a model's layout goes (packing, unpacking, quantizing), so that a
+    forward never runs a layer the model no longer holds."""
     _layers.pop(model, None)
 
 

@@ -19,14 +19,14 @@ from workers.models.kv_cache import PagedKVCache
 from workers.models.linears import replace_layer
 from workers.models.llama import LlamaForCausalLM, serving_layout
 from workers.models.precision import QUANTIZED, in_precision, quantized
-from workers.models.served_forward import serves
+from workers.models.served_forward import served_forward, serves
 
 ARCHITECTURES = {  # name -> (transformers config class, model class, what sets it apart)
     "llama-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
     "qwen2-qkv-bias": ("Qwen2Config", "Qwen2ForCausalLM", {}),
 }
-COPIES = ["float32", "bfloat16", "int8", "int4"]  # what a worker serves: a dtype, or a variant of bfloat16
+COPIES = ["float32", "bfloat16", "float16", "int8", "int4"]  # a worker's: a dtype, or a variant of bfloat16
 CPU = torch.device("cpu")
 # A step as the runner makes them: a prompt's first 5 tokens, a sequence decoding its 18th token and
 # one verifying 3 drafted tokens at positions 9 to 11
@@ -76,12 +76,16 @@ def step(
         view = cache.packed_view(tables, POSITIONS, CPU)
         tokens = torch.cat(ids)[:, None]
         last = [end - 1 for end in itertools.accumulate(map(len, POSITIONS))]
+    calls: list[LlamaForCausalLM] = []
     with monkeypatch.context() as patch, torch.inference_mode():
         if way == "modules":
             patch.setattr(llama, "serves", lambda *_: False)
         else:
-            assert serves(model, cache, view)
+            patch.setattr(
+                llama, "served_forward", lambda m, *rest: calls.append(m) or served_forward(m, *rest)
+            )
         logits = model(tokens, cache, view, at=torch.tensor(last) if at else None)
+    assert calls == ([model] if way == "served" else [])  # the forward took the way asked
     return logits, cache
 
 
@@ -113,8 +117,10 @@ def test_a_layer_replaced_after_a_served_step_is_the_one_the_next_step_runs(
     copy = in_precision(model, "int8")  # a deep copy: it binds its own layers
     assert not torch.equal(step(copy, "packed", "served", monkeypatch)[0], before)
     assert_same_step(copy, monkeypatch)
-    down = model.model.layers[0].mlp.down_proj
-    replace_layer(model, "model.layers.0.mlp.down_proj", quantized(down.unpacked(), "int4"))
+    down = model.model.layers[0].mlp.down_proj  # packed where oneDNN multiplies bfloat16 here
+    replace_layer(
+        model, "model.layers.0.mlp.down_proj", quantized(getattr(down, "unpacked", lambda: down)(), "int4")
+    )
     assert not torch.equal(step(model, "packed", "served", monkeypatch)[0], before)
     assert_same_step(model, monkeypatch)
 
