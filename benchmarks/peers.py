@@ -19,7 +19,10 @@ story; each server's tokens are counted as it produced them) sends, at each conc
 to its last token), the median time to its first token and the processes that used the CPU while
 it ran (the share of one core each, from /proc: the server's against the load generator's), then
 reflow's ratios to each peer's best, and the CPU (`lscpu` flags: with AMX, bfloat16 GEMMs win;
-without, they do not)."""
+without, they do not). At one stream it also prints the share each server reaches of its memory
+bound: this machine's read bandwidth (measured before any server starts) over the bytes of the
+weights it reads a token (benchmarks/memory_bound.py: SmolLM2 loaded here in that dtype or copy; the
+GGUF file's tensors for llama.cpp). The KV a stream holds, under 2% of that, is left out."""
 
 from __future__ import annotations
 
@@ -40,15 +43,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
+from benchmarks.memory_bound import bytes_read_a_step, gguf_bytes, read_bandwidth
 from reflow.serving import free_port
 from tests.support.cli import reflow
-from tests.support.smollm2 import smollm2_gguf
+from tests.support.smollm2 import converted_smollm2, smollm2_gguf
 from tests.support.up import API_KEY, Up
 from tests.support.waiting import wait_for
-from workers.models.precision import QUANTIZED
+from workers.models.llama import LlamaForCausalLM
+from workers.models.precision import QUANTIZED, in_precision
 
 PEER_MODEL = "smollm2-135m-instruct"  # what start_peer.sh serves it as
 TOPICS = ["the sea", "bread", "a clock", "rain", "a library", "bees", "snow", "a bridge"]
@@ -156,11 +162,13 @@ def cpu_seconds() -> dict[int, tuple[str, float]]:
 
 def process_name(pid: int, argv: list[str]) -> str:
     """`reflow worker` and the other reflow processes by their command, this one as the load
-    generator, others by their program."""
+    generator, others by their program (or module)."""
     if pid == os.getpid():
         return "load generator"
     if "reflow" in argv[1:3] and argv.index("reflow") + 1 < len(argv):  # python -m reflow COMMAND
         return f"reflow {argv[argv.index('reflow') + 1]}"
+    if len(argv) > 2 and argv[1] == "-m":  # python -m MODULE (llama.cpp's server)
+        return argv[2]
     return Path(argv[1] if len(argv) > 1 and argv[0].endswith("python") else argv[0]).name or "?"
 
 
@@ -239,6 +247,23 @@ def start_peer(peers: Path, kind: str, dtype: str, log: Path, timeout_s: float =
     return server
 
 
+def bytes_a_token(entries: list[str], directory: Path) -> dict[str, int]:
+    """The bytes of the weights each server entry ("kind:dtype") reads a token, by entry (none for
+    reflow's `auto`, whose dtype is chosen at load)."""
+    read: dict[str, int] = {}
+    for entry in entries:
+        kind, dtype = entry.split(":")
+        if kind == "llamacpp":
+            read[entry] = gguf_bytes(smollm2_gguf())
+        elif dtype != "auto":
+            checkpoint = converted_smollm2(directory)
+            config = json.loads((checkpoint / "config.json").read_text())
+            weights = torch.float32 if dtype == "float32" else torch.bfloat16  # a copy's: auto's, here
+            model = LlamaForCausalLM.from_checkpoint(checkpoint, config, torch.device("cpu"), weights)
+            read[entry] = bytes_read_a_step(in_precision(model, dtype) if dtype in QUANTIZED else model)
+    return read
+
+
 def cpu() -> str:
     info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next(
@@ -266,9 +291,12 @@ def main() -> None:
         ],
     )  # fmt: skip
     args = parser.parse_args()
-    print(f"SmolLM2-135M-Instruct, {args.tokens} output tokens a request; {cpu()}")
+    bandwidth = read_bandwidth(torch.device("cpu"))
+    print(f"SmolLM2-135M-Instruct, {args.tokens} output tokens a request; {cpu()}; reads "
+          f"{bandwidth / 1e9:.1f} GB/s")  # fmt: skip
     results: dict[str, list[Level]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        read = bytes_a_token(args.servers, Path(tmp) / "smollm2")
         for entry in args.servers:
             kind, dtype = entry.split(":")
             if kind == "reflow":
@@ -282,9 +310,12 @@ def main() -> None:
             finally:
                 server.stop()
             for r in results[server.name]:
+                bound = bandwidth / read[entry] if entry in read and r.concurrency == 1 else None
                 print(f"{server.name:<16} C={r.concurrency:<3} {r.tokens_per_s:7.1f} tok/s  TPOT p50 "
                       f"{r.tpot_ms:6.1f} ms  TTFT p50 {r.ttft_ms:7.1f} ms  CPU of a core: {r.cpu}"
-                      + (f"  ({r.empty} requests got no token)" if r.empty else ""), flush=True)  # fmt: skip
+                      + (f"  ({r.empty} requests got no token)" if r.empty else "")
+                      + (f"  {r.tokens_per_s / bound:.0%} of {bound:.0f} tok/s, its memory bound "
+                         f"({read[entry] / 1e6:.0f} MB a token)" if bound else ""), flush=True)  # fmt: skip
     ours = {n: r for n, r in results.items() if n.startswith("reflow")}
     peers = {n: r for n, r in results.items() if not n.startswith("reflow")}
     for i, c in enumerate(args.levels):

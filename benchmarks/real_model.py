@@ -45,12 +45,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
+from benchmarks.memory_bound import bytes_read_a_step, read_bandwidth
 from tests.support.models import EndlessTokenizer
 from tests.support.smollm2 import converted_smollm2, random_smollm2
 from workers.engine import Engine, EngineConfig
 from workers.loading import load_directory
 from workers.models.interface import Tokenizer
 from workers.models.kv_cache import BLOCK_SIZE
+from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_tokenizer, resolve_device
 from workers.residency import ResidentVersion
 from workers.sequence import GenerationParams
@@ -177,26 +179,6 @@ def transformers_run(model: Any, prompts: list[list[int]], batch: int, n: int, p
     return run
 
 
-def read_bandwidth(device: torch.device) -> float:
-    """Bytes a second this device reads: the median of 5 sums over 1 GiB (2 cores: 256 MiB),
-    each after one warm-up; what a decode step that reads its weights once can reach at best."""
-    n = (2**30 if device.type == "cuda" else 2**28) // 4
-    data = torch.ones(n, device=device)
-    times = []
-    for _ in range(6):
-        synchronize(device)
-        started = time.perf_counter()
-        data.sum()
-        synchronize(device)
-        times.append(time.perf_counter() - started)
-    return 4 * n / statistics.median(times[1:])
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def agreement(ours: dict[int, list[int]], theirs: dict[int, list[int]]) -> str:
     """How many of the requests both ran got the same tokens, and the mean share of tokens before
     the first difference."""
@@ -286,7 +268,7 @@ def reflow_arm(
         lengths = f"{min(map(len, prompts))}-{max(map(len, prompts))}"
         print(f"\n{name}, compile {arm}: prompts of {lengths} tokens, "
               f"loaded{compiled} in {time.perf_counter() - started:.1f} s")  # fmt: skip
-        weights = sum(p.numel() * p.element_size() for p in cast(torch.nn.Module, loaded.model).parameters())
+        weights = bytes_read_a_step(cast(LlamaForCausalLM, loaded.model))
         runs = {}
         for c in args.levels:
             run = asyncio.run(
