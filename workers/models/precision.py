@@ -36,6 +36,7 @@ import abc
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workers.models import native
@@ -48,6 +49,10 @@ GROUP_SIZE = 32  # int4: inputs per scale and zero point (gpt-fast's smallest; s
 INT4_ROWS = 16  # int4: out_features must be a multiple of this for the kernel's packing
 ACTIVATIONS = torch.bfloat16  # what the weight-only kernels multiply
 STREAMED_BYTES = 4 << 20  # int8 weights this large are multiplied by reflow's kernel (`Int8Linear`)
+# int8: inputs are padded to a multiple of this. torch's `_weight_int8pack_mm` reads them 16 at a
+# time with no narrower tail: at 60, 72 or 100 inputs it read past each row (wrong sums) or past
+# the tensor (a crash), where every multiple of 16 gave the right sums (torch 2.13, AVX-512 EPYC).
+INT8_COLUMNS = 16
 
 
 def in_precision(model: CausalLM, name: str) -> CausalLM:
@@ -114,9 +119,11 @@ class Int8Linear(WeightOnlyLinear):
     weights (SmolLM2's output head, 28 MB) is multiplied by reflow's kernel where it builds
     (`native.int8_linear`: it fetches the weights ahead and reads them near the machine's bandwidth,
     1.1 ms against torch's 1.9 for that head at one row), smaller ones by torch's (as fast at one
-    row and faster at more). Either way one kernel per layer in a process, whatever the rows."""
+    row and faster at more). Either way one kernel per layer in a process, whatever the rows. A
+    layer whose inputs are not a multiple of INT8_COLUMNS holds zero weights for the inputs it pads
+    its rows with (they add nothing to a sum)."""
 
-    weight: Tensor  # [out, in] int8
+    weight: Tensor  # [out, in + padding] int8
     scales: Tensor  # [out]
 
     def __init__(self, linear: nn.Linear):
@@ -124,11 +131,14 @@ class Int8Linear(WeightOnlyLinear):
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(ACTIVATIONS)
         q = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("weight", q)
+        self.padding = -self.in_features % INT8_COLUMNS
+        self.register_buffer("weight", F.pad(q, (0, self.padding)) if self.padding else q)
         self.register_buffer("scales", scales)
         self.streamed = q.numel() >= STREAMED_BYTES
 
     def product(self, rows: Tensor) -> Tensor:
+        if self.padding:
+            rows = F.pad(rows, (0, self.padding))
         if self.streamed and native.multiplies_int8(rows):
             return native.int8_linear(rows, self.weight, self.scales)
         return torch._weight_int8pack_mm(rows, self.weight, self.scales)

@@ -13,7 +13,14 @@ from torch import nn
 from tests.support.hf import random_adapter
 from tests.support.models import tiny_model
 from workers.models.lora import LoraConfig
-from workers.models.precision import Int4Linear, Int8Linear, in_precision, quantize_linears, quantized
+from workers.models.precision import (
+    STREAMED_BYTES,
+    Int4Linear,
+    Int8Linear,
+    in_precision,
+    quantize_linears,
+    quantized,
+)
 from workers.variants import weight_bytes
 
 # Relative error bounds of one layer's output against float32 (||y - y_float|| / ||y_float||) on
@@ -51,6 +58,25 @@ def test_bfloat16_rows_give_the_products_of_the_same_rows_widened_in_any_layout(
     assert y.dtype == torch.bfloat16 and y.shape == (9, 2, 96)
     assert torch.equal(y, layer(x.float()).to(torch.bfloat16))  # the float32 path casts them
     assert torch.equal(layer(x.transpose(0, 1)), y.transpose(0, 1))  # not contiguous: copied first
+
+
+@pytest.mark.parametrize("inputs", [60, 72, 100])
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@torch.inference_mode()
+def test_a_layer_whose_inputs_are_not_a_multiple_of_16_pads_them_and_multiplies_right(
+    name: str, inputs: int
+) -> None:
+    # torch's int8 kernel reads inputs 16 at a time: unpadded, these read past the rows (a wrong sum
+    # or a crash); int4 takes none of these widths and holds them in int8
+    torch.manual_seed(0)
+    for linear in (nn.Linear(inputs, 96), nn.Linear(inputs, STREAMED_BYTES // inputs + 1, bias=False)):
+        layer = quantized(linear, name)
+        assert isinstance(layer, Int8Linear) and layer.weight.shape[1] % 16 == 0
+        for count in (1, 5, 64):
+            rows = torch.randn(count, inputs)
+            y, wanted = layer(rows), linear(rows)
+            assert ((y - wanted).norm() / wanted.norm()).item() < BOUNDS["int8"]
+            assert torch.equal(layer(rows[-1:])[0], y[-1])
 
 
 def test_a_linear_the_int4_kernel_cannot_take_is_held_in_int8() -> None:
