@@ -15,7 +15,7 @@ from workers.variants import weight_bytes
 
 
 def read_bandwidth(device: torch.device) -> float:
-    """Bytes a second this device reads: the median of 5 sums over 1 GiB (2 cores: 256 MiB),
+    """Bytes a second this device reads: the median of 5 sums over 1 GiB (on the CPU: 256 MiB),
     each after one warm-up; what a decode step that reads its weights once can reach at best."""
     n = (2**30 if device.type == "cuda" else 2**28) // 4
     data = torch.ones(n, device=device)
@@ -30,6 +30,7 @@ def read_bandwidth(device: torch.device) -> float:
 
 
 def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued kernels (a CUDA device's; the CPU's have run)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

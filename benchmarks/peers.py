@@ -258,7 +258,8 @@ def bytes_a_token(entries: list[str], directory: Path) -> dict[str, int]:
         elif dtype != "auto":
             checkpoint = converted_smollm2(directory)
             config = json.loads((checkpoint / "config.json").read_text())
-            weights = torch.float32 if dtype == "float32" else torch.bfloat16  # a copy's: auto's, here
+            # int8 and int4 copies are made of the weights `auto` loads, bfloat16 here (the norms' bytes)
+            weights = torch.float32 if dtype == "float32" else torch.bfloat16
             model = LlamaForCausalLM.from_checkpoint(checkpoint, config, torch.device("cpu"), weights)
             read[entry] = bytes_read_a_step(in_precision(model, dtype) if dtype in QUANTIZED else model)
     return read
@@ -310,12 +311,15 @@ def main() -> None:
             finally:
                 server.stop()
             for r in results[server.name]:
-                bound = bandwidth / read[entry] if entry in read and r.concurrency == 1 else None
+                bound_tok_s = bandwidth / read[entry] if entry in read and r.concurrency == 1 else None
+                share = (
+                    f"  {r.tokens_per_s / bound_tok_s:.0%} of {bound_tok_s:.0f} tok/s, its memory bound "
+                    f"({read[entry] / 1e6:.0f} MB a token)" if bound_tok_s else ""
+                )  # fmt: skip
                 print(f"{server.name:<16} C={r.concurrency:<3} {r.tokens_per_s:7.1f} tok/s  TPOT p50 "
                       f"{r.tpot_ms:6.1f} ms  TTFT p50 {r.ttft_ms:7.1f} ms  CPU of a core: {r.cpu}"
-                      + (f"  ({r.empty} requests got no token)" if r.empty else "")
-                      + (f"  {r.tokens_per_s / bound:.0%} of {bound:.0f} tok/s, its memory bound "
-                         f"({read[entry] / 1e6:.0f} MB a token)" if bound else ""), flush=True)  # fmt: skip
+                      + (f"  ({r.empty} requests got no token)" if r.empty else "") + share,
+                      flush=True)  # fmt: skip
     ours = {n: r for n, r in results.items() if n.startswith("reflow")}
     peers = {n: r for n, r in results.items() if not n.startswith("reflow")}
     for i, c in enumerate(args.levels):

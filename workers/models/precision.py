@@ -52,7 +52,7 @@ STREAMED_BYTES = 4 << 20  # int8 weights this large are multiplied by reflow's k
 # int8: inputs are padded to a multiple of this. torch's `_weight_int8pack_mm` reads them 16 at a
 # time with no narrower tail: at 60, 72 or 100 inputs it read past each row (wrong sums) or past
 # the tensor (a crash), where every multiple of 16 gave the right sums (torch 2.13, AVX-512 EPYC).
-INT8_COLUMNS = 16
+INT8_INPUT_MULTIPLE = 16
 
 
 def in_precision(model: CausalLM, name: str) -> CausalLM:
@@ -120,7 +120,7 @@ class Int8Linear(WeightOnlyLinear):
     (`native.int8_linear`: it fetches the weights ahead and reads them near the machine's bandwidth,
     1.1 ms against torch's 1.9 for that head at one row), smaller ones by torch's (as fast at one
     row and faster at more). Either way one kernel per layer in a process, whatever the rows. A
-    layer whose inputs are not a multiple of INT8_COLUMNS holds zero weights for the inputs it pads
+    layer whose inputs are not a multiple of INT8_INPUT_MULTIPLE holds zero weights for the inputs it pads
     its rows with (they add nothing to a sum)."""
 
     weight: Tensor  # [out, in + padding] int8
@@ -131,14 +131,14 @@ class Int8Linear(WeightOnlyLinear):
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(ACTIVATIONS)
         q = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        self.padding = -self.in_features % INT8_COLUMNS
-        self.register_buffer("weight", F.pad(q, (0, self.padding)) if self.padding else q)
+        self.padded_inputs = -self.in_features % INT8_INPUT_MULTIPLE
+        self.register_buffer("weight", F.pad(q, (0, self.padded_inputs)) if self.padded_inputs else q)
         self.register_buffer("scales", scales)
         self.streamed = q.numel() >= STREAMED_BYTES
 
     def product(self, rows: Tensor) -> Tensor:
-        if self.padding:
-            rows = F.pad(rows, (0, self.padding))
+        if self.padded_inputs:
+            rows = F.pad(rows, (0, self.padded_inputs))
         if self.streamed and native.multiplies_int8(rows):
             return native.int8_linear(rows, self.weight, self.scales)
         return torch._weight_int8pack_mm(rows, self.weight, self.scales)

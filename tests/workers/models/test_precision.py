@@ -14,6 +14,7 @@ from tests.support.hf import random_adapter
 from tests.support.models import tiny_model
 from workers.models.lora import LoraConfig
 from workers.models.precision import (
+    INT8_INPUT_MULTIPLE,
     STREAMED_BYTES,
     Int4Linear,
     Int8Linear,
@@ -71,7 +72,7 @@ def test_a_layer_whose_inputs_are_not_a_multiple_of_16_pads_them_and_multiplies_
     torch.manual_seed(0)
     for linear in (nn.Linear(inputs, 96), nn.Linear(inputs, STREAMED_BYTES // inputs + 1, bias=False)):
         layer = quantized(linear, name)
-        assert isinstance(layer, Int8Linear) and layer.weight.shape[1] % 16 == 0
+        assert isinstance(layer, Int8Linear) and layer.weight.shape[1] % INT8_INPUT_MULTIPLE == 0
         for count in (1, 5, 64):
             rows = torch.randn(count, inputs)
             y, wanted = layer(rows), linear(rows)
