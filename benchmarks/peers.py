@@ -22,7 +22,7 @@ reflow's ratios to each peer's best, and the CPU (`lscpu` flags: with AMX, bfloa
 without, they do not). At one stream it also prints the share each server reaches of its memory
 bound: this machine's read bandwidth (measured before any server starts) over the bytes of the
 weights it reads a token (benchmarks/memory_bound.py: SmolLM2 loaded here in that dtype or copy; the
-GGUF file's tensors for llama.cpp). The KV a stream holds, under 2% of that, is left out."""
+GGUF file's tensors for llama.cpp). The KV a stream holds, about 2% of that, is left out."""
 
 from __future__ import annotations
 
