@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -249,20 +250,20 @@ def start_peer(peers: Path, kind: str, dtype: str, log: Path, timeout_s: float =
 
 def bytes_a_token(entries: list[str], directory: Path) -> dict[str, int]:
     """The bytes of the weights each server entry ("kind:dtype") reads a token, by entry (none for
-    reflow's `auto`, whose dtype is chosen at load)."""
-    read: dict[str, int] = {}
-    for entry in entries:
-        kind, dtype = entry.split(":")
-        if kind == "llamacpp":
-            read[entry] = gguf_bytes(smollm2_gguf())
-        elif dtype != "auto":
-            checkpoint = converted_smollm2(directory)
-            config = json.loads((checkpoint / "config.json").read_text())
-            # int8 and int4 copies are made of the weights `auto` loads, bfloat16 here (the norms' bytes)
-            weights = torch.float32 if dtype == "float32" else torch.bfloat16
-            model = LlamaForCausalLM.from_checkpoint(checkpoint, config, torch.device("cpu"), weights)
-            read[entry] = bytes_read_a_step(in_precision(model, dtype) if dtype in QUANTIZED else model)
-    return read
+    reflow's `auto`, whose dtype is chosen at load); each dtype or copy loaded once."""
+
+    @functools.cache
+    def of_copy(dtype: str) -> int:
+        if dtype == "q4_1":
+            return gguf_bytes(smollm2_gguf())
+        checkpoint = converted_smollm2(directory)
+        config = json.loads((checkpoint / "config.json").read_text())
+        # int8 and int4 copies are made of the weights `auto` loads, bfloat16 here (the norms' bytes)
+        weights = torch.float32 if dtype == "float32" else torch.bfloat16
+        model = LlamaForCausalLM.from_checkpoint(checkpoint, config, torch.device("cpu"), weights)
+        return bytes_read_a_step(in_precision(model, dtype) if dtype in QUANTIZED else model)
+
+    return {entry: of_copy(entry.split(":")[1]) for entry in entries if not entry.endswith(":auto")}
 
 
 def cpu() -> str:

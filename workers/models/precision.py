@@ -120,10 +120,10 @@ class Int8Linear(WeightOnlyLinear):
     (`native.int8_linear`: it fetches the weights ahead and reads them near the machine's bandwidth,
     1.1 ms against torch's 1.9 for that head at one row), smaller ones by torch's (as fast at one
     row and faster at more). Either way one kernel per layer in a process, whatever the rows. A
-    layer whose inputs are not a multiple of INT8_INPUT_MULTIPLE holds zero weights for the inputs it pads
-    its rows with (they add nothing to a sum)."""
+    layer whose inputs are not a multiple of INT8_INPUT_MULTIPLE holds zero weights for the inputs
+    it pads its rows with (they add nothing to a sum)."""
 
-    weight: Tensor  # [out, in + padding] int8
+    weight: Tensor  # [out, in + padded_inputs] int8
     scales: Tensor  # [out]
 
     def __init__(self, linear: nn.Linear):
