@@ -18,7 +18,8 @@ threads, and a split sum rounds differently. On an AMD EPYC without AMX, a 1536-
 row rounds differently from the same row among others (at one thread as at two), and from two rows on
 every row kept its bits: such a shape's products are padded to two rows. How many rows each shape
 needs on this CPU is measured once per shape (`rows_for_same_bits`), at every row count up to
-ROW_CHUNK against each row alone; a shape that needs more than MAX_PADDED_ROWS is left unpacked
+ROW_CHUNK against each row alone, on rows that show any change in the order of a sum
+(`order_probe`); a shape that needs more than MAX_PADDED_ROWS is left unpacked
 (docs/batching.md#exactness).
 """
 
@@ -156,10 +157,9 @@ def rows_for_same_bits(in_features: int, out_features: int, bias: bool) -> int |
     to come out with the same bits at every row count up to ROW_CHUNK and at every place among them
     as it does alone, on this CPU (and thread count); None when padding to MAX_PADDED_ROWS is not
     enough."""
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=generator).to(PACKED_DTYPE)
+    weight, rows = order_probe(in_features, out_features)
+    generator = torch.Generator().manual_seed(1)
     bias_values = torch.randn(out_features, generator=generator).to(PACKED_DTYPE) if bias else None
-    rows = torch.randn(ROW_CHUNK, in_features, generator=generator).to(PACKED_DTYPE)
     min_rows = 1
     with torch.inference_mode():
         while min_rows <= MAX_PADDED_ROWS:
@@ -169,6 +169,24 @@ def rows_for_same_bits(in_features: int, out_features: int, bias: bool) -> int |
                 return min_rows
             min_rows *= 2
     return None
+
+
+def order_probe(in_features: int, out_features: int) -> tuple[Tensor, Tensor]:
+    """A weight and ROW_CHUNK rows (bfloat16) whose products show any change in the order a row's
+    sum is taken in: a quarter of each row's inputs cancel another quarter's exactly (read with the
+    same weights, negated, at scales up to 2**12), so what is left of a sum is mostly the rounding of
+    its large partial sums, which depends on their order, and survives the rounding to bfloat16.
+    Plain random rows hide most such changes: a float32 sum taken in another order rounds to the
+    same bfloat16 but in a few outputs (on 2 cores of a Xeon without AVX-512 BF16, a lone 64-wide
+    row that oneDNN summed in another order than a batch's changed its bits in 6 draws of 20)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    rows = torch.randn(ROW_CHUNK, in_features, generator=generator)
+    pairs = in_features // 4
+    weight[:, pairs : 2 * pairs] = weight[:, :pairs]
+    rows[:, :pairs] *= 2.0 ** torch.randint(0, 13, (ROW_CHUNK, pairs), generator=generator)
+    rows[:, pairs : 2 * pairs] = -rows[:, :pairs]
+    return weight.to(PACKED_DTYPE), rows.to(PACKED_DTYPE)
 
 
 def plain_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
