@@ -177,8 +177,8 @@ def order_probe(in_features: int, out_features: int) -> tuple[Tensor, Tensor]:
     same weights, negated, at scales up to 2**12), so what is left of a sum is mostly the rounding of
     its large partial sums, which depends on their order, and survives the rounding to bfloat16.
     Plain random rows hide most such changes: a float32 sum taken in another order rounds to the
-    same bfloat16 but in a few outputs (on 2 cores of a Xeon without AVX-512 BF16, a lone 64-wide
-    row that oneDNN summed in another order than a batch's changed its bits in 6 draws of 20)."""
+    same bfloat16 but in a few outputs (on 2 cores of a Xeon without AVX-512 BF16, where oneDNN sums
+    a lone row in another order than a batch's, a 64x128 product showed it in 6 draws of 20)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator)
     rows = torch.randn(ROW_CHUNK, in_features, generator=generator)
