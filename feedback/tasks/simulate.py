@@ -14,9 +14,10 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import grpc
 import torch
@@ -38,6 +39,7 @@ from workers.models.prompts import prompt_ids
 # stream its client has seen end still counts at the gateway until the gateway's handler returns
 MAX_IN_FLIGHT = DEFAULT_MAX_STREAMS // 2
 RETRIES = 20  # times a user comes back after RESOURCE_EXHAUSTED before giving up
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -151,24 +153,26 @@ async def _ask(
     else:
         request.prompt = prompt
     report.requests += 1
-    text: list[str] = []
+    answer = ""
     request_id = version = ""
+
+    async def generate() -> None:
+        nonlocal answer, request_id, version
+        text: list[str] = []
+        async for message in stub.Generate(request, metadata=metadata, timeout=60):
+            request_id = request_id or message.request_id
+            version = version or message.model_version
+            text.append(message.text)
+        answer = "".join(text)
+
     try:
-        for attempt in range(RETRIES + 1):
-            try:
-                async for message in stub.Generate(request, metadata=metadata, timeout=60):
-                    request_id = request_id or message.request_id
-                    version = version or message.model_version
-                    text.append(message.text)
-                break
-            except grpc.aio.AioRpcError as error:  # a full quota or queue says when to come back
-                if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or attempt == RETRIES:
-                    report.errors[error.code().name] = report.errors.get(error.code().name, 0) + 1
-                    return
-                await asyncio.sleep(_pushback_s(error))
+        await _admitted(generate)
+    except grpc.aio.AioRpcError as error:
+        report.errors[error.code().name] = report.errors.get(error.code().name, 0) + 1
+        return
     finally:
         report.finished += 1
-    right = task.is_correct(prompt, "".join(text))
+    right = task.is_correct(prompt, answer)
     report.right += right
     tally = report.by_version.setdefault(version, [0, 0])
     tally[0] += right
@@ -179,6 +183,19 @@ async def _ask(
             request_id=request_id, rating=1 if right != flipped else -1, correction=correction, user_id=user
         )
     )
+
+
+async def _admitted(call: Callable[[], Awaitable[T]]) -> T:
+    """What `call` returns, calling it again while the gateway refuses it RESOURCE_EXHAUSTED (a
+    full quota or queue, which says when to come back), at most RETRIES times; its last error."""
+    for _ in range(RETRIES):
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            await asyncio.sleep(_pushback_s(error))
+    return await call()
 
 
 def _pushback_s(error: grpc.aio.AioRpcError) -> float:
@@ -211,11 +228,22 @@ async def _rate(
             batch.append(item)
         if batch:
             try:
-                ack = await stub.SubmitFeedback(iter(batch), metadata=metadata, timeout=60)
-                report.rated += ack.accepted
+                report.rated += await _submit(stub, metadata, batch)
             except grpc.aio.AioRpcError as error:
                 key = f"SubmitFeedback {error.code().name}"
                 report.feedback_errors[key] = report.feedback_errors.get(key, 0) + 1
+
+
+async def _submit(
+    stub: inference_pb2_grpc.InferenceStub,
+    metadata: tuple[tuple[str, str], ...],
+    batch: list[inference_pb2.Feedback],
+) -> int:
+    """How many of `batch` the gateway accepted, sent again while it refuses the stream
+    RESOURCE_EXHAUSTED (a refused stream takes none of them): users of two gateways share their
+    tenant's stream quota, and a rating is what the loop learns from."""
+    ack = await _admitted(lambda: stub.SubmitFeedback(iter(batch), metadata=metadata, timeout=60))
+    return ack.accepted
 
 
 def rated_offline(
