@@ -99,7 +99,7 @@ def choose_dtype(
 ) -> DtypeChoice:
     """Measures `model` (float32) against the same weights in CANDIDATE on this CPU."""
     rows = tuple(dict.fromkeys((1, max_batch_size)))
-    times = _median_ms({"float32": model, CANDIDATE: candidate}, rows)
+    times = median_step_ms({"float32": model, CANDIDATE: candidate}, rows)
     return decide(rows, times["float32"], times[CANDIDATE], lambda: _agreement(model, candidate, tokenizer))
 
 
@@ -143,14 +143,16 @@ def decode_step(model: CausalLM, rows: int) -> Callable[[], torch.Tensor]:
 
 
 @torch.inference_mode()
-def _median_ms(models: dict[str, CausalLM], rows: tuple[int, ...]) -> dict[str, tuple[float, ...]]:
-    """Median milliseconds of a decode step of each model at each row count, the models' steps
-    interleaved (as the machine's load drifts, it drifts for all of them)."""
+def median_step_ms(
+    models: dict[str, CausalLM], rows: tuple[int, ...], timed_steps: int = TIMED_STEPS
+) -> dict[str, tuple[float, ...]]:
+    """Median milliseconds of `timed_steps` decode steps of each model at each row count, the
+    models' steps interleaved (as the machine's load drifts, it drifts for all of them)."""
     steps = {(name, n): decode_step(model, n) for name, model in models.items() for n in rows}
     for step in steps.values():
         step()  # warm up: first-call allocations and kernel selection
     times: dict[tuple[str, int], list[float]] = {key: [] for key in steps}
-    for _ in range(TIMED_STEPS):
+    for _ in range(timed_steps):
         for key, step in steps.items():
             started = time.perf_counter()
             step()

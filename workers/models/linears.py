@@ -1,6 +1,6 @@
 """The linear layers a served model computes with besides nn.Linear: several layers that read one
-input stacked into one product (`StackedLinear`), and bfloat16 weights packed once for this CPU's
-oneDNN kernels (`PackedLinear`).
+input stacked into one product (`StackedLinear`), bfloat16 weights packed once for this CPU's
+oneDNN kernels (`PackedLinear`), and float32 weights stored transposed (`transpose_linears`).
 
 Packing: a bfloat16 product through `torch.nn.functional.linear` on the CPU goes to oneDNN, which
 reorders the whole weight into its blocked layout on every call. `PackedLinear` holds the weight in
@@ -21,12 +21,23 @@ needs on this CPU is measured once per shape (`rows_for_same_bits`), at every ro
 ROW_CHUNK against each row alone, on rows that show any change in the order of a sum
 (`order_probe`); a shape that needs more than MAX_PADDED_ROWS is left unpacked
 (docs/batching.md#exactness).
+
+Transposing: a float32 product goes to MKL's sgemm, whose speed at a few rows depends on how the
+weight lies in memory. On 2 cores of an Intel Xeon without AVX-512 BF16 (Ice Lake, torch 2.13),
+SmolLM2-135M's products with its [out, in] weights took 118 ms a step at 16 rows, as long as at 64,
+and 53 ms with each weight stored [in, out] (a transposed view of it, the same values and shape):
+0.89x the time at 1 row, 0.56x at 4, 0.45x at 16, 0.93x at 64, but 1.26x at 2 and 3 rows. Which
+layout is faster depends on the CPU, so it is measured once per shape (`transposed_is_faster`), and
+a layer's weight is transposed where that is faster over TIMED_ROWS. The sums are MKL's either way;
+their rounding may differ between the layouts, as it differs between row counts in either.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import statistics
+import time
 from collections.abc import Mapping
 
 import torch
@@ -37,6 +48,13 @@ from workers.models import served_forward
 PACKED_DTYPE = torch.bfloat16  # the weights oneDNN's packed products take here
 ROW_CHUNK = 128  # most rows in one packed product: longer inputs run in chunks of this many
 MAX_PADDED_ROWS = 8  # most rows a packed product is padded to; a shape needing more stays unpacked
+TRANSPOSED_DTYPE = torch.float32  # the weights whose layout MKL's products are timed in
+TIMED_ROWS = (1, 2, 4, 16)  # the row counts both layouts are timed at: one stream, a few, a batch
+# each time is the least of this many products, after one to warm up: on a shared 2-core machine a
+# few products of any layout take milliseconds more (a thread descheduled), and a median of 9 once
+# timed a 576->3072 product's layouts alike at every row count where their least times were 4x apart
+TIMED_PRODUCTS = 15
+MIN_SPEEDUP = 1.1  # how much faster (the geometric mean over TIMED_ROWS) a transposed weight must be
 
 
 class StackedLinear(nn.Linear):
@@ -146,9 +164,55 @@ def replace_layer(model: nn.Module, path: str, layer: nn.Module) -> None:
 
 def unpacked_copy(model: nn.Module) -> nn.Module:
     """A deep copy of `model` with each `PackedLinear` back as the layer it was packed from (a
-    packed weight does not copy)."""
+    packed weight does not copy) and each transposed weight back in its plain layout."""
     memo = {id(m): m.unpacked() for m in model.modules() if isinstance(m, PackedLinear)}
-    return copy.deepcopy(model, memo)
+    copied: nn.Module = copy.deepcopy(model, memo)
+    for linear in copied.modules():
+        if isinstance(linear, nn.Linear) and not linear.weight.is_contiguous():
+            linear.weight = nn.Parameter(linear.weight.detach().contiguous(), linear.weight.requires_grad)
+    return copied
+
+
+def transposes(model: nn.Module) -> bool:
+    """Whether `transpose_linears` may transpose `model`'s weights: float32 weights on the CPU."""
+    weight = next(model.parameters())
+    return weight.dtype == TRANSPOSED_DTYPE and weight.device.type == "cpu"
+
+
+def transpose_linears(model: nn.Module) -> None:
+    """Stores the weight of each linear layer of `model` whose shape multiplies faster that way on
+    this CPU (`transposed_is_faster`) transposed in memory, in place, where `transposes(model)`:
+    an [out, in] view of an [in, out] tensor, the same values and shape. A tied output head gets a
+    transposed copy of its own (the embeddings keep theirs)."""
+    if not transposes(model):
+        return
+    for linear in model.modules():
+        if isinstance(linear, nn.Linear) and transposed_is_faster(linear.in_features, linear.out_features):
+            transposed = linear.weight.detach().t().contiguous().t()
+            linear.weight = nn.Parameter(transposed, requires_grad=linear.weight.requires_grad)
+    served_forward.forget(model)
+
+
+@functools.cache
+def transposed_is_faster(in_features: int, out_features: int) -> bool:
+    """Whether a float32 product of this shape is at least MIN_SPEEDUP faster on this CPU (and
+    thread count) with its weight stored transposed: the geometric mean over TIMED_ROWS of the ratio
+    of each layout's least time, the two layouts' products interleaved."""
+    weight = torch.randn(out_features, in_features)
+    layouts = (weight, weight.t().contiguous().t())
+    speedups = []
+    with torch.inference_mode():
+        for rows in TIMED_ROWS:
+            x = torch.randn(rows, in_features)
+            times: tuple[list[float], list[float]] = ([], [])
+            for call in range(TIMED_PRODUCTS + 1):
+                for layout, spent in zip(layouts, times, strict=True):
+                    started = time.perf_counter()
+                    torch.nn.functional.linear(x, layout)
+                    if call > 0:  # the first warms up
+                        spent.append(time.perf_counter() - started)
+            speedups.append(min(times[0]) / min(times[1]))
+    return statistics.geometric_mean(speedups) >= MIN_SPEEDUP
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from workers.models.linears import (
     StackedLinear,
     plain_linear,
     rows_for_same_bits,
+    transposed_is_faster,
     unpacked_copy,
 )
 from workers.models.llama import fuse_projections, serving_layout
@@ -122,10 +123,41 @@ def test_a_bfloat16_model_is_served_packed_and_its_copies_are_made_from_the_same
     assert torch.equal(in_precision(served, "int8")(tokens), in_precision(loaded, "int8")(tokens))
 
 
-def test_a_float32_model_is_not_packed() -> None:
-    model = tiny_model(0)
-    serving_layout(model)  # type: ignore[arg-type]  # a CausalLM is an nn.Module
-    assert not any(isinstance(m, PackedLinear) for m in model.modules())  # type: ignore[attr-defined]
+@torch.inference_mode()
+def test_a_float32_model_is_served_with_weights_transposed_where_that_is_faster_here_and_the_same_values() -> (
+    None
+):
+    loaded = tiny_model(0)
+    served = copy.deepcopy(loaded)
+    serving_layout(served)  # type: ignore[arg-type]  # a CausalLM is an nn.Module
+    layers = dict(served.named_modules())  # type: ignore[attr-defined]
+    assert not any(isinstance(m, PackedLinear) for m in layers.values())
+    linears = {name: m for name, m in layers.items() if isinstance(m, nn.Linear)}
+    assert {"lm_head", "model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj"} <= linears.keys()
+    for name, linear in linears.items():  # what this CPU measured, for each shape
+        transposed = transposed_is_faster(linear.in_features, linear.out_features)
+        assert linear.weight.is_contiguous() != transposed, name
+        assert linear.weight.shape == (linear.out_features, linear.in_features)
+    assert layers["model.embed_tokens"].weight.is_contiguous()  # the embeddings stay as loaded
+    tokens = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(1))
+    logits, expected = served(tokens), loaded(tokens)
+    assert torch.allclose(logits, expected, rtol=1e-4, atol=1e-4)  # MKL's sums, in another order
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    fused = copy.deepcopy(loaded)
+    fuse_projections(fused)  # type: ignore[arg-type]  # a CausalLM is an nn.Module
+    unpacked = unpacked_copy(served)  # type: ignore[arg-type]  # the same values, in the plain layout
+    assert all(t.is_contiguous() for t in unpacked.state_dict().values())
+    assert all(torch.equal(t, unpacked.state_dict()[n]) for n, t in fused.state_dict().items())  # type: ignore[attr-defined]
+    # a variant made from the served copy is the variant of the model as loaded
+    assert torch.equal(in_precision(served, "int8")(tokens), in_precision(loaded, "int8")(tokens))
+
+
+def test_a_transposed_layout_is_chosen_by_timing_both_on_this_cpu_once_per_shape() -> None:
+    transposed_is_faster.cache_clear()
+    choice = transposed_is_faster(576, 1536)
+    assert transposed_is_faster(576, 1536) is choice  # measured once: a worker's layers agree
+    assert transposed_is_faster.cache_info().misses == 1
+    print(f"576->1536 float32 weights transposed on this CPU: {choice}")
 
 
 @needs_bf16_products
