@@ -198,12 +198,13 @@ def transposed_is_faster(in_features: int, out_features: int) -> bool:
     """Whether a float32 product of this shape is at least MIN_SPEEDUP faster on this CPU (and
     thread count) with its weight stored transposed: the geometric mean over TIMED_ROWS of the ratio
     of each layout's least time, the two layouts' products interleaved."""
-    weight = torch.randn(out_features, in_features)
+    generator = torch.Generator().manual_seed(0)  # torch's own random state stays as it was
+    weight = torch.randn(out_features, in_features, generator=generator)
     layouts = (weight, weight.t().contiguous().t())
     speedups = []
     with torch.inference_mode():
         for rows in TIMED_ROWS:
-            x = torch.randn(rows, in_features)
+            x = torch.randn(rows, in_features, generator=generator)
             times: tuple[list[float], list[float]] = ([], [])
             for call in range(TIMED_PRODUCTS + 1):
                 for layout, spent in zip(layouts, times, strict=True):
