@@ -24,7 +24,7 @@ ROW_CHUNK against each row alone, on rows that show any change in the order of a
 
 Transposing: a float32 product goes to MKL's sgemm, whose speed at a few rows depends on how the
 weight lies in memory. On 2 cores of an Intel Xeon without AVX-512 BF16 (Ice Lake, torch 2.13),
-SmolLM2-135M's products with its [out, in] weights took 118 ms a step at 16 rows, as long as at 64,
+SmolLM2-135M's layers' products with their [out, in] weights took 118 ms a step at 16 rows, as at 64,
 and 53 ms with each weight stored [in, out] (a transposed view of it, the same values and shape):
 0.89x the time at 1 row, 0.56x at 4, 0.45x at 16, 0.93x at 64, but 1.26x at 2 and 3 rows. Which
 layout is faster depends on the CPU, so it is measured once per shape (`transposed_is_faster`), and
