@@ -15,7 +15,8 @@ bfloat16 when:
   (measured only when it is faster: the forward passes cost a load time too).
 
 Both candidates are timed as they would be served (`serving_layout`: projections fused, bfloat16
-weights packed for oneDNN where each row keeps its bits in any batch, docs/batching.md#exactness).
+weights packed for oneDNN where each row keeps its bits in any batch, docs/batching.md#exactness,
+float32 weights transposed where MKL multiplies them faster so).
 For the built-in model, on CUDA, or with REFLOW_DTYPE set, nothing is measured. A worker measures
 once per model shape: later versions of it (fine-tunes of the same base, hot-swapped in) are served
 in the same dtype without a stall, so a champion and its challenger always compare in one dtype.

@@ -28,7 +28,8 @@ def load_directory(
     """Loads the checkpoint in a local directory (safetensors weights, JSON config, tokenizer) in
     `dtype` (None: REFLOW_DTYPE=auto, the dtype `auto` measured fastest here where given, else the
     architecture's choice), its context capped at `max_len` (0: the model's own), laid out for
-    serving (`serving_layout`: projections fused, bfloat16 weights packed for this CPU)."""
+    serving (`serving_layout`: projections fused, bfloat16 weights packed for this CPU, float32
+    weights transposed where that multiplies faster here)."""
     if dtype is None and auto is not None:
         model, tokenizer, choice = auto.load(directory, device, max_len)
     else:

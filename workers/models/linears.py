@@ -188,8 +188,7 @@ def transpose_linears(model: nn.Module) -> None:
         return
     for linear in model.modules():
         if isinstance(linear, nn.Linear) and transposed_is_faster(linear.in_features, linear.out_features):
-            transposed = linear.weight.detach().t().contiguous().t()
-            linear.weight = nn.Parameter(transposed, requires_grad=linear.weight.requires_grad)
+            linear.weight = nn.Parameter(transposed(linear.weight.detach()), linear.weight.requires_grad)
     served_forward.forget(model)
 
 
@@ -200,7 +199,7 @@ def transposed_is_faster(in_features: int, out_features: int) -> bool:
     of each layout's least time, the two layouts' products interleaved."""
     generator = torch.Generator().manual_seed(0)  # torch's own random state stays as it was
     weight = torch.randn(out_features, in_features, generator=generator)
-    layouts = (weight, weight.t().contiguous().t())
+    layouts = (weight, transposed(weight))
     speedups = []
     with torch.inference_mode():
         for rows in TIMED_ROWS:
@@ -214,6 +213,11 @@ def transposed_is_faster(in_features: int, out_features: int) -> bool:
                         spent.append(time.perf_counter() - started)
             speedups.append(min(times[0]) / min(times[1]))
     return statistics.geometric_mean(speedups) >= MIN_SPEEDUP
+
+
+def transposed(weight: Tensor) -> Tensor:
+    """`weight` [out, in] stored transposed: the same values and shape, over an [in, out] tensor."""
+    return weight.t().contiguous().t()
 
 
 @functools.cache
