@@ -6,7 +6,7 @@ import asyncio
 import random
 import re
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -33,8 +33,8 @@ TOK = TOKENIZER
 PROMPTS = [f"{a}+{b}=" for a, b in ((47, 38), (1, 1), (99, 9), (5, 60), (12, 34), (0, 0), (73, 21), (8, 88))]
 
 
-def new_engine(**config: int | bool) -> Engine:
-    engine = Engine(EngineConfig(**config), WorkerMetrics())
+def new_engine(metrics: WorkerMetrics | None = None, **config: int | bool) -> Engine:
+    engine = Engine(EngineConfig(**config), metrics or WorkerMetrics())
     engine.add(ResidentVersion("arith", "1", tiny_model(0), TOK, torch.device("cpu"), {"champion"}))
     return engine
 
@@ -70,14 +70,16 @@ async def test_output_is_the_same_alone_and_in_any_batch_mix(
 
 class PausingMetrics(WorkerMetrics):
     """Holds the engine thread after its first step that produced a token (before the token is
-    delivered), until released."""
+    delivered), until released; counts the tokens the engine generated."""
 
     def __init__(self) -> None:
         super().__init__()
         self.paused, self.release = threading.Event(), threading.Event()
+        self.generated = 0
 
     def observe_outputs(self, outputs: Sequence[Output], step_seconds: float) -> None:
         super().observe_outputs(outputs, step_seconds)
+        self.generated += sum(len(out.token_ids) for _, out in outputs if isinstance(out, Delta))
         if outputs and not self.paused.is_set():
             self.paused.set()
             self.release.wait()
@@ -103,23 +105,33 @@ async def test_a_request_arriving_mid_generation_joins_at_the_next_step() -> Non
         engine.close()
 
 
-async def one_running_one_waiting(engine: Engine) -> tuple[AsyncIterator[Delta], asyncio.Future[Delta]]:
-    """On a one-slot engine: a long stream holding the slot, and a short request queued behind it."""
+async def one_running_one_waiting(
+    engine: Engine, metrics: PausingMetrics
+) -> tuple[asyncio.Future[Delta], asyncio.Future[Delta]]:
+    """On a one-slot engine held by `metrics` after its first step: a long stream's first token,
+    not yet delivered, and a short request queued behind it. Held, the long one cannot finish and
+    free the slot before the short one is counted waiting, however fast the engine runs."""
     running = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
-    await anext(running)
+    first = asyncio.ensure_future(anext(running))
+    await eventually(metrics.paused.is_set, 5.0)
     waiting = asyncio.ensure_future(collect(engine, "2+2=", GenerationParams(max_tokens=5)))
-    await eventually(lambda: engine.waiting == 1, 2.0)
-    return running, waiting
+    await eventually(lambda: engine.waiting == 1, 5.0)
+    return first, waiting
 
 
 async def test_a_cancelled_sequence_frees_its_slot_for_the_next() -> None:
-    engine = new_engine(max_batch_size=1, max_waiting=4)
+    metrics = PausingMetrics()
+    engine = new_engine(metrics, max_batch_size=1, max_waiting=4, speculative_tokens=0)
     try:
-        first, queued = await one_running_one_waiting(engine)
-        await first.aclose()
+        first, queued = await one_running_one_waiting(engine, metrics)
+        first.cancel()  # its client leaves while the engine holds its first token
+        await asyncio.wait([first])  # left: the stream has marked its request cancelled
+        metrics.release.set()
         assert len((await asyncio.wait_for(queued, 5)).token_ids) <= 5  # it got the freed slot
-        await eventually(lambda: (engine.running, engine.waiting) == (0, 0), 2.0)
+        await eventually(lambda: (engine.running, engine.waiting) == (0, 0), 5.0)
+        assert metrics.generated <= 1 + 5  # the long one stopped at its first token, of 60
     finally:
+        metrics.release.set()
         engine.close()
 
 
@@ -169,15 +181,18 @@ async def test_max_model_len_caps_the_context_and_sizes_the_cache() -> None:
 
 
 async def test_a_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
-    engine = new_engine(max_batch_size=1, max_waiting=1)
+    metrics = PausingMetrics()
+    engine = new_engine(metrics, max_batch_size=1, max_waiting=1, speculative_tokens=0)
     try:
-        running, waiting = await one_running_one_waiting(engine)
+        first, waiting = await one_running_one_waiting(engine, metrics)
         with pytest.raises(ResourceExhausted) as info:
             await collect(engine, "3+3=", GenerationParams(max_tokens=3))
         assert info.value.retry_after_ms > 0 and "retry" in str(info.value)
-        await running.aclose()
+        first.cancel()
+        metrics.release.set()
         await waiting
     finally:
+        metrics.release.set()
         engine.close()
 
 
