@@ -87,8 +87,7 @@ class PausingMetrics(WorkerMetrics):
 
 async def test_a_request_arriving_mid_generation_joins_at_the_next_step() -> None:
     metrics = PausingMetrics()
-    engine = Engine(EngineConfig(speculative_tokens=0), metrics)  # no drafts: one token a step each
-    engine.add(ResidentVersion("arith", "1", tiny_model(0), TOK, torch.device("cpu")))
+    engine = new_engine(metrics, speculative_tokens=0)  # no drafts: one token a step each
     try:
         long = engine.generate("arith", "1", TOK.encode("1+1="), GenerationParams(max_tokens=60))
         first = asyncio.ensure_future(anext(long))
