@@ -1,6 +1,7 @@
 """The linear layers a served model computes with besides nn.Linear: several layers that read one
 input stacked into one product (`StackedLinear`), bfloat16 weights packed once for this CPU's
-oneDNN kernels (`PackedLinear`), and float32 weights stored transposed (`transpose_linears`).
+oneDNN kernels or reflow's own (`PackedLinear`), and float32 weights stored transposed
+(`transpose_linears`).
 
 Packing: a bfloat16 product through `torch.nn.functional.linear` on the CPU goes to oneDNN, which
 reorders the whole weight into its blocked layout on every call. `PackedLinear` holds the weight in
@@ -22,6 +23,13 @@ ROW_CHUNK against each row alone, on rows that show any change in the order of a
 (`order_probe`); a shape that needs more than MAX_PADDED_ROWS is left unpacked
 (docs/batching.md#exactness).
 
+Pairs: on a CPU with AVX-512 BF16, reflow's own kernel (`native.paired_linear`) multiplies a
+weight laid out in pairs of inputs, each output summed in one order at any row count, so it needs
+no padding to keep a row's bits. On 2 cores of an AMD EPYC with AVX-512 BF16 (no AMX) it took
+SmolLM2's layers' products 0.74x oneDNN's time at one row, 0.81x at 16 and 0.87x at 64; where AMX
+multiplies a batch, oneDNN's products are likely faster. So it is measured once per shape
+(`paired_is_faster`), and a layer takes the pairs where they are faster over TIMED_ROWS.
+
 Transposing: a float32 product goes to MKL's sgemm, whose speed at a few rows depends on how the
 weight lies in memory. On 2 cores of an Intel Xeon without AVX-512 BF16 (Ice Lake, torch 2.13),
 SmolLM2-135M's layers' products with their [out, in] weights took 118 ms a step at 16 rows, as at 64,
@@ -38,12 +46,13 @@ import copy
 import functools
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.models import served_forward
+from workers.models import native, served_forward
 
 PACKED_DTYPE = torch.bfloat16  # the weights oneDNN's packed products take here
 ROW_CHUNK = 128  # most rows in one packed product: longer inputs run in chunks of this many
@@ -54,7 +63,7 @@ TIMED_ROWS = (1, 2, 4, 16)  # the row counts both layouts are timed at: one stre
 # few products of any layout take milliseconds more (a thread descheduled), and a median of 9 once
 # timed a 576->3072 product's layouts alike at every row count where their least times were 4x apart
 TIMED_PRODUCTS = 15
-MIN_SPEEDUP = 1.1  # how much faster (the geometric mean over TIMED_ROWS) a transposed weight must be
+MIN_SPEEDUP = 1.1  # how much faster (the geometric mean over TIMED_ROWS) a layout must be to be taken
 
 
 class StackedLinear(nn.Linear):
@@ -85,19 +94,28 @@ class StackedLinear(nn.Linear):
 
 class PackedLinear(nn.Module):
     """A bfloat16 linear layer (or a `StackedLinear`, whose `parts` it keeps) with its weight packed
-    for this CPU's oneDNN products; served, never trained or saved."""
+    for this CPU: for oneDNN's products, or in pairs for reflow's own (`paired`); served, never
+    trained or saved."""
 
     bias: Tensor | None
 
-    def __init__(self, linear: nn.Linear, min_rows: int = 1):
+    def __init__(self, linear: nn.Linear, min_rows: int = 1, paired: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.parts = dict(linear.parts) if isinstance(linear, StackedLinear) else {}
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)  # no .to()
+        weight = linear.weight.detach()
+        self.paired = paired
+        if paired:
+            self.packed = native.pairs_of(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # no .to()
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self.min_rows = min_rows  # fewer rows are padded to this many (`rows_for_same_bits`)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.paired:
+            rows = x.reshape(-1, self.in_features).contiguous()
+            return native.paired_linear(rows, self.packed, self.bias).view(*x.shape[:-1], self.out_features)
         count = x.numel() // self.in_features
         if self.min_rows <= count <= ROW_CHUNK:  # a decode step's rows: one product, of x as it is
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -118,7 +136,8 @@ class PackedLinear(nn.Module):
 
     def unpacked(self) -> nn.Linear:
         """The layer it was packed from: the weight back in its plain layout (the same values)."""
-        weight, bias = self.packed.to_dense(), None if self.bias is None else self.bias.clone()
+        weight = native.unpaired(self.packed) if self.paired else self.packed.to_dense()
+        bias = None if self.bias is None else self.bias.clone()
         if self.parts:
             return StackedLinear(weight, bias, self.parts)
         return plain_linear(weight, bias)
@@ -135,13 +154,18 @@ def packs(model: nn.Module) -> bool:
     )
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Replaces each linear layer of `model` whose shape keeps its rows' bits packed, padded to as
-    many rows as that takes (`rows_for_same_bits`), by a `PackedLinear`, in place, where
-    `packs(model)`. A tied output head gets a packed copy of its own (the embeddings keep theirs)."""
+def pack_linears(model: nn.Module, pairs: bool = True) -> None:
+    """Replaces each linear layer of `model` by a `PackedLinear`, in place, where `packs(model)`: in
+    pairs where that multiplies faster here (`paired_is_faster`) and `pairs` allows it, else for
+    oneDNN where its shape keeps its rows' bits, padded to as many rows as that takes
+    (`rows_for_same_bits`). A tied output head gets a packed copy of its own (the embeddings keep
+    theirs). Without `pairs`, bfloat16 is laid out as it was before them (benchmarks/weight_layouts.py)."""
     if not packs(model):
         return
     for path, linear in [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        if pairs and paired_is_faster(linear.in_features, linear.out_features):
+            replace_layer(model, path, PackedLinear(linear, paired=True))
+            continue
         min_rows = rows_for_same_bits(linear.in_features, linear.out_features, linear.bias is not None)
         if min_rows is not None:
             replace_layer(model, path, PackedLinear(linear, min_rows))
@@ -195,24 +219,49 @@ def transpose_linears(model: nn.Module) -> None:
 @functools.cache
 def transposed_is_faster(in_features: int, out_features: int) -> bool:
     """Whether a float32 product of this shape is at least MIN_SPEEDUP faster on this CPU (and
-    thread count) with its weight stored transposed: the geometric mean over TIMED_ROWS of the ratio
-    of each layout's least time, the two layouts' products interleaved."""
+    thread count) with its weight stored transposed (`speedup`)."""
     generator = torch.Generator().manual_seed(0)  # torch's own random state stays as it was
     weight = torch.randn(out_features, in_features, generator=generator)
-    layouts = (weight, transposed(weight))
+    plain, stored_transposed = (functools.partial(F.linear, weight=w) for w in (weight, transposed(weight)))
+    return speedup(plain, stored_transposed, in_features, TRANSPOSED_DTYPE, generator) >= MIN_SPEEDUP
+
+
+@functools.cache
+def paired_is_faster(in_features: int, out_features: int) -> bool:
+    """Whether a bfloat16 product of this shape is at least MIN_SPEEDUP faster on this CPU (and
+    thread count) with its weight in pairs for reflow's kernel than packed for oneDNN's (`speedup`);
+    False where the kernel does not multiply here or takes no such shape."""
+    if not native.multiplies_pairs() or out_features % native.PAIRED_BLOCK or in_features % 2:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    linear = plain_linear(torch.randn(out_features, in_features, generator=generator).to(PACKED_DTYPE), None)
+    onednn, paired = PackedLinear(linear), PackedLinear(linear, paired=True)
+    return speedup(onednn, paired, in_features, PACKED_DTYPE, generator) >= MIN_SPEEDUP
+
+
+def speedup(
+    before: Callable[[Tensor], Tensor],
+    after: Callable[[Tensor], Tensor],
+    in_features: int,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+) -> float:
+    """How much faster `after` multiplies rows of `in_features` in `dtype` than `before`, on this
+    CPU: the geometric mean over TIMED_ROWS of the ratio of each one's least time of TIMED_PRODUCTS,
+    the two interleaved."""
     speedups = []
     with torch.inference_mode():
         for rows in TIMED_ROWS:
-            x = torch.randn(rows, in_features, generator=generator)
+            x = torch.randn(rows, in_features, generator=generator).to(dtype)
             times: tuple[list[float], list[float]] = ([], [])
             for call in range(TIMED_PRODUCTS + 1):
-                for layout, spent in zip(layouts, times, strict=True):
+                for product, spent in zip((before, after), times, strict=True):
                     started = time.perf_counter()
-                    torch.nn.functional.linear(x, layout)
+                    product(x)
                     if call > 0:  # the first warms up
                         spent.append(time.perf_counter() - started)
             speedups.append(min(times[0]) / min(times[1]))
-    return statistics.geometric_mean(speedups) >= MIN_SPEEDUP
+    return statistics.geometric_mean(speedups)
 
 
 def transposed(weight: Tensor) -> Tensor:

@@ -1,7 +1,8 @@
 """reflow's C++ kernels on the CPU, compiled for this CPU the first time a process needs them: paged
 attention for bfloat16, float16 and float32 (`paged_attention.cpp`), RMSNorm for bfloat16 and
-float16 in served forwards (`rms_norm.cpp`), and the product of bfloat16 rows with a weight-only
-copy's large int8 layers (`int8_linear.cpp`).
+float16 in served forwards (`rms_norm.cpp`), the product of bfloat16 rows with a weight-only
+copy's large int8 layers (`int8_linear.cpp`), and bfloat16 products on CPUs with AVX-512 BF16
+(`paired_linear.cpp`).
 
 Why: a decode step's attention made of torch operators (`kv_cache.grouped_attention`: gather the
 blocks, two batched products, a masked float32 softmax) is a dozen small kernels a layer, and
@@ -36,6 +37,14 @@ reads and took that head from 1.9 to 1.1 ms at one row and 11.0 to 8.9 ms at 16 
 says how it computes). Small layers keep torch's kernel, as fast at one row and faster at more
 (`precision.Int8Linear`).
 
+bfloat16 products: oneDNN's packed products (`linears.PackedLinear`) read SmolLM2's weights at 27
+GB/s at one row on 2 cores of an AMD EPYC with AVX-512 BF16 that reads 41-50, 20-45 us a call for
+its 0.7-3.5 MB layers, and round a row differently alone than among others in some shapes (padded
+for it). The kernel multiplies weights laid out in pairs of inputs with AVX-512 BF16's dot
+product of pairs, each output summed in one order at any row count, and took SmolLM2's products
+0.74x the time at one row, 0.81x at 16 and 0.87x at 64 there (paired_linear.cpp says how it
+computes; `linears.paired_is_faster` measures which a shape takes).
+
 The sources are compiled with the C++ compiler `CXX` names (else `g++`, `c++`), `-march=native`,
 into a private temporary directory, in about 2 s, and loaded from there; OpenMP resolves to the
 runtime torch already loaded, so the kernels' threads are torch's. Where no compiler is found or
@@ -63,6 +72,7 @@ logger = logging.getLogger(__name__)
 ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 NORM_SOURCE = Path(__file__).with_name("rms_norm.cpp")
 INT8_SOURCE = Path(__file__).with_name("int8_linear.cpp")
+PAIRED_SOURCE = Path(__file__).with_name("paired_linear.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{Path(__file__).parent}")  # vectors.h
 SYMBOLS = {
     torch.bfloat16: "paged_attention_bfloat16",
@@ -71,6 +81,8 @@ SYMBOLS = {
 }
 NORM_SYMBOLS = {torch.bfloat16: "rms_norm_bfloat16", torch.float16: "rms_norm_float16"}
 INT8_SYMBOL = "int8_linear_bfloat16"
+PAIRED_SYMBOL = "paired_linear_bfloat16"
+PAIRED_BLOCK = 16  # output channels whose weights lie in pairs together (paired_linear.cpp)
 FALLBACK = "attention, norms and int8 products on the CPU run as torch operators, slower"
 INSTALL_HINT = "install a C++ compiler (e.g. `apt-get install g++`) or name one in CXX"
 LANES = 8  # the kernels read features 8 at a time (vectors.h): a head's, or a normed row's, a multiple of it
@@ -81,6 +93,7 @@ ARGUMENTS = [ctypes.c_void_p] * 12 + [ctypes.c_float, ctypes.c_int]
 NORM_ARGUMENTS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
 # x, weight, scales, out; rows, width, channels; threads
 INT8_ARGUMENTS = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+PAIRED_ARGUMENTS = INT8_ARGUMENTS  # x, weight, bias, out; rows, width, channels; threads
 
 
 @functools.cache
@@ -98,7 +111,7 @@ def build(attention_source: Path) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("%s: %s", FALLBACK, INSTALL_HINT)
         return None
-    sources = (attention_source, NORM_SOURCE, INT8_SOURCE)
+    sources = (attention_source, NORM_SOURCE, INT8_SOURCE, PAIRED_SOURCE)
     with tempfile.TemporaryDirectory(prefix="reflow-kernels-") as directory:  # 0700
         built = Path(directory) / "kernels.so"
         try:
@@ -122,6 +135,7 @@ def build(attention_source: Path) -> ctypes.CDLL | None:
         (SYMBOLS.values(), ARGUMENTS),
         (NORM_SYMBOLS.values(), NORM_ARGUMENTS),
         ([INT8_SYMBOL], INT8_ARGUMENTS),
+        ([PAIRED_SYMBOL], PAIRED_ARGUMENTS),
     ):
         for symbol in symbols:
             function = getattr(library, symbol)
@@ -301,5 +315,45 @@ def int8_linear(rows: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     getattr(library, INT8_SYMBOL)(
         rows.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), count, width,
         len(weight), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+@functools.cache
+def multiplies_pairs() -> bool:
+    """Whether `paired_linear` multiplies here: the kernels build, for a CPU with AVX-512 BF16."""
+    library = _library()
+    return library is not None and library.paired_linear_built() == 1
+
+
+def pairs_of(weight: Tensor) -> Tensor:
+    """A bfloat16 `weight` [M, K] (M a multiple of PAIRED_BLOCK, K even) laid out for
+    `paired_linear`: [M / 16, K / 2, 16, 2], each 16 output channels' weights in pairs of inputs."""
+    m, k = weight.shape
+    return weight.view(m // PAIRED_BLOCK, PAIRED_BLOCK, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpaired(pairs: Tensor) -> Tensor:
+    """The weight [M, K] that `pairs_of` laid out as `pairs`."""
+    blocks, half, block, _ = pairs.shape
+    return pairs.transpose(1, 2).reshape(blocks * block, half * 2)
+
+
+def paired_linear(rows: Tensor, pairs: Tensor, bias: Tensor | None) -> Tensor:
+    """rows W^T + bias of bfloat16 `rows` [N, K] (contiguous) and W laid out as `pairs`
+    (`pairs_of`): [N, M] bfloat16, each row's the same bits in any batch (paired_linear.cpp).
+    `multiplies_pairs()` must be true."""
+    count, width = rows.shape
+    channels = pairs.shape[0] * PAIRED_BLOCK
+    assert rows.is_contiguous() and pairs.is_contiguous() and pairs.shape[1] * 2 == width
+    assert rows.dtype == pairs.dtype == torch.bfloat16 and (bias is None or bias.shape == (channels,))
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    out = torch.empty(count, channels, dtype=torch.bfloat16)
+    library = _library()
+    assert library is not None
+    getattr(library, PAIRED_SYMBOL)(
+        rows.data_ptr(), pairs.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), count,
+        width, channels, torch.get_num_threads(),
     )  # fmt: skip
     return out

@@ -1,6 +1,7 @@
 """Linear layers as a worker serves them (workers/models/linears.py): bfloat16 weights packed for
-the CPU's oneDNN products give each row the same bits in any batch, stay close to the plain
-product, unpack to the same weights, and are laid out in a served model only where they apply."""
+the CPU's oneDNN products or in pairs for reflow's own give each row the same bits in any batch,
+stay close to the plain product, unpack to the same weights, and are laid out in a served model
+only where they apply."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from torch import nn
 from tests.support.models import tiny_model
 from tests.support.smollm2 import truncated_smollm2
 from workers.loading import load_directory
+from workers.models import native
 from workers.models.linears import (
     ROW_CHUNK,
     PackedLinear,
     StackedLinear,
+    paired_is_faster,
     plain_linear,
     rows_for_same_bits,
     transposed_is_faster,
@@ -31,6 +34,9 @@ from workers.variants import weight_bytes
 BFLOAT16 = torch.bfloat16
 needs_bf16_products = pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 products on this CPU"
+)
+needs_paired_products = pytest.mark.skipif(
+    not native.multiplies_pairs(), reason="reflow's paired bfloat16 kernel needs AVX-512 BF16 and g++"
 )
 
 
@@ -84,6 +90,32 @@ def test_a_packed_layer_keeps_each_rows_bits_for_any_weights_and_rows_not_just_i
             assert torch.equal(packed(rows[:count]), alone[:count]), (seed, count)
 
 
+@needs_paired_products
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "bias"), [(576, 960, True), (1536, 576, False), (64, 96, True)]
+)
+@torch.inference_mode()
+def test_a_paired_layer_gives_each_row_the_same_bits_in_any_batch_unpadded_and_stays_close_to_the_plain_one(
+    in_features: int, out_features: int, bias: bool
+) -> None:
+    # SmolLM2's q/k/v and down projections (the down one needs padding in oneDNN's layout on an
+    # AMD EPYC), and a tiny one, small enough to run on one thread
+    linear = random_linear(in_features, out_features, bias=bias)
+    paired = PackedLinear(linear, paired=True)
+    rows = torch.randn(300, in_features, generator=torch.Generator().manual_seed(1)).to(BFLOAT16)
+    alone = torch.cat([paired(rows[i : i + 1]) for i in range(len(rows))])
+    for count in (2, 3, 4, 5, 16, 33, 64, ROW_CHUNK + 1, 300):
+        assert torch.equal(paired(rows[:count]), alone[:count]), count
+    plain = F.linear(
+        rows.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float()
+    )
+    assert ((alone.float() - plain).norm() / plain.norm()).item() < 0.005  # bfloat16's rounding, once
+    assert paired(rows[:12].view(3, 4, in_features)).shape == (3, 4, out_features)  # any leading shape
+    unpacked = paired.unpacked()
+    assert type(unpacked) is nn.Linear and torch.equal(unpacked.weight, linear.weight)
+    assert bias == (unpacked.bias is not None) and (not bias or torch.equal(unpacked.bias, linear.bias))
+
+
 @needs_bf16_products
 def test_a_packed_layer_unpacks_to_the_weights_and_parts_it_was_packed_from() -> None:
     parts = {"q": random_linear(64, 32, bias=True, seed=1), "k": random_linear(64, 16, bias=True, seed=2)}
@@ -105,6 +137,9 @@ def test_a_bfloat16_model_is_served_packed_and_its_copies_are_made_from_the_same
     layers = dict(served.named_modules())
     assert {type(layers[n]) for n in ("lm_head", "model.layers.0.self_attn.qkv_proj")} == {PackedLinear}
     assert not any(isinstance(m, nn.Linear) for m in layers.values())
+    for name, layer in layers.items():  # in pairs where this CPU measured them faster, for each shape
+        if isinstance(layer, PackedLinear):
+            assert layer.paired == paired_is_faster(layer.in_features, layer.out_features), name
     assert isinstance(layers["model.embed_tokens"], nn.Embedding)  # the embeddings stay as loaded
     tokens = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(1))
     logits, expected = served(tokens).float(), loaded(tokens).float()
