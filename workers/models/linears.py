@@ -25,10 +25,11 @@ ROW_CHUNK against each row alone, on rows that show any change in the order of a
 
 Pairs: on a CPU with AVX-512 BF16, reflow's own kernel (`native.paired_linear`) multiplies a
 weight laid out in pairs of inputs, each output summed in one order at any row count, so it needs
-no padding to keep a row's bits. On 2 cores of an AMD EPYC with AVX-512 BF16 (no AMX) it took
-SmolLM2's layers' products 0.74x oneDNN's time at one row, 0.81x at 16 and 0.87x at 64; where AMX
-multiplies a batch, oneDNN's products are likely faster. So it is measured once per shape
-(`paired_is_faster`), and a layer takes the pairs where they are faster over TIMED_ROWS.
+no padding to keep a row's bits. On 2 cores of an AMD EPYC with AVX-512 BF16 (no AMX) a decode
+step of SmolLM2 took 0.76x the time with every layer but the head in pairs at one row, 0.78x at 16
+and 0.85x at 64; where AMX multiplies a batch, oneDNN's products are likely faster. So it is
+measured once per shape (`paired_is_faster`), and a layer takes the pairs where they are faster
+over TIMED_ROWS.
 
 Transposing: a float32 product goes to MKL's sgemm, whose speed at a few rows depends on how the
 weight lies in memory. On 2 cores of an Intel Xeon without AVX-512 BF16 (Ice Lake, torch 2.13),

@@ -41,9 +41,10 @@ bfloat16 products: oneDNN's packed products (`linears.PackedLinear`) read SmolLM
 GB/s at one row on 2 cores of an AMD EPYC with AVX-512 BF16 that reads 41-50, 20-45 us a call for
 its 0.7-3.5 MB layers, and round a row differently alone than among others in some shapes (padded
 for it). The kernel multiplies weights laid out in pairs of inputs with AVX-512 BF16's dot
-product of pairs, each output summed in one order at any row count, and took SmolLM2's products
-0.74x the time at one row, 0.81x at 16 and 0.87x at 64 there (paired_linear.cpp says how it
-computes; `linears.paired_is_faster` measures which a shape takes).
+product of pairs, each output summed in one order at any row count: there a decode step of SmolLM2
+took 0.76x the time at one row, 0.78x at 16 and 0.85x at 64 (`benchmarks/weight_layouts.py --dtype
+bfloat16`; paired_linear.cpp says how it computes; `linears.paired_is_faster` measures which kernel
+a shape takes).
 
 The sources are compiled with the C++ compiler `CXX` names (else `g++`, `c++`), `-march=native`,
 into a private temporary directory, in about 2 s, and loaded from there; OpenMP resolves to the
