@@ -21,6 +21,7 @@ from workers.models.linears import (
     ROW_CHUNK,
     PackedLinear,
     StackedLinear,
+    pack_linears,
     paired_is_faster,
     plain_linear,
     rows_for_same_bits,
@@ -156,6 +157,10 @@ def test_a_bfloat16_model_is_served_packed_and_its_copies_are_made_from_the_same
     assert all(torch.equal(tensor, unpacked[name]) for name, tensor in fused.state_dict().items())
     # a variant made from the served copy is the variant of the model as loaded
     assert torch.equal(in_precision(served, "int8")(tokens), in_precision(loaded, "int8")(tokens))
+    onednn = unpacked_copy(served)
+    pack_linears(onednn, pairs=False)  # every layer for oneDNN, as before the pairs
+    assert not any(isinstance(m, PackedLinear) and m.paired for m in onednn.modules())
+    assert all(torch.equal(onednn(tokens[i : i + 1])[0], onednn(tokens)[i]) for i in range(3))
 
 
 @torch.inference_mode()
