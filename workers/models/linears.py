@@ -23,7 +23,7 @@ ROW_CHUNK against each row alone, on rows that show any change in the order of a
 (`order_probe`); a shape that needs more than MAX_PADDED_ROWS is left unpacked
 (docs/batching.md#exactness).
 
-Pairs: on a CPU with AVX-512 BF16, reflow's own kernel (`native.paired_linear`) multiplies a
+Pairs: on a CPU with AVX-512 BF16, reflow's own kernel (`native.bind_paired`) multiplies a
 weight laid out in pairs of inputs, each output summed in one order at any row count, so it needs
 no padding to keep a row's bits. On 2 cores of an AMD EPYC with AVX-512 BF16 (no AMX) a decode
 step of SmolLM2 took 0.76x the time with every layer but the head in pairs at one row, 0.78x at 16
@@ -105,18 +105,19 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.parts = dict(linear.parts) if isinstance(linear, StackedLinear) else {}
         weight = linear.weight.detach()
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self.paired = paired
         if paired:
             self.packed = native.pairs_of(weight)
+            self.product = native.bind_paired(self.packed, self.bias)  # contiguous rows [N, in]
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # no .to()
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self.min_rows = min_rows  # fewer rows are padded to this many (`rows_for_same_bits`)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.paired:
             rows = x.reshape(-1, self.in_features).contiguous()
-            return native.paired_linear(rows, self.packed, self.bias).view(*x.shape[:-1], self.out_features)
+            return self.product(rows).view(*x.shape[:-1], self.out_features)
         count = x.numel() // self.in_features
         if self.min_rows <= count <= ROW_CHUNK:  # a decode step's rows: one product, of x as it is
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -134,6 +135,12 @@ class PackedLinear(nn.Module):
             rows = torch.cat([rows, rows.new_zeros(short, self.in_features)])
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return y[: len(y) - short] if short > 0 else y
+
+    def row_product(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+        """What multiplies contiguous rows [N, in_features] of `dtype` by this layer as `forward`
+        does, in fewer calls: the product bound to the pairs where they are (a served forward's,
+        workers/models/served_forward.py)."""
+        return self.product if self.paired and dtype == PACKED_DTYPE else self.forward
 
     def unpacked(self) -> nn.Linear:
         """The layer it was packed from: the weight back in its plain layout (the same values)."""

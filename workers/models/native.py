@@ -322,14 +322,14 @@ def int8_linear(rows: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 
 @functools.cache
 def multiplies_pairs() -> bool:
-    """Whether `paired_linear` multiplies here: the kernels build, for a CPU with AVX-512 BF16."""
+    """Whether `bind_paired`'s products multiply here: the kernels build, for a CPU with AVX-512 BF16."""
     library = _library()
     return library is not None and library.paired_linear_built() == 1
 
 
 def pairs_of(weight: Tensor) -> Tensor:
     """A bfloat16 `weight` [M, K] (M a multiple of PAIRED_BLOCK, K even) laid out for
-    `paired_linear`: [M / 16, K / 2, 16, 2], each 16 output channels' weights in pairs of inputs."""
+    `bind_paired`: [M / 16, K / 2, 16, 2], each 16 output channels' weights in pairs of inputs."""
     m, k = weight.shape
     return weight.view(m // PAIRED_BLOCK, PAIRED_BLOCK, k // 2, 2).transpose(1, 2).contiguous()
 
@@ -340,21 +340,27 @@ def unpaired(pairs: Tensor) -> Tensor:
     return pairs.transpose(1, 2).reshape(blocks * block, half * 2)
 
 
-def paired_linear(rows: Tensor, pairs: Tensor, bias: Tensor | None) -> Tensor:
-    """rows W^T + bias of bfloat16 `rows` [N, K] (contiguous) and W laid out as `pairs`
-    (`pairs_of`): [N, M] bfloat16, each row's the same bits in any batch (paired_linear.cpp).
-    `multiplies_pairs()` must be true."""
-    count, width = rows.shape
-    channels = pairs.shape[0] * PAIRED_BLOCK
-    assert rows.is_contiguous() and pairs.is_contiguous() and pairs.shape[1] * 2 == width
-    assert rows.dtype == pairs.dtype == torch.bfloat16 and (bias is None or bias.shape == (channels,))
-    if bias is not None:
-        bias = bias.to(torch.bfloat16).contiguous()
-    out = torch.empty(count, channels, dtype=torch.bfloat16)
+def bind_paired(pairs: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
+    """The product rows W^T + bias of contiguous bfloat16 `rows` [N, K] with W laid out as `pairs`
+    (`pairs_of`): [N, M] bfloat16, each row's the same bits in any batch (paired_linear.cpp). The
+    weights and bias are checked and bound once, not once a call (each saves about 5 us of a
+    product's 10 or so at one row on 2 cores of an AMD EPYC). `multiplies_pairs()` must be true."""
     library = _library()
     assert library is not None
-    getattr(library, PAIRED_SYMBOL)(
-        rows.data_ptr(), pairs.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), count,
-        width, channels, torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+    channels, width = pairs.shape[0] * PAIRED_BLOCK, pairs.shape[1] * 2
+    assert pairs.dtype == torch.bfloat16 and pairs.is_contiguous() and pairs.shape[2:] == (PAIRED_BLOCK, 2)
+    if bias is not None:
+        assert bias.shape == (channels,)
+        bias = bias.to(torch.bfloat16).contiguous()
+    function, weight, added = getattr(library, PAIRED_SYMBOL), pairs.data_ptr(), bias
+
+    def product(rows: Tensor) -> Tensor:
+        out = torch.empty(len(rows), channels, dtype=torch.bfloat16)
+        function(
+            rows.data_ptr(), weight, None if added is None else added.data_ptr(), out.data_ptr(), len(rows),
+            width, channels, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    product.pairs = pairs  # type: ignore[attr-defined]  # alive as long as the call that reads them
+    return product

@@ -113,8 +113,8 @@ def _bind(model: Model) -> list[LayerCalls]:
 
 def _product(linear: nn.Module | None, dtype: torch.dtype) -> Product:
     """What multiplies a forward's rows [N, in] of `dtype` by `linear` as its forward does: a
-    weight-only copy's kernel call itself where the rows go to it as they are (precision.py's
-    `row_product`), else the layer's forward."""
+    weight-only copy's or a paired layer's kernel call itself where the rows go to it as they are
+    (`row_product` of precision.py's and linears.py's layers), else the layer's forward."""
     assert linear is not None  # fused: `serves`
     row_product = getattr(linear, "row_product", None)
     return linear.forward if row_product is None else row_product(dtype)
