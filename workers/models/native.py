@@ -343,8 +343,9 @@ def unpaired(pairs: Tensor) -> Tensor:
 def bind_paired(pairs: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
     """The product rows W^T + bias of contiguous bfloat16 `rows` [N, K] with W laid out as `pairs`
     (`pairs_of`): [N, M] bfloat16, each row's the same bits in any batch (paired_linear.cpp). The
-    weights and bias are checked and bound once, not once a call (each saves about 5 us of a
-    product's 10 or so at one row on 2 cores of an AMD EPYC). `multiplies_pairs()` must be true."""
+    weights and bias are checked and bound once, not once a call: SmolLM2's 576x576 product at one
+    row, its weights in cache, took 6.4 us called so and 8.9 through its layer's forward, 4.2 of
+    them in the kernel (2 cores of an AMD EPYC). `multiplies_pairs()` must be true."""
     library = _library()
     assert library is not None
     channels, width = pairs.shape[0] * PAIRED_BLOCK, pairs.shape[1] * 2
