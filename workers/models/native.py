@@ -353,15 +353,14 @@ def bind_paired(pairs: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor
     if bias is not None:
         assert bias.shape == (channels,)
         bias = bias.to(torch.bfloat16).contiguous()
-    function, weight, added = getattr(library, PAIRED_SYMBOL), pairs.data_ptr(), bias
+    function, added = getattr(library, PAIRED_SYMBOL), bias
 
-    def product(rows: Tensor) -> Tensor:
+    def product(rows: Tensor) -> Tensor:  # holds `pairs` and the bias: alive while it is
         out = torch.empty(len(rows), channels, dtype=torch.bfloat16)
         function(
-            rows.data_ptr(), weight, None if added is None else added.data_ptr(), out.data_ptr(), len(rows),
-            width, channels, torch.get_num_threads(),
+            rows.data_ptr(), pairs.data_ptr(), None if added is None else added.data_ptr(), out.data_ptr(),
+            len(rows), width, channels, torch.get_num_threads(),
         )  # fmt: skip
         return out
 
-    product.pairs = pairs  # type: ignore[attr-defined]  # alive as long as the call that reads them
     return product
