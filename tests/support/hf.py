@@ -44,7 +44,7 @@ def tiny_checkpoint(
     greedy choices are far from ties, and its tokenizer."""
     library = transformers()
     torch.manual_seed(0)
-    reference = getattr(library, model_class)(getattr(library, config_class)(**COMMON, **extra))
+    reference = getattr(library, model_class)(getattr(library, config_class)(**{**COMMON, **extra}))
     with torch.no_grad():
         for parameter in reference.parameters():
             parameter.normal_(0, 0.2)

@@ -74,6 +74,7 @@ ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 NORM_SOURCE = Path(__file__).with_name("rms_norm.cpp")
 INT8_SOURCE = Path(__file__).with_name("int8_linear.cpp")
 PAIRED_SOURCE = Path(__file__).with_name("paired_linear.cpp")
+LAYERS_SOURCE = Path(__file__).with_name("paired_layers.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{Path(__file__).parent}")  # vectors.h
 SYMBOLS = {
     torch.bfloat16: "paged_attention_bfloat16",
@@ -84,6 +85,12 @@ NORM_SYMBOLS = {torch.bfloat16: "rms_norm_bfloat16", torch.float16: "rms_norm_fl
 INT8_SYMBOL = "int8_linear_bfloat16"
 PAIRED_SYMBOL = "paired_linear_bfloat16"
 PAIRED_BLOCK = 16  # output channels whose weights lie in pairs together (paired_linear.cpp)
+LAYERS_SYMBOL = "paired_layers_bfloat16"
+# a layer's pointers as paired_layers.cpp reads them (None: no bias)
+LAYER_POINTERS = (
+    "input_norm", "qkv", "qkv_bias", "o", "o_bias",
+    "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
+)  # fmt: skip
 FALLBACK = "attention, norms and int8 products on the CPU run as torch operators, slower"
 INSTALL_HINT = "install a C++ compiler (e.g. `apt-get install g++`) or name one in CXX"
 LANES = 8  # the kernels read features 8 at a time (vectors.h): a head's, or a normed row's, a multiple of it
@@ -95,6 +102,15 @@ NORM_ARGUMENTS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float,
 # x, weight, scales, out; rows, width, channels; threads
 INT8_ARGUMENTS = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 PAIRED_ARGUMENTS = INT8_ARGUMENTS  # x, weight, bias, out; rows, width, channels; threads
+LAYERS_ARGUMENTS = [  # x, layers, count; pools, a layer's stride; the attention's; sizes, eps, silu, threads
+    *(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64),
+    *[ctypes.c_void_p] * 6,
+    ctypes.c_float,
+    ctypes.c_void_p,
+    ctypes.c_float,
+    ctypes.c_void_p,
+    ctypes.c_int,
+]
 
 
 @functools.cache
@@ -112,7 +128,7 @@ def build(attention_source: Path) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("%s: %s", FALLBACK, INSTALL_HINT)
         return None
-    sources = (attention_source, NORM_SOURCE, INT8_SOURCE, PAIRED_SOURCE)
+    sources = (attention_source, NORM_SOURCE, INT8_SOURCE, PAIRED_SOURCE, LAYERS_SOURCE)
     with tempfile.TemporaryDirectory(prefix="reflow-kernels-") as directory:  # 0700
         built = Path(directory) / "kernels.so"
         try:
@@ -137,6 +153,7 @@ def build(attention_source: Path) -> ctypes.CDLL | None:
         (NORM_SYMBOLS.values(), NORM_ARGUMENTS),
         ([INT8_SYMBOL], INT8_ARGUMENTS),
         ([PAIRED_SYMBOL], PAIRED_ARGUMENTS),
+        ([LAYERS_SYMBOL], LAYERS_ARGUMENTS),
     ):
         for symbol in symbols:
             function = getattr(library, symbol)
@@ -364,3 +381,67 @@ def bind_paired(pairs: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor
         return out
 
     return product
+
+
+SILU_ROW = 64  # torch's silu of bfloat16 takes 64 values a vector step, a row's tail one at a time
+
+
+@functools.cache
+def silu_table() -> Tensor:
+    """torch's silu of every bfloat16 value, [65,536] bfloat16 indexed by the value's bits: what
+    paired_layers.cpp reads silu(gate) from, so its bits are torch's wherever torch computes a row in
+    vector steps (rows a multiple of SILU_ROW wide; the vector and scalar exp may round apart)."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int16).roll(2**15).view(torch.bfloat16)
+    with torch.inference_mode():
+        return torch.nn.functional.silu(values)
+
+
+@dataclass(frozen=True)
+class PairedLayers:
+    """A model's decoder layers as paired_layers.cpp runs them, bound once (`bind_paired_layers`)."""
+
+    function: Callable[..., None]
+    pointers: ctypes.Array[ctypes.c_void_p]  # LAYER_POINTERS a layer
+    count: int  # layers
+    tensors: tuple[Tensor, ...]  # what they point into: kept alive here
+    sizes: ctypes.Array[ctypes.c_int64]  # dim, q width, k and v width, intermediate width
+    eps: float
+
+    def __call__(self, x: Tensor, k_pools: Tensor, v_pools: Tensor, attention: BoundAttention) -> None:
+        """Runs every layer over the forward's rows `x` [N, dim] (contiguous bfloat16, updated in
+        place), its keys and values written to and read from the pools [layers, slots, KVH, D]
+        (contiguous) as `attention` (bound for the forward, with the qkv product's token strides)
+        says."""
+        assert x.is_contiguous() and k_pools.is_contiguous() and v_pools.is_contiguous()
+        assert x.dtype == k_pools.dtype == v_pools.dtype == attention.dtype == torch.bfloat16
+        assert len(x) == attention.shape[0] and len(k_pools) == len(v_pools) == self.count
+        write, read, positions, starts, rope = attention.pointers
+        self.function(
+            x.data_ptr(), self.pointers, self.count, k_pools.data_ptr(), v_pools.data_ptr(),
+            k_pools.stride(0), write, read, positions, starts, rope, attention.dims, attention.scale,
+            self.sizes, self.eps, silu_table().data_ptr(), attention.threads,
+        )  # fmt: skip
+
+
+def bind_paired_layers(
+    layers: list[dict[str, Tensor | None]], sizes: tuple[int, int, int, int], eps: float
+) -> PairedLayers:
+    """The layers whose tensors `layers` names (LAYER_POINTERS each: the norms' weights, the
+    products' weights in pairs and their biases or None), of `sizes` (dim, q width, k and v width,
+    intermediate width, the last a multiple of SILU_ROW) and norms of `eps`, bound for
+    paired_layers.cpp. `multiplies_pairs()` must be true."""
+    library = _library()
+    assert library is not None and sizes[3] % SILU_ROW == 0
+    tensors, addresses = [], []
+    for layer in layers:
+        assert set(layer) == set(LAYER_POINTERS)
+        for name in LAYER_POINTERS:
+            tensor = layer[name]
+            if tensor is not None:
+                assert tensor.dtype == torch.bfloat16 and tensor.is_contiguous(), name
+                tensors.append(tensor)
+            addresses.append(None if tensor is None else tensor.data_ptr())
+    return PairedLayers(
+        getattr(library, LAYERS_SYMBOL), (ctypes.c_void_p * len(addresses))(*addresses), len(layers),
+        tuple(tensors), (ctypes.c_int64 * 4)(*sizes), eps,
+    )  # fmt: skip

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,19 +68,23 @@ def served_forward(
         cache.block_size, view.write.reshape(-1), view.read, view.positions.reshape(-1), view.starts,
         rope, (heads, kv_heads, d), config.sliding_window, d**-0.5, x.dtype, (token_stride,) * 3,
     )  # fmt: skip
-    norm = _norm(x, model.model.norm)
+    native_norms = native.normalizes(x, model.model.norm.weight)
+    norm = _norm(native_norms)
     width = config.intermediate_size
-    layers = _layers.get(model) or _layers.setdefault(model, _bind(model))
-    for i, (input_norm, qkv_product, o_product, post_norm, gate_up_product, down_product) in enumerate(
-        layers
-    ):
-        qkv = qkv_product(norm(x, input_norm))
-        q = qkv[:, :q_width].view(-1, heads, d)
-        k = qkv[:, q_width : q_width + kv_width].view(-1, kv_heads, d)
-        v = qkv[:, q_width + kv_width :].view(-1, kv_heads, d)
-        x = x + o_product(attend(cache.k[i], cache.v[i], q, k, v).view(-1, q_width))
-        gate_up = gate_up_product(norm(x, post_norm))
-        x = x + down_product(F.silu(gate_up[:, :width]) * gate_up[:, width:])
+    bound = _layers.get(model) or _layers.setdefault(model, _bind(model))
+    if bound.paired is not None and native_norms:  # every layer in one call, x in place
+        bound.paired(x, cache.k, cache.v, attend)
+    else:
+        for i, (input_norm, qkv_product, o_product, post_norm, gate_up_product, down_product) in enumerate(
+            bound.calls
+        ):
+            qkv = qkv_product(norm(x, input_norm))
+            q = qkv[:, :q_width].view(-1, heads, d)
+            k = qkv[:, q_width : q_width + kv_width].view(-1, kv_heads, d)
+            v = qkv[:, q_width + kv_width :].view(-1, kv_heads, d)
+            x = x + o_product(attend(cache.k[i], cache.v[i], q, k, v).view(-1, q_width))
+            gate_up = gate_up_product(norm(x, post_norm))
+            x = x + down_product(F.silu(gate_up[:, :width]) * gate_up[:, width:])
     if at is not None:
         return model.lm_head(norm(x[at], model.model.norm))  # [N, V]
     return model.lm_head(norm(x, model.model.norm)).view(b, t, -1)  # [B, T, V]
@@ -95,11 +100,22 @@ def forget(model: nn.Module) -> None:
 Product = Callable[[Tensor], Tensor]
 # a layer's input norm, q/k/v product, output product, post-attention norm, gate/up and down products
 LayerCalls = tuple[Norm, Product, Product, Norm, Product, Product]
-_layers: weakref.WeakKeyDictionary[nn.Module, list[LayerCalls]]
+
+
+@dataclass(frozen=True)
+class BoundLayers:
+    """A model's layers as `served_forward` runs them: each layer's calls, and where every product
+    is paired, all of them bound for one call (native.PairedLayers) that runs them in C++."""
+
+    calls: list[LayerCalls]
+    paired: native.PairedLayers | None
+
+
+_layers: weakref.WeakKeyDictionary[nn.Module, BoundLayers]
 _layers = weakref.WeakKeyDictionary()  # by model; never copied with one: a copy binds its own
 
 
-def _bind(model: Model) -> list[LayerCalls]:
+def _bind(model: Model) -> BoundLayers:
     """Each layer's norms and products as `served_forward` calls them, looked up once a model."""
     dtype = model.dtype
     layers = []
@@ -108,7 +124,35 @@ def _bind(model: Model) -> list[LayerCalls]:
         products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         qkv, o, gate_up, down = (_product(linear, dtype) for linear in products)
         layers.append((layer.input_layernorm, qkv, o, layer.post_attention_layernorm, gate_up, down))
-    return layers
+    return BoundLayers(layers, _paired_layers(model))
+
+
+def _paired_layers(model: Model) -> native.PairedLayers | None:
+    """`model`'s layers bound for paired_layers.cpp where it runs them: bfloat16 with every product
+    paired (`linears.PackedLinear`), an MLP as wide as a multiple of native.SILU_ROW (where its silu
+    has torch's bits); else None."""
+    config, layers = model.config, model.model.layers
+    products = [
+        (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        for layer in layers
+    ]
+    if (
+        model.dtype != torch.bfloat16
+        or config.intermediate_size % native.SILU_ROW
+        or not all(getattr(linear, "paired", False) for layer in products for linear in layer)
+    ):
+        return None
+    bound = []
+    for layer, (qkv, o, gate_up, down) in zip(layers, products, strict=True):
+        tensors = (
+            layer.input_layernorm.weight.detach(), qkv.packed, qkv.bias, o.packed, o.bias,
+            layer.post_attention_layernorm.weight.detach(), gate_up.packed, gate_up.bias, down.packed,
+            down.bias,
+        )  # fmt: skip
+        bound.append(dict(zip(native.LAYER_POINTERS, tensors, strict=True)))
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    sizes = (config.hidden_size, heads * d, kv_heads * d, config.intermediate_size)
+    return native.bind_paired_layers(bound, sizes, config.rms_norm_eps)
 
 
 def _product(linear: nn.Module | None, dtype: torch.dtype) -> Product:
@@ -120,10 +164,10 @@ def _product(linear: nn.Module | None, dtype: torch.dtype) -> Product:
     return linear.forward if row_product is None else row_product(dtype)
 
 
-def _norm(x: Tensor, probe: Norm) -> Callable[[Tensor, Norm], Tensor]:
-    """How this forward normalises rows like `x` (decided once): through the kernel where it
-    normalises them (`native.normalizes`), else by the norm's own forward (torch's operators)."""
-    if not native.normalizes(x, probe.weight):
+def _norm(native_norms: bool) -> Callable[[Tensor, Norm], Tensor]:
+    """How this forward normalises its rows (decided once): through the kernel where it normalises
+    them (`native_norms`: `native.normalizes`), else by the norm's own forward (torch's operators)."""
+    if not native_norms:
         return lambda rows, norm: norm(rows)
     write = native.rms_norm_into
 

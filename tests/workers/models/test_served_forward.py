@@ -1,6 +1,7 @@
 """The served forward (served_forward.py): where a worker's forwards take it, it gives the logits and
 writes the keys and values of the modules' forward bit for bit, for every copy a worker serves and
-every layout of a step's tokens; elsewhere the modules compute."""
+every layout of a step's tokens, its layers in one C++ call where every product is paired
+(paired_layers.cpp); elsewhere the modules compute."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from tests.support.hf import VOCAB, tiny_checkpoint
 from workers.models import llama, native
 from workers.models.kv_cache import PagedKVCache
-from workers.models.linears import replace_layer
-from workers.models.llama import LlamaForCausalLM, serving_layout
+from workers.models.linears import PackedLinear, replace_layer
+from workers.models.llama import LlamaForCausalLM, fuse_projections, serving_layout
 from workers.models.precision import QUANTIZED, in_precision, quantized
 from workers.models.served_forward import served_forward, serves
 
@@ -27,6 +29,10 @@ ARCHITECTURES = {  # name -> (transformers config class, model class, what sets 
     "qwen2-qkv-bias": ("Qwen2Config", "Qwen2ForCausalLM", {}),
 }
 COPIES = ["float32", "bfloat16", "float16", "int8", "int4"]  # a worker's: a dtype, or a variant of bfloat16
+PAIRED = "bfloat16-paired"  # bfloat16 with every layer's products paired, as where pairs are faster
+needs_pairs = pytest.mark.skipif(
+    not native.multiplies_pairs(), reason="reflow's paired bfloat16 kernel needs AVX-512 BF16 and g++"
+)
 CPU = torch.device("cpu")
 # A step as the runner makes them: a prompt's first 5 tokens, a sequence decoding its 18th token and
 # one verifying 3 drafted tokens at positions 9 to 11
@@ -40,14 +46,22 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     config_class, model_class, extra = ARCHITECTURES[request.param]
-    return tiny_checkpoint(tmp_path_factory.mktemp(request.param), config_class, model_class, **extra)
+    return tiny_checkpoint(  # an MLP as wide as the paired layers take (native.SILU_ROW)
+        tmp_path_factory.mktemp(request.param), config_class, model_class, intermediate_size=128, **extra
+    )
 
 
 def served_model(directory: Path, copy: str) -> LlamaForCausalLM:
     """The model as a worker serves `copy` of it: laid out, then quantized for a variant."""
     config = json.loads((directory / "config.json").read_text())
-    dtype = torch.bfloat16 if copy in QUANTIZED else getattr(torch, copy)
+    dtype = torch.bfloat16 if copy in (*QUANTIZED, PAIRED) else getattr(torch, copy)
     model = LlamaForCausalLM.from_checkpoint(directory, config, CPU, dtype)
+    if copy == PAIRED:  # whatever the timing of these tiny shapes would choose
+        fuse_projections(model)
+        for path, linear in list(model.model.layers.named_modules()):
+            if isinstance(linear, nn.Linear):
+                replace_layer(model, f"model.layers.{path}", PackedLinear(linear, paired=True))
+        return model
     serving_layout(model)
     return in_precision(model, copy) if copy in QUANTIZED else model  # type: ignore[return-value]
 
@@ -102,7 +116,7 @@ def assert_same_step(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -
             )
 
 
-@pytest.mark.parametrize("copy", COPIES)
+@pytest.mark.parametrize("copy", [*COPIES, pytest.param(PAIRED, marks=needs_pairs)])
 def test_a_served_step_gives_the_modules_bits_for_every_copy_and_layout(
     checkpoint: Path, copy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -155,3 +169,29 @@ def test_a_model_that_served_is_freed_once_nothing_else_holds_it(
     del model
     gc.collect()
     assert freed() is None  # a swapped-out version's weights go with it
+
+
+@needs_pairs
+def test_paired_layers_run_in_one_call_and_write_the_cache_the_modules_write(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = served_model(checkpoint, PAIRED)
+    calls = []
+    one_call = native.PairedLayers.__call__
+    monkeypatch.setattr(native.PairedLayers, "__call__", lambda *args: calls.append(args) or one_call(*args))
+    assert_same_step(model, monkeypatch)
+    assert len(calls) == 4  # each layout's served steps, with and without `at`
+    calls.clear()
+    replace_layer(model, "model.layers.1.mlp.down_proj", model.model.layers[1].mlp.down_proj.unpacked())
+    assert_same_step(model, monkeypatch)  # one product not paired: the layers run one call at a time
+    assert calls == []
+
+
+def test_the_silu_table_holds_torchs_silu_of_each_value_as_a_served_mlp_computes_it() -> None:
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int16).view(torch.bfloat16)
+    gate_up = torch.stack([values.view(-1, native.SILU_ROW * 2)] * 2, dim=-1).view(-1, native.SILU_ROW * 4)
+    width = native.SILU_ROW * 2  # rows [N, 2 * width] of gate then up, as a served forward's gate/up product
+    with torch.inference_mode():
+        silu = torch.nn.functional.silu(gate_up[:, :width])  # strided, a row at a time
+    bits = gate_up[:, :width].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    assert torch.equal(native.silu_table()[bits].view(torch.int16), silu.view(torch.int16))  # NaNs too

@@ -1,0 +1,76 @@
+// A served bfloat16 forward's decoder layers in one call, where each layer's four products are
+// paired (workers/models/native.py compiles this file; workers/models/served_forward.py says when it
+// is used): per layer, x += o(attention(qkv(norm(x)))), then x += down(silu(gate) * up) of
+// gate_up(norm(x)).
+//
+// The same kernels as the served forward's calls of them, on the same values in the same order
+// (rms_norm.cpp, paired_linear.cpp, paged_attention.cpp), so the same bits; what was torch's is
+// computed as torch computes it in bfloat16: a residual sum and the product of silu(gate) and up
+// each in float32 from the two bfloat16 values, rounded to bfloat16 once, and silu(gate) read from
+// `silu`, torch's own silu of every bfloat16 value (native.silu_table). Called from Python a layer
+// was 14 kernel and operator calls and their Python, some 1.5 ms of a 12 ms step of SmolLM2 at one
+// row (2 cores of an AMD EPYC), with the interpreter's lock taken back between each two.
+#include <cstdint>
+#include <vector>
+
+#include "vectors.h"
+
+extern "C" void rms_norm_bfloat16(const void* x, const void* weight, void* out, int64_t rows, int64_t width,
+                                  float eps, int threads);
+extern "C" void paired_linear_bfloat16(const void* x, const void* weight, const void* bias, void* out, int64_t rows,
+                                       int64_t width, int64_t channels, int threads);
+extern "C" void paged_attention_bfloat16(const void* q, const void* k, const void* v, const void* rope,
+                                         void* k_pool, void* v_pool, const int64_t* write, const int64_t* table,
+                                         const int64_t* positions, const int64_t* starts, void* out,
+                                         const int64_t* dims, float scale, int threads);
+
+namespace {
+
+// a layer's pointers, in this order (native.LAYER_POINTERS)
+enum Pointer { INPUT_NORM, QKV, QKV_BIAS, O, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, POINTERS };
+
+void add_into(BFloat16* x, const BFloat16* y, int64_t count) {  // x += y, as torch adds bfloat16
+  for (int64_t i = 0; i < count; ++i) x[i] = BFloat16::store(x[i].load() + y[i].load());
+}
+
+}  // namespace
+
+// x: [rows, dim] bfloat16, contiguous, updated in place. layers: POINTERS a layer (null: no bias),
+// weights laid out in pairs (native.pairs_of). k_pools, v_pools: [layers, slots, kv_heads, head]
+// bfloat16, `pool_stride` elements a layer. write ... attention_dims: the forward's bound attention
+// (native.bind_attention, its token strides those of q, k and v in the qkv product's rows). sizes:
+// dim, q_width, kv_width, intermediate width. silu: 65,536 bfloat16, silu of each value by its bits.
+extern "C" void paired_layers_bfloat16(void* x, const void* const* layers, int64_t count, void* k_pools,
+                                       void* v_pools, int64_t pool_stride, const int64_t* write,
+                                       const int64_t* table, const int64_t* positions, const int64_t* starts,
+                                       const void* rope, const int64_t* attention_dims, float scale,
+                                       const int64_t* sizes, float eps, const void* silu, int threads) {
+  const int64_t rows = attention_dims[1], dim = sizes[0], q_width = sizes[1], kv_width = sizes[2];
+  const int64_t width = sizes[3], qkv_width = q_width + 2 * kv_width;
+  std::vector<BFloat16> normed(rows * dim), qkv(rows * qkv_width), attended(rows * q_width), added(rows * dim),
+      gate_up(rows * 2 * width), hidden(rows * width);
+  auto* residual = static_cast<BFloat16*>(x);
+  const auto* silu_of = static_cast<const BFloat16*>(silu);
+  for (int64_t i = 0; i < count; ++i) {
+    const void* const* layer = layers + i * POINTERS;
+    rms_norm_bfloat16(residual, layer[INPUT_NORM], normed.data(), rows, dim, eps, threads);
+    paired_linear_bfloat16(normed.data(), layer[QKV], layer[QKV_BIAS], qkv.data(), rows, dim, qkv_width, threads);
+    BFloat16* q = qkv.data();
+    paged_attention_bfloat16(q, q + q_width, q + q_width + kv_width, rope,
+                             static_cast<BFloat16*>(k_pools) + i * pool_stride,
+                             static_cast<BFloat16*>(v_pools) + i * pool_stride, write, table, positions, starts,
+                             attended.data(), attention_dims, scale, threads);
+    paired_linear_bfloat16(attended.data(), layer[O], layer[O_BIAS], added.data(), rows, q_width, dim, threads);
+    add_into(residual, added.data(), rows * dim);
+    rms_norm_bfloat16(residual, layer[POST_NORM], normed.data(), rows, dim, eps, threads);
+    paired_linear_bfloat16(normed.data(), layer[GATE_UP], layer[GATE_UP_BIAS], gate_up.data(), rows, dim,
+                           2 * width, threads);
+    for (int64_t r = 0; r < rows; ++r) {
+      const BFloat16* gate = gate_up.data() + r * 2 * width;
+      for (int64_t j = 0; j < width; ++j)
+        hidden[r * width + j] = BFloat16::store(silu_of[gate[j].bits].load() * gate[width + j].load());
+    }
+    paired_linear_bfloat16(hidden.data(), layer[DOWN], layer[DOWN_BIAS], added.data(), rows, width, dim, threads);
+    add_into(residual, added.data(), rows * dim);
+  }
+}
