@@ -1,8 +1,9 @@
 """reflow's C++ kernels on the CPU, compiled for this CPU the first time a process needs them: paged
 attention for bfloat16, float16 and float32 (`paged_attention.cpp`), RMSNorm for bfloat16 and
 float16 in served forwards (`rms_norm.cpp`), the product of bfloat16 rows with a weight-only
-copy's large int8 layers (`int8_linear.cpp`), and bfloat16 products on CPUs with AVX-512 BF16
-(`paired_linear.cpp`).
+copy's large int8 layers (`int8_linear.cpp`), bfloat16 products on CPUs with AVX-512 BF16
+(`paired_linear.cpp`), and a served bfloat16 forward's decoder layers in one call where every
+product is paired (`paired_layers.cpp`: those kernels called from C++, no Python between them).
 
 Why: a decode step's attention made of torch operators (`kv_cache.grouped_attention`: gather the
 blocks, two batched products, a masked float32 softmax) is a dozen small kernels a layer, and

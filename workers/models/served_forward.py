@@ -8,7 +8,12 @@ kernels called in a flat loop). Per layer the modules make nine `nn.Module` call
 lookups through `nn.Module.__getattr__`, each norm and each attention call checks where it may run
 and lays out the view's tensors again. Here the checks run once a forward (`serves`), the view's
 arguments for the attention kernel are bound once (`native.bind_attention`), each norm writes
-through the kernel directly and each layer's weights are looked up once.
+through the kernel directly and each layer's weights are looked up once. Where every product is
+paired (a bfloat16 model on a CPU with AVX-512 BF16), all the layers run in one C++ call
+(native.PairedLayers): the same kernels, and torch's residual sums and silu(gate) x up computed as
+torch computes them in bfloat16, so the same bits, with no Python and no interpreter's lock between
+them (SmolLM2's bfloat16 token at one stream in process: 9.6-9.9 ms where it took 11.7 a layer at
+a time, 2 cores of an AMD EPYC).
 
 It runs where the worker's forwards run: on the CPU, with no gradient recorded, no step being
 compiled, no adapter in the batch, the projections fused (`llama.fuse_projections`) and the native
