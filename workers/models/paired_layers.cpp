@@ -8,8 +8,10 @@
 // computed as torch computes it in bfloat16: a residual sum and the product of silu(gate) and up
 // each in float32 from the two bfloat16 values, rounded to bfloat16 once, and silu(gate) read from
 // `silu`, torch's own silu of every bfloat16 value (native.silu_table). Called from Python a layer
-// was 14 kernel and operator calls and their Python, some 1.5 ms of a 12 ms step of SmolLM2 at one
-// row (2 cores of an AMD EPYC), with the interpreter's lock taken back between each two.
+// was 14 kernel and operator calls, each taking the interpreter's lock back; in one call SmolLM2's
+// bfloat16 token at one stream took 9.6-9.9 ms in process where it took 11.7 (2 cores of an AMD
+// EPYC with AVX-512 BF16; docs/benchmarks.md). The residual sums and silu(gate) * up of more than
+// PARALLEL_ELEMENTS values are split between the threads, as rms_norm.cpp splits rows.
 #include <cstdint>
 #include <vector>
 
@@ -28,9 +30,23 @@ namespace {
 
 // a layer's pointers, in this order (native.LAYER_POINTERS)
 enum Pointer { INPUT_NORM, QKV, QKV_BIAS, O, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, POINTERS };
+constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // fewer elements run on the calling thread alone
 
-void add_into(BFloat16* x, const BFloat16* y, int64_t count) {  // x += y, as torch adds bfloat16
+void add_into(BFloat16* x, const BFloat16* y, int64_t count, int threads) {  // x += y, as torch adds bfloat16
+#pragma omp parallel for num_threads(threads) if (count >= PARALLEL_ELEMENTS)
   for (int64_t i = 0; i < count; ++i) x[i] = BFloat16::store(x[i].load() + y[i].load());
+}
+
+// hidden [rows, width] = silu(gate) * up of gate_up [rows, 2 * width] (gate, then up), as torch
+// multiplies bfloat16, silu(gate) read from `silu` by gate's bits
+void gate_into(BFloat16* hidden, const BFloat16* gate_up, const BFloat16* silu, int64_t rows, int64_t width,
+               int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * width >= PARALLEL_ELEMENTS)
+  for (int64_t r = 0; r < rows; ++r) {
+    const BFloat16* gate = gate_up + r * 2 * width;
+    for (int64_t j = 0; j < width; ++j)
+      hidden[r * width + j] = BFloat16::store(silu[gate[j].bits].load() * gate[width + j].load());
+  }
 }
 
 }  // namespace
@@ -61,16 +77,12 @@ extern "C" void paired_layers_bfloat16(void* x, const void* const* layers, int64
                              static_cast<BFloat16*>(v_pools) + i * pool_stride, write, table, positions, starts,
                              attended.data(), attention_dims, scale, threads);
     paired_linear_bfloat16(attended.data(), layer[O], layer[O_BIAS], added.data(), rows, q_width, dim, threads);
-    add_into(residual, added.data(), rows * dim);
+    add_into(residual, added.data(), rows * dim, threads);
     rms_norm_bfloat16(residual, layer[POST_NORM], normed.data(), rows, dim, eps, threads);
     paired_linear_bfloat16(normed.data(), layer[GATE_UP], layer[GATE_UP_BIAS], gate_up.data(), rows, dim,
                            2 * width, threads);
-    for (int64_t r = 0; r < rows; ++r) {
-      const BFloat16* gate = gate_up.data() + r * 2 * width;
-      for (int64_t j = 0; j < width; ++j)
-        hidden[r * width + j] = BFloat16::store(silu_of[gate[j].bits].load() * gate[width + j].load());
-    }
+    gate_into(hidden.data(), gate_up.data(), silu_of, rows, width, threads);
     paired_linear_bfloat16(hidden.data(), layer[DOWN], layer[DOWN_BIAS], added.data(), rows, width, dim, threads);
-    add_into(residual, added.data(), rows * dim);
+    add_into(residual, added.data(), rows * dim, threads);
   }
 }
