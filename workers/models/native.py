@@ -407,6 +407,7 @@ class PairedLayers:
     tensors: tuple[Tensor, ...]  # what they point into: kept alive here
     sizes: ctypes.Array[ctypes.c_int64]  # dim, q width, k and v width, intermediate width
     eps: float
+    silu: Tensor  # silu_table()
 
     def __call__(self, x: Tensor, k_pools: Tensor, v_pools: Tensor, attention: BoundAttention) -> None:
         """Runs every layer over the forward's rows `x` [N, dim] (contiguous bfloat16, updated in
@@ -420,7 +421,7 @@ class PairedLayers:
         self.function(
             x.data_ptr(), self.pointers, self.count, k_pools.data_ptr(), v_pools.data_ptr(),
             k_pools.stride(0), write, read, positions, starts, rope, attention.dims, attention.scale,
-            self.sizes, self.eps, silu_table().data_ptr(), attention.threads,
+            self.sizes, self.eps, self.silu.data_ptr(), attention.threads,
         )  # fmt: skip
 
 
@@ -444,5 +445,5 @@ def bind_paired_layers(
             addresses.append(None if tensor is None else tensor.data_ptr())
     return PairedLayers(
         getattr(library, LAYERS_SYMBOL), (ctypes.c_void_p * len(addresses))(*addresses), len(layers),
-        tuple(tensors), (ctypes.c_int64 * 4)(*sizes), eps,
+        tuple(tensors), (ctypes.c_int64 * 4)(*sizes), eps, silu_table(),
     )  # fmt: skip

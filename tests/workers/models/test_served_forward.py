@@ -188,9 +188,9 @@ def test_paired_layers_run_in_one_call_and_write_the_cache_the_modules_write(
 
 
 def test_the_silu_table_holds_torchs_silu_of_each_value_as_a_served_mlp_computes_it() -> None:
-    values = torch.arange(-(2**15), 2**15, dtype=torch.int16).view(torch.bfloat16)
-    gate_up = torch.stack([values.view(-1, native.SILU_ROW * 2)] * 2, dim=-1).view(-1, native.SILU_ROW * 4)
-    width = native.SILU_ROW * 2  # rows [N, 2 * width] of gate then up, as a served forward's gate/up product
+    width = native.SILU_ROW * 2
+    gates = torch.arange(-(2**15), 2**15, dtype=torch.int16).view(torch.bfloat16).view(-1, width)
+    gate_up = torch.cat([gates, gates], dim=1)  # [N, 2 * width], gate then up, as a served gate/up product
     with torch.inference_mode():
         silu = torch.nn.functional.silu(gate_up[:, :width])  # strided, a row at a time
     bits = gate_up[:, :width].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
