@@ -1,19 +1,25 @@
 // Products of bfloat16 rows with int8 weights on the CPU, one symmetric scale per output channel
-// (workers/models/native.py compiles this file and says when it is used): y = (x W^T) * scale.
+// (workers/models/native.py compiles this file; workers/models/precision.py says when it is used):
+// y = (x W^T) * scale.
 //
-// Each output is one row's dot product with one channel's weights, widened to float32, in LANES
-// lanes over the inputs from the first (a fused multiply-add each, where the CPU has them), summed
-// pairwise, multiplied by the channel's scale and rounded to bfloat16 once. The same code computes
-// it whichever rows and channels a call holds and whichever thread takes them, so a row has the
-// same bits alone or among any others. A tile of CHANNELS channels by ROWS rows shares each load:
-// a channel's weights are widened once for ROWS rows, a row's inputs read once for CHANNELS
-// channels. Each thread fetches the weights PREFETCH_CHANNELS channels ahead of those it multiplies:
-// without it, a 576 x 49152 head (SmolLM2's, 28 MB) read 6 GB/s on one thread of an AMD EPYC and
-// 12-15 on two, as torch's `_weight_int8pack_mm` does (7 and 13-16), where the machine reads 26 and
-// 33; with it 18 and 37 (16 channels ahead; 4 and 32 were slower).
+// The weights of each 16 output channels lie together input by input: [channels / 16][width][16],
+// the 16 bytes of one input one load, widened to 16 float32 lanes (`vpmovsxbd`, `vcvtdq2ps`). Each
+// output is one float32 lane that its row's inputs times its weights are added to, input after
+// input from the first (a fused multiply-add each, where the CPU has them), multiplied by the
+// channel's scale and rounded to bfloat16 once. The same instructions in the same order compute it
+// whichever rows and channels a call holds and whichever thread takes them, so a row has the same
+// bits alone or among any others. A tile of up to ROWS rows by CHANNEL_BLOCKS blocks shares each
+// load: a block's weights are widened once for the tile's rows, a row's input read once for its
+// blocks. Each block's weights are fetched PREFETCH_BYTES ahead of those it multiplies, one cache
+// line at a time. Laid out so, a block's weights are one stream read front to back: the earlier
+// kernel of this file read each channel's weights as a stream of its own (a layout of [channels]
+// [width]) and took SmolLM2's int8 layers at one row at 12-17 GB/s on 2 cores of an AMD EPYC that
+// reads 27 (docs/benchmarks.md).
 #include <cstdint>
+#include <cstring>
 #include <vector>
-#if defined(__AVX2__)
+
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -21,65 +27,91 @@
 
 namespace {
 
-constexpr int64_t CHANNELS = 4;  // output channels of a tile
-constexpr int64_t ROWS = 4;  // rows of a tile
-constexpr int64_t PREFETCH_CHANNELS = 16;  // how far ahead a thread fetches the weights it reads next
+constexpr int64_t BLOCK = 16;  // output channels whose weights lie together, one vector of sums
+#if defined(__AVX512F__)
+// a tile's sums, widened weights and input fill 28 of the 32 vector registers
+constexpr int64_t CHANNEL_BLOCKS = 3;  // blocks of a tile
+constexpr int64_t ROWS = 8;  // rows of a tile
+#else  // 16 registers of 8 floats: a block's sums take two
+constexpr int64_t CHANNEL_BLOCKS = 1;
+constexpr int64_t ROWS = 4;
+#endif
+constexpr int64_t LINE = 64;  // bytes of a cache line: 4 inputs of a block
+constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead in a block a tile fetches its weights
 constexpr int64_t PARALLEL_WEIGHTS = 1 << 16;  // smaller products run on the calling thread alone
 
-using ByteLanes = int8_t __attribute__((vector_size(LANES)));
+using Block = float __attribute__((vector_size(BLOCK * sizeof(float))));
+using BlockBytes = int8_t __attribute__((vector_size(BLOCK)));
 
-inline Lanes widen(const int8_t* p) {  // LANES int8 weights as floats
-#if defined(__AVX2__)  // one instruction where GCC's conversions below take one per weight
-  return Lanes(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+inline Block widen(const int8_t* p) {  // a block's 16 weights of one input, as floats
+#if defined(__AVX512F__)  // two instructions where GCC's conversion below takes one per weight
+  return Block(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 #else
-  ByteLanes bytes;
+  BlockBytes bytes;
   std::memcpy(&bytes, p, sizeof bytes);
-  return __builtin_convertvector(__builtin_convertvector(bytes, IntLanes), Lanes);
+  return __builtin_convertvector(bytes, Block);
 #endif
 }
 
-// channels [c, c + C) of rows [r, r + R): x [rows, width] float32, w [channels, width] int8
+// blocks [b, b + C) of rows [r, r + R): x [rows, width] float32, w [blocks][width][BLOCK] int8
 template <int64_t C, int64_t R>
-void tile(const float* x, const int8_t* w, const BFloat16* scales, BFloat16* out, int64_t c, int64_t r,
+void tile(const float* x, const int8_t* w, const BFloat16* scales, BFloat16* out, int64_t b, int64_t r,
           int64_t width, int64_t channels) {
-  Lanes sums[R][C] = {};
-  for (int64_t j = 0; j < width; j += LANES) {
-    Lanes weights[C];
-    // the last tiles fetch past the weights' end: a prefetch is a hint, which never faults
-    for (int64_t i = 0; i < C; ++i) __builtin_prefetch(w + (c + i + PREFETCH_CHANNELS) * width + j);
-    for (int64_t i = 0; i < C; ++i) weights[i] = widen(w + (c + i) * width + j);
+  Block sums[R][C] = {};
+  for (int64_t j = 0; j < width; ++j) {
+    Block weights[C];
+    for (int64_t i = 0; i < C; ++i) {
+      const int8_t* block = w + ((b + i) * width + j) * BLOCK;
+      // the last lines fetch past the block's end: a prefetch is a hint, which never faults
+      if (j % (LINE / BLOCK) == 0) __builtin_prefetch(block + PREFETCH_BYTES);
+      weights[i] = widen(block);
+    }
     for (int64_t k = 0; k < R; ++k) {
-      const Lanes inputs = load_lanes(x + (r + k) * width + j);
-      for (int64_t i = 0; i < C; ++i) sums[k][i] += weights[i] * inputs;
+      const float input = x[(r + k) * width + j];
+      for (int64_t i = 0; i < C; ++i) sums[k][i] += weights[i] * input;
     }
   }
-  for (int64_t k = 0; k < R; ++k)
-    for (int64_t i = 0; i < C; ++i)
-      out[(r + k) * channels + c + i] = BFloat16::store(sum_lanes(sums[k][i]) * scales[c + i].load());
+  for (int64_t i = 0; i < C; ++i) {
+    const int64_t c = (b + i) * BLOCK;
+    Block scale;
+    for (int64_t l = 0; l < BLOCK; ++l) scale[l] = scales[c + l].load();
+    for (int64_t k = 0; k < R; ++k) {
+      const Block y = sums[k][i] * scale;
+      for (int64_t l = 0; l < BLOCK; ++l) out[(r + k) * channels + c + l] = BFloat16::store(y[l]);
+    }
+  }
 }
 
-template <int64_t C>
-void channel_tile(const float* x, const int8_t* w, const BFloat16* scales, BFloat16* out, int64_t c,
-                  int64_t rows, int64_t width, int64_t channels) {
+template <int64_t C, int64_t R = ROWS>
+void blocks(const float* x, const int8_t* w, const BFloat16* scales, BFloat16* out, int64_t b, int64_t rows,
+            int64_t width, int64_t channels) {
   int64_t r = 0;
-  for (; r + ROWS <= rows; r += ROWS) tile<C, ROWS>(x, w, scales, out, c, r, width, channels);
-  for (; r < rows; ++r) tile<C, 1>(x, w, scales, out, c, r, width, channels);
+  for (; r + R <= rows; r += R) tile<C, R>(x, w, scales, out, b, r, width, channels);
+  if constexpr (R > 1) {  // the rest, fewer than R rows: R - 1 of them, then what remains
+    if (r < rows) blocks<C, R - 1>(x + r * width, w, scales, out + r * channels, b, rows - r, width, channels);
+  }
 }
 
 }  // namespace
 
-// x: [rows, width] bfloat16, contiguous, width a multiple of LANES; weight: [channels, width] int8;
-// scales: [channels] bfloat16; out: [rows, channels] bfloat16
+// x: [rows, width] bfloat16, contiguous; weight: [channels / 16, width, 16] int8 (native.blocks_of),
+// channels a multiple of 16; scales: [channels] bfloat16; out: [rows, channels] bfloat16
 extern "C" void int8_linear_bfloat16(const void* x, const void* weight, const void* scales, void* out,
                                      int64_t rows, int64_t width, int64_t channels, int threads) {
-  std::vector<float> wide(rows * width);  // the rows widened once, not once per channel
+  std::vector<float> wide(rows * width);  // the rows widened once, not once per block
   const BFloat16* inputs = static_cast<const BFloat16*>(x);
   for (int64_t i = 0; i < rows * width; ++i) wide[i] = inputs[i].load();
   const auto* w = static_cast<const int8_t*>(weight);
   const auto* s = static_cast<const BFloat16*>(scales);
   auto* y = static_cast<BFloat16*>(out);
-  const int64_t tiles = channels / CHANNELS;
+  const int64_t count = channels / BLOCK, groups = (count + CHANNEL_BLOCKS - 1) / CHANNEL_BLOCKS;
 #pragma omp parallel for num_threads(threads) schedule(static) if (channels * width >= PARALLEL_WEIGHTS)
-  for (int64_t t = 0; t < tiles; ++t) channel_tile<CHANNELS>(wide.data(), w, s, y, t * CHANNELS, rows, width, channels);
-  for (int64_t c = tiles * CHANNELS; c < channels; ++c) channel_tile<1>(wide.data(), w, s, y, c, rows, width, channels);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = g * CHANNEL_BLOCKS;
+    if (first + CHANNEL_BLOCKS <= count) {
+      blocks<CHANNEL_BLOCKS>(wide.data(), w, s, y, first, rows, width, channels);
+    } else {
+      for (int64_t i = first; i < count; ++i) blocks<1>(wide.data(), w, s, y, i, rows, width, channels);
+    }
+  }
 }

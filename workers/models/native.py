@@ -1,9 +1,10 @@
 """reflow's C++ kernels on the CPU, compiled for this CPU the first time a process needs them: paged
 attention for bfloat16, float16 and float32 (`paged_attention.cpp`), RMSNorm for bfloat16 and
 float16 in served forwards (`rms_norm.cpp`), the product of bfloat16 rows with a weight-only
-copy's large int8 layers (`int8_linear.cpp`), bfloat16 products on CPUs with AVX-512 BF16
+copy's int8 layers (`int8_linear.cpp`), bfloat16 products on CPUs with AVX-512 BF16
 (`paired_linear.cpp`), and a served bfloat16 forward's decoder layers in one call where every
-product is paired (`paired_layers.cpp`: those kernels called from C++, no Python between them).
+product is paired or int8 (`decoder_layers.cpp`: those kernels called from C++, no Python between
+them).
 
 Why: a decode step's attention made of torch operators (`kv_cache.grouped_attention`: gather the
 blocks, two batched products, a masked float32 softmax) is a dozen small kernels a layer, and
@@ -31,12 +32,13 @@ float32 keeps torch's operators (float32 greedy tokens are transformers'), and s
 autograd differentiates (a fine-tune's forward): the kernel normalises where no gradient is
 recorded, as a worker's forwards and evaluations run.
 
-int8 products: torch's `_weight_int8pack_mm` reads a large weight at well under the machine's
-bandwidth (SmolLM2's 28 MB int8 output head at 16 GB/s on 2 cores of an AMD EPYC that reads 33), the
-costliest product of a weight-only copy's one-row step; the kernel fetches the weights ahead of its
-reads and took that head from 1.9 to 1.1 ms at one row and 11.0 to 8.9 ms at 16 (int8_linear.cpp
-says how it computes). Small layers keep torch's kernel, as fast at one row and faster at more
-(`precision.Int8Linear`).
+int8 products: torch's `_weight_int8pack_mm` reads a weight at well under the machine's bandwidth
+(SmolLM2's int8 layers at one row at 10-15 GB/s on 2 cores of an AMD EPYC that reads 27), and
+holds each channel's weights as a row of their own. The kernel takes the weights of each 16
+channels together, input by input (`blocks_of`), so that a tile of rows reads them as one stream,
+and took SmolLM2's layers in 0.45-0.77x torch's time at one row, 0.36-0.72x at 16 and 64
+(int8_linear.cpp says how it computes; `precision.Int8Linear` holds every int8 layer of 16
+channels or a multiple of them laid out for it).
 
 bfloat16 products: oneDNN's packed products (`linears.PackedLinear`) read SmolLM2's weights at 27
 GB/s at one row on 2 cores of an AMD EPYC with AVX-512 BF16 that reads 41-50, 20-45 us a call for
@@ -75,7 +77,7 @@ ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 NORM_SOURCE = Path(__file__).with_name("rms_norm.cpp")
 INT8_SOURCE = Path(__file__).with_name("int8_linear.cpp")
 PAIRED_SOURCE = Path(__file__).with_name("paired_linear.cpp")
-LAYERS_SOURCE = Path(__file__).with_name("paired_layers.cpp")
+LAYERS_SOURCE = Path(__file__).with_name("decoder_layers.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{Path(__file__).parent}")  # vectors.h
 SYMBOLS = {
     torch.bfloat16: "paged_attention_bfloat16",
@@ -86,12 +88,13 @@ NORM_SYMBOLS = {torch.bfloat16: "rms_norm_bfloat16", torch.float16: "rms_norm_fl
 INT8_SYMBOL = "int8_linear_bfloat16"
 PAIRED_SYMBOL = "paired_linear_bfloat16"
 PAIRED_BLOCK = 16  # output channels whose weights lie in pairs together (paired_linear.cpp)
-LAYERS_SYMBOL = "paired_layers_bfloat16"
-# a layer's pointers as paired_layers.cpp reads them (None: no bias)
+LAYERS_SYMBOL = "decoder_layers_bfloat16"
+# a layer's pointers as decoder_layers.cpp reads them (None: no bias, or no scales)
 LAYER_POINTERS = (
-    "input_norm", "qkv", "qkv_bias", "o", "o_bias",
-    "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
+    "input_norm", "qkv", "qkv_scales", "qkv_bias", "o", "o_scales", "o_bias",
+    "post_norm", "gate_up", "gate_up_scales", "gate_up_bias", "down", "down_scales", "down_bias",
 )  # fmt: skip
+PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's products, by the names of their weights
 FALLBACK = "attention, norms and int8 products on the CPU run as torch operators, slower"
 INSTALL_HINT = "install a C++ compiler (e.g. `apt-get install g++`) or name one in CXX"
 LANES = 8  # the kernels read features 8 at a time (vectors.h): a head's, or a normed row's, a multiple of it
@@ -103,13 +106,15 @@ NORM_ARGUMENTS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float,
 # x, weight, scales, out; rows, width, channels; threads
 INT8_ARGUMENTS = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 PAIRED_ARGUMENTS = INT8_ARGUMENTS  # x, weight, bias, out; rows, width, channels; threads
-LAYERS_ARGUMENTS = [  # x, layers, count; pools, a layer's stride; the attention's; sizes, eps, silu, threads
+# x, layers, count; pools, a layer's stride; the attention's; sizes, eps, silu, int8, threads
+LAYERS_ARGUMENTS = [
     *(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64),
     *[ctypes.c_void_p] * 6,
     ctypes.c_float,
     ctypes.c_void_p,
     ctypes.c_float,
     ctypes.c_void_p,
+    ctypes.c_int,
     ctypes.c_int,
 ]
 
@@ -309,31 +314,48 @@ def rms_norm_into(rows: Tensor, weight: Tensor, eps: float, out: Tensor) -> None
 
 
 def multiplies_int8(rows: Tensor) -> bool:
-    """Whether `int8_linear` multiplies `rows` here: bfloat16 on the CPU, a multiple of LANES wide,
-    with no gradient recorded and no step being compiled, where the kernels build."""
+    """Whether `int8_linear` multiplies `rows` here: bfloat16 on the CPU, with no gradient recorded
+    and no step being compiled, where the kernels build."""
     return (
         rows.device.type == "cpu"
         and rows.dtype == torch.bfloat16
-        and rows.shape[-1] % LANES == 0
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
         and _library() is not None
     )
 
 
-def int8_linear(rows: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
-    """(rows W^T) * scales of bfloat16 `rows` [N, K] (contiguous) and int8 `weight` [M, K], one
-    bfloat16 scale an output channel ([M]): [N, M] bfloat16, each row's the same bits in any batch
-    (int8_linear.cpp). `multiplies_int8(rows)` must be true."""
+INT8_BLOCK = 16  # output channels whose int8 weights lie together input by input (int8_linear.cpp)
+
+
+def blocks_of(weight: Tensor) -> Tensor:
+    """An int8 `weight` [M, K] (M a multiple of INT8_BLOCK) laid out for `int8_linear`:
+    [M / 16, K, 16], each 16 output channels' weights together, input by input."""
+    m, k = weight.shape
+    return weight.view(m // INT8_BLOCK, INT8_BLOCK, k).transpose(1, 2).contiguous()
+
+
+def unblocked(blocks: Tensor) -> Tensor:
+    """The weight [M, K] that `blocks_of` laid out as `blocks`."""
+    count, k, block = blocks.shape
+    return blocks.transpose(1, 2).reshape(count * block, k)
+
+
+def int8_linear(rows: Tensor, blocks: Tensor, scales: Tensor) -> Tensor:
+    """(rows W^T) * scales of bfloat16 `rows` [N, K] (contiguous) and int8 W [M, K] laid out as
+    `blocks` (`blocks_of`), one bfloat16 scale an output channel ([M]): [N, M] bfloat16, each row's
+    the same bits in any batch (int8_linear.cpp). `multiplies_int8(rows)` must be true."""
     count, width = rows.shape
-    assert all(x.is_contiguous() for x in (rows, weight, scales)) and weight.shape[1] == width
-    assert weight.dtype == torch.int8 and scales.dtype == torch.bfloat16 and scales.shape == weight.shape[:1]
-    out = torch.empty(count, len(weight), dtype=torch.bfloat16)
+    channels = blocks.shape[0] * INT8_BLOCK
+    assert all(x.is_contiguous() for x in (rows, blocks, scales))
+    assert blocks.dtype == torch.int8 and blocks.shape[1:] == (width, INT8_BLOCK)
+    assert scales.dtype == torch.bfloat16 and scales.shape == (channels,)
+    out = torch.empty(count, channels, dtype=torch.bfloat16)
     library = _library()
     assert library is not None
     getattr(library, INT8_SYMBOL)(
-        rows.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), count, width,
-        len(weight), torch.get_num_threads(),
+        rows.data_ptr(), blocks.data_ptr(), scales.data_ptr(), out.data_ptr(), count, width, channels,
+        torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -390,7 +412,7 @@ SILU_ROW = 64  # torch's silu of bfloat16 takes 64 values a vector step, a row's
 @functools.cache
 def silu_table() -> Tensor:
     """torch's silu of every bfloat16 value, [65,536] bfloat16 indexed by the value's bits: what
-    paired_layers.cpp reads silu(gate) from, so its bits are torch's wherever torch computes a row in
+    decoder_layers.cpp reads silu(gate) from, so its bits are torch's wherever torch computes a row in
     vector steps (rows a multiple of SILU_ROW wide; the vector and scalar exp may round apart)."""
     values = torch.arange(-(2**15), 2**15, dtype=torch.int16).roll(2**15).view(torch.bfloat16)
     with torch.inference_mode():
@@ -398,12 +420,13 @@ def silu_table() -> Tensor:
 
 
 @dataclass(frozen=True)
-class PairedLayers:
-    """A model's decoder layers as paired_layers.cpp runs them, bound once (`bind_paired_layers`)."""
+class DecoderLayers:
+    """A model's decoder layers as decoder_layers.cpp runs them, bound once (`bind_decoder_layers`)."""
 
     function: Callable[..., None]
     pointers: ctypes.Array[ctypes.c_void_p]  # LAYER_POINTERS a layer
     count: int  # layers
+    int8: bool  # the products int8 (int8_linear.cpp), else paired (paired_linear.cpp)
     tensors: tuple[Tensor, ...]  # what they point into: kept alive here
     sizes: ctypes.Array[ctypes.c_int64]  # dim, q width, k and v width, intermediate width
     eps: float
@@ -421,17 +444,19 @@ class PairedLayers:
         self.function(
             x.data_ptr(), self.pointers, self.count, k_pools.data_ptr(), v_pools.data_ptr(),
             k_pools.stride(0), write, read, positions, starts, rope, attention.dims, attention.scale,
-            self.sizes, self.eps, self.silu.data_ptr(), attention.threads,
+            self.sizes, self.eps, self.silu.data_ptr(), self.int8, attention.threads,
         )  # fmt: skip
 
 
-def bind_paired_layers(
-    layers: list[dict[str, Tensor | None]], sizes: tuple[int, int, int, int], eps: float
-) -> PairedLayers:
-    """The layers whose tensors `layers` names (LAYER_POINTERS each: the norms' weights, the
-    products' weights in pairs and their biases or None), of `sizes` (dim, q width, k and v width,
-    intermediate width, the last a multiple of SILU_ROW) and norms of `eps`, bound for
-    paired_layers.cpp. `multiplies_pairs()` must be true."""
+def bind_decoder_layers(
+    layers: list[dict[str, Tensor | None]], int8: bool, sizes: tuple[int, int, int, int], eps: float
+) -> DecoderLayers:
+    """The layers whose tensors `layers` names (LAYER_POINTERS each: the norms' weights, each
+    product's weights, its scales and its bias, or None for a bias or scales it has not), of
+    `sizes` (dim, q width, k and v width, intermediate width, the last a multiple of SILU_ROW) and
+    norms of `eps`, bound for decoder_layers.cpp. The products' weights are int8 (`int8`: laid out
+    by `blocks_of`, a bfloat16 scale an output channel) or bfloat16 in pairs (`pairs_of`, where
+    `multiplies_pairs()`); everything else bfloat16."""
     library = _library()
     assert library is not None and sizes[3] % SILU_ROW == 0
     tensors, addresses = [], []
@@ -440,10 +465,13 @@ def bind_paired_layers(
         for name in LAYER_POINTERS:
             tensor = layer[name]
             if tensor is not None:
-                assert tensor.dtype == torch.bfloat16 and tensor.is_contiguous(), name
+                wanted = torch.int8 if int8 and name in PRODUCTS else torch.bfloat16
+                assert tensor.dtype == wanted and tensor.is_contiguous(), name
                 tensors.append(tensor)
+            if name.endswith("_scales"):  # an int8 product's alone
+                assert (tensor is not None) == int8, name
             addresses.append(None if tensor is None else tensor.data_ptr())
-    return PairedLayers(
-        getattr(library, LAYERS_SYMBOL), (ctypes.c_void_p * len(addresses))(*addresses), len(layers),
+    return DecoderLayers(
+        getattr(library, LAYERS_SYMBOL), (ctypes.c_void_p * len(addresses))(*addresses), len(layers), int8,
         tuple(tensors), (ctypes.c_int64 * 4)(*sizes), eps, silu_table(),
     )  # fmt: skip

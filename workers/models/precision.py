@@ -2,15 +2,15 @@
 and how the fine-tune job scores them on its task before they are ever served.
 
 `int8` and `int4` are weight-only quantizations of every linear layer, the output head included
-(gpt-fast's recipe): the weights are stored in 8 or 4 bits, and each product runs in torch's CPU
-kernels for such weights (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) on bfloat16
-activations, cast from and back to the model's float around it (none where the model is in
-bfloat16: its rows go to the kernel as they are). Everything else (embeddings, norms, attention, the
-KV cache) stays as loaded. A copy's q/k/v and gate/up projections are fused before
-they are quantized, as every served copy's are (`llama.fuse_projections`): four products a layer
-instead of seven, the same bits (per output channel the same quantized weights and kernel), 7%
-less time a decode step of SmolLM2 at batch 1 in int4 and within the noise at 16
-(benchmarks/fusion.py).
+(gpt-fast's recipe): the weights are stored in 8 or 4 bits, and each product runs on bfloat16
+activations in a CPU kernel for such weights (int8: reflow's own, `native.int8_linear`, where it
+builds, else torch's `_weight_int8pack_mm`; int4: torch's `_weight_int4pack_mm_for_cpu`), cast from
+and back to the model's float around it (none where the model is in bfloat16: its rows go to the
+kernel as they are). Everything else (embeddings, norms, attention, the KV cache) stays as loaded. A
+copy's q/k/v and gate/up projections are fused before they are quantized, as every served copy's are
+(`llama.fuse_projections`): four products a layer instead of seven, the same bits (per output
+channel the same quantized weights and kernel), 7% less time a decode step of SmolLM2 at batch 1 in
+int4 and within the noise at 16 (benchmarks/fusion.py).
 
 - `int8`: one symmetric scale per output channel (absmax / 127).
 - `int4`: asymmetric, a scale and a zero point per GROUP_SIZE inputs of each output channel. The
@@ -24,10 +24,10 @@ less time a decode step of SmolLM2 at batch 1 in int4 and within the noise at 16
 Weight-only kernels read a quarter or an eighth of float32's bytes, which is what a decode step is
 bound by. Measured on 2 cores of an AMD EPYC without AMX, one row through SmolLM2-135M's 576->1536
 projection took 72 us in float32, 33 in int8 and 28 in int4; its 49152-wide head 10.5 ms, 2.7 and
-0.8 (`_weight_int8pack_mm` on float32 activations took 469 us: hence bfloat16). Each row's result is
-the same in any batch, so a variant's outputs do not depend on its neighbours. The kernels are the
-CPU's. `bfloat16` and `float16` are casts of every weight. The same weights always give the same
-variant.
+0.8 (torch's kernels; `_weight_int8pack_mm` on float32 activations took 469 us: hence bfloat16).
+Each row's result is the same in any batch, so a variant's outputs do not depend on its
+neighbours. The kernels are the CPU's. `bfloat16` and `float16` are casts of every weight. The same
+weights always give the same variant.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ QUANTIZED = ("int8", "int4")  # the weight-only precisions; the others are float
 GROUP_SIZE = 32  # int4: inputs per scale and zero point (gpt-fast's smallest; smaller keeps more)
 INT4_ROWS = 16  # int4: out_features must be a multiple of this for the kernel's packing
 ACTIVATIONS = torch.bfloat16  # what the weight-only kernels multiply
-STREAMED_BYTES = 4 << 20  # int8 weights this large are multiplied by reflow's kernel (`Int8Linear`)
 # int8: inputs are padded to a multiple of this. torch's `_weight_int8pack_mm` reads them 16 at a
 # time with no narrower tail: at 60, 72 or 100 inputs it read past each row (wrong sums) or past
 # the tensor (a crash), where every multiple of 16 gave the right sums (torch 2.13, AVX-512 EPYC).
@@ -115,15 +114,16 @@ class WeightOnlyLinear(nn.Module, abc.ABC):
 
 
 class Int8Linear(WeightOnlyLinear):
-    """Weights int8, one symmetric scale per output channel. A layer of at least STREAMED_BYTES of
-    weights (SmolLM2's output head, 28 MB) is multiplied by reflow's kernel where it builds
-    (`native.int8_linear`: it fetches the weights ahead and reads them near the machine's bandwidth,
-    1.1 ms against torch's 1.9 for that head at one row), smaller ones by torch's (as fast at one
-    row and faster at more). Either way one kernel per layer in a process, whatever the rows. A
-    layer whose inputs are not a multiple of INT8_INPUT_MULTIPLE holds zero weights for the inputs
-    it pads its rows with (they add nothing to a sum)."""
+    """Weights int8, one symmetric scale per output channel. Multiplied by reflow's kernel
+    (`native.int8_linear`) where it builds and the layer's outputs are a multiple of
+    native.INT8_BLOCK, its weights laid out for it (`native.blocks_of`): it reads them front to back
+    and took SmolLM2's layers at one row in 0.45-0.77x the time of torch's `_weight_int8pack_mm`, and
+    0.37-0.72x at 16 and 64 rows. Else, and in a forward autograd records or a step being compiled,
+    by torch's kernel. A layer whose inputs are not a multiple of INT8_INPUT_MULTIPLE holds zero
+    weights for the inputs it pads its rows with for torch's kernel (they add nothing to a sum). One
+    kernel per layer in a served forward, whatever the rows."""
 
-    weight: Tensor  # [out, in + padded_inputs] int8
+    weight: Tensor  # int8: [out / 16, in, 16] where blocked, else [out, in + padded_inputs]
     scales: Tensor  # [out]
 
     def __init__(self, linear: nn.Linear):
@@ -132,16 +132,21 @@ class Int8Linear(WeightOnlyLinear):
         scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(ACTIVATIONS)
         q = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.padded_inputs = -self.in_features % INT8_INPUT_MULTIPLE
-        self.register_buffer("weight", F.pad(q, (0, self.padded_inputs)) if self.padded_inputs else q)
+        self.blocked = self.out_features % native.INT8_BLOCK == 0 and native.available(ACTIVATIONS)
+        self.register_buffer("weight", native.blocks_of(q) if self.blocked else self.padded(q))
         self.register_buffer("scales", scales)
-        self.streamed = q.numel() >= STREAMED_BYTES
+
+    def padded(self, weights_or_rows: Tensor) -> Tensor:
+        """Weights [out, in] or rows [N, in] padded with zeros to the inputs torch's kernel reads."""
+        return F.pad(weights_or_rows, (0, self.padded_inputs)) if self.padded_inputs else weights_or_rows
 
     def product(self, rows: Tensor) -> Tensor:
-        if self.padded_inputs:
-            rows = F.pad(rows, (0, self.padded_inputs))
-        if self.streamed and native.multiplies_int8(rows):
+        if not self.blocked:
+            return torch._weight_int8pack_mm(self.padded(rows), self.weight, self.scales)
+        if native.multiplies_int8(rows):
             return native.int8_linear(rows, self.weight, self.scales)
-        return torch._weight_int8pack_mm(rows, self.weight, self.scales)
+        weight = self.padded(native.unblocked(self.weight))  # a forward autograd records: torch's
+        return torch._weight_int8pack_mm(self.padded(rows), weight, self.scales)
 
 
 class Int4Linear(WeightOnlyLinear):

@@ -9,8 +9,9 @@ lookups through `nn.Module.__getattr__`, each norm and each attention call check
 and lays out the view's tensors again. Here the checks run once a forward (`serves`), the view's
 arguments for the attention kernel are bound once (`native.bind_attention`), each norm writes
 through the kernel directly and each layer's weights are looked up once. Where every product is
-paired (a bfloat16 model on a CPU with AVX-512 BF16), all the layers run in one C++ call
-(native.PairedLayers): the same kernels, and torch's residual sums and silu(gate) x up computed as
+paired (a bfloat16 model on a CPU with AVX-512 BF16), or every one int8 in reflow's kernel (a
+weight-only int8 copy of bfloat16 weights), all the layers run in one C++ call
+(native.DecoderLayers): the same kernels, and torch's residual sums and silu(gate) x up computed as
 torch computes them in bfloat16, so the same bits, with no Python and no interpreter's lock between
 them (SmolLM2's bfloat16 token at one stream in process: 9.6-9.9 ms where it took 11.7 a layer at
 a time, 2 cores of an AMD EPYC).
@@ -77,8 +78,8 @@ def served_forward(
     norm = _norm(native_norms)
     width = config.intermediate_size
     bound = _layers.get(model) or _layers.setdefault(model, _bind(model))
-    if bound.paired is not None and native_norms:  # every layer in one call, x in place
-        bound.paired(x, cache.k, cache.v, attend)
+    if bound.native is not None and native_norms:  # every layer in one call, x in place
+        bound.native(x, cache.k, cache.v, attend)
     else:
         for i, (input_norm, qkv_product, o_product, post_norm, gate_up_product, down_product) in enumerate(
             bound.calls
@@ -110,10 +111,11 @@ LayerCalls = tuple[Norm, Product, Product, Norm, Product, Product]
 @dataclass(frozen=True)
 class BoundLayers:
     """A model's layers as `served_forward` runs them: each layer's calls, and where every product
-    is paired, all of them bound for one call (native.PairedLayers) that runs them in C++."""
+    takes one of reflow's kernels (all paired, or all int8), all of them bound for one call
+    (native.DecoderLayers) that runs them in C++."""
 
     calls: list[LayerCalls]
-    paired: native.PairedLayers | None
+    native: native.DecoderLayers | None
 
 
 _layers: weakref.WeakKeyDictionary[nn.Module, BoundLayers]
@@ -129,35 +131,37 @@ def _bind(model: Model) -> BoundLayers:
         products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         qkv, o, gate_up, down = (_product(linear, dtype) for linear in products)
         layers.append((layer.input_layernorm, qkv, o, layer.post_attention_layernorm, gate_up, down))
-    return BoundLayers(layers, _paired_layers(model))
+    return BoundLayers(layers, _decoder_layers(model))
 
 
-def _paired_layers(model: Model) -> native.PairedLayers | None:
-    """`model`'s layers bound for paired_layers.cpp where it runs them: bfloat16 with every product
-    paired (`linears.PackedLinear`), an MLP as wide as a multiple of native.SILU_ROW (where its silu
-    has torch's bits); else None."""
+def _decoder_layers(model: Model) -> native.DecoderLayers | None:
+    """`model`'s layers bound for decoder_layers.cpp where it runs them: bfloat16, an MLP as wide as
+    a multiple of native.SILU_ROW (where its silu has torch's bits), and every product paired
+    (`linears.PackedLinear`) or every one int8 in reflow's kernel (a weight-only copy's
+    `precision.Int8Linear`, its weights in blocks); else None."""
     config, layers = model.config, model.model.layers
     products = [
         (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         for layer in layers
     ]
-    if (
-        model.dtype != torch.bfloat16
-        or config.intermediate_size % native.SILU_ROW
-        or not all(getattr(linear, "paired", False) for layer in products for linear in layer)
-    ):
+    every = [linear for layer in products for linear in layer]
+    paired = all(getattr(linear, "paired", False) for linear in every)
+    int8 = all(getattr(linear, "blocked", False) for linear in every)
+    if model.dtype != torch.bfloat16 or config.intermediate_size % native.SILU_ROW or not (paired or int8):
         return None
     bound = []
-    for layer, (qkv, o, gate_up, down) in zip(layers, products, strict=True):
-        tensors = (
-            layer.input_layernorm.weight.detach(), qkv.packed, qkv.bias, o.packed, o.bias,
-            layer.post_attention_layernorm.weight.detach(), gate_up.packed, gate_up.bias, down.packed,
-            down.bias,
-        )  # fmt: skip
-        bound.append(dict(zip(native.LAYER_POINTERS, tensors, strict=True)))
+    for layer, linears in zip(layers, products, strict=True):
+        tensors = {
+            "input_norm": layer.input_layernorm.weight.detach(),
+            "post_norm": layer.post_attention_layernorm.weight.detach(),
+        }
+        for linear, name in zip(linears, native.PRODUCTS, strict=True):
+            weights, scales = (linear.weight, linear.scales) if int8 else (linear.packed, None)
+            tensors |= {name: weights, f"{name}_scales": scales, f"{name}_bias": linear.bias}
+        bound.append(tensors)
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     sizes = (config.hidden_size, heads * d, kv_heads * d, config.intermediate_size)
-    return native.bind_paired_layers(bound, sizes, config.rms_norm_eps)
+    return native.bind_decoder_layers(bound, int8, sizes, config.rms_norm_eps)
 
 
 def _product(linear: nn.Module | None, dtype: torch.dtype) -> Product:

@@ -210,7 +210,7 @@ def test_smollm2_in_bfloat16_gives_a_decode_row_the_same_logits_alone_and_among_
     # rounds a row alone differently from the same row among others, unless padded
     directory = truncated_smollm2(smollm2, tmp_path, layers=2)
     model = load_directory(directory, "smollm2", "1", torch.device("cpu"), dtype=BFLOAT16).model
-    rows = 64  # enough that a step's residual sums split between the threads (paired_layers.cpp)
+    rows = 64  # enough that a step's residual sums split between the threads (decoder_layers.cpp)
     tokens = torch.randint(0, model.vocab_size, (rows, 1), generator=torch.Generator().manual_seed(0))
     cache = model.new_cache(rows + 1)
     tables, positions = [[1 + i] for i in range(rows)], [[i % 16] for i in range(rows)]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from workers.models import native
 from workers.models.kv_cache import CacheView, PagedKVCache, grouped_attention, paged_attention
 from workers.models.llama import LlamaConfig, RMSNorm, rope_table
-from workers.models.precision import STREAMED_BYTES, Int8Linear
+from workers.models.precision import Int8Linear
 from workers.models.rotary import Rotation
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, LAYER = 6, 2, 16, 3, 1
@@ -218,9 +218,9 @@ def test_without_a_compiler_attention_norms_and_int8_products_run_as_torch_opera
     with torch.inference_mode():
         assert not native.normalizes(x, norm.weight)
         assert torch.equal(norm(x), as_torch_operators(norm, x))
-        layer = Int8Linear(torch.nn.Linear(1024, STREAMED_BYTES // 1024, bias=False))
+        layer = Int8Linear(torch.nn.Linear(1024, 96, bias=False))
         rows = torch.randn(3, 1024).to(torch.bfloat16)
-        assert not native.multiplies_int8(rows)
+        assert not native.multiplies_int8(rows) and not layer.blocked
         assert torch.equal(layer(rows), torch._weight_int8pack_mm(rows, layer.weight, layer.scales))
 
 
@@ -285,14 +285,15 @@ def int8_weights(channels: int, width: int, seed: int) -> tuple[torch.Tensor, to
 @needs_kernel
 @torch.inference_mode()
 def test_an_int8_product_is_each_rows_dot_products_scaled_and_rounded_once() -> None:
-    weight, scales = int8_weights(203, 96, seed=0)  # channels past a whole number of tiles
-    rows = torch.randn(7, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    weight, scales = int8_weights(208, 90, seed=0)  # blocks past a whole number of tiles, any inputs
+    rows = torch.randn(7, 90, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     assert native.multiplies_int8(rows)
-    got = native.int8_linear(rows, weight, scales)
+    assert torch.equal(native.unblocked(native.blocks_of(weight)), weight)
+    got = native.int8_linear(rows, native.blocks_of(weight), scales)
     exact = rows.double() @ weight.double().T * scales.double()
     # float32 sums carry about 2^-24 relative error, bfloat16 keeps 2^-8: the product rounded once
     # from them is the exact one rounded, but where the exact value lies right at a rounding boundary
-    assert got.shape == (7, 203) and got.dtype == torch.bfloat16
+    assert got.shape == (7, 208) and got.dtype == torch.bfloat16
     assert (got != exact.to(torch.bfloat16)).float().mean() < 0.01
     torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)
 
@@ -300,21 +301,26 @@ def test_an_int8_product_is_each_rows_dot_products_scaled_and_rounded_once() -> 
 @needs_kernel
 @torch.inference_mode()
 def test_an_int8_product_gives_a_row_the_same_bits_alone_and_among_any_rows() -> None:
-    weight, scales = int8_weights(203, 576, seed=2)
-    rows = torch.randn(11, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    alone = torch.cat([native.int8_linear(rows[i : i + 1], weight, scales) for i in range(len(rows))])
-    for start, end in [(0, 11), (0, 4), (3, 9), (5, 6), (2, 11)]:  # whole tiles of rows and parts
-        assert torch.equal(native.int8_linear(rows[start:end].contiguous(), weight, scales), alone[start:end])
+    weight, scales = int8_weights(208, 576, seed=2)
+    blocks = native.blocks_of(weight)
+    rows = torch.randn(19, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    alone = torch.cat([native.int8_linear(rows[i : i + 1], blocks, scales) for i in range(len(rows))])
+    for start, end in [(0, 19), (0, 8), (3, 14), (5, 6), (2, 19)]:  # whole tiles of rows and parts
+        assert torch.equal(native.int8_linear(rows[start:end].contiguous(), blocks, scales), alone[start:end])
 
 
 @needs_kernel
 @torch.inference_mode()
-def test_an_int8_layer_of_streamed_size_multiplies_by_the_kernel_and_a_small_one_by_torchs() -> None:
+def test_an_int8_layer_multiplies_by_the_kernel_where_its_outputs_fill_blocks_else_by_torchs() -> None:
     rows = torch.randn(2, 5, 1024).to(torch.bfloat16)
-    large = Int8Linear(torch.nn.Linear(1024, STREAMED_BYTES // 1024, bias=False))
-    small = Int8Linear(torch.nn.Linear(1024, 96, bias=False))
-    flat, wide = rows.view(-1, 1024), large.out_features
-    assert torch.equal(large(rows).view(-1, wide), native.int8_linear(flat, large.weight, large.scales))
-    assert torch.equal(small(rows).view(-1, 96), torch._weight_int8pack_mm(flat, small.weight, small.scales))
-    with torch.enable_grad():  # an autograd-recorded forward (nothing in a served step) keeps torch's
+    blocked = Int8Linear(torch.nn.Linear(1024, 96, bias=False))
+    other = Int8Linear(torch.nn.Linear(1024, 40, bias=False))  # 40 outputs: not whole blocks of 16
+    flat = rows.view(-1, 1024)
+    assert blocked.blocked and not other.blocked
+    assert torch.equal(blocked(rows).view(-1, 96), native.int8_linear(flat, blocked.weight, blocked.scales))
+    assert torch.equal(other(rows).view(-1, 40), torch._weight_int8pack_mm(flat, other.weight, other.scales))
+    with torch.enable_grad():  # an autograd-recorded forward (nothing in a served step) takes torch's
         assert not native.multiplies_int8(flat)
+        weight = native.unblocked(blocked.weight)
+        by_torch = torch._weight_int8pack_mm(flat, weight, blocked.scales)
+        assert torch.equal(blocked(rows).view(-1, 96), by_torch)

@@ -1,7 +1,7 @@
 """The served forward (served_forward.py): where a worker's forwards take it, it gives the logits and
 writes the keys and values of the modules' forward bit for bit, for every copy a worker serves and
-every layout of a step's tokens, its layers in one C++ call where every product is paired
-(paired_layers.cpp); elsewhere the modules compute."""
+every layout of a step's tokens, its layers in one C++ call where every product is paired or int8
+in reflow's kernel (decoder_layers.cpp); elsewhere the modules compute."""
 
 from __future__ import annotations
 
@@ -171,19 +171,25 @@ def test_a_model_that_served_is_freed_once_nothing_else_holds_it(
     assert freed() is None  # a swapped-out version's weights go with it
 
 
-@needs_pairs
-def test_paired_layers_run_in_one_call_and_write_the_cache_the_modules_write(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("copy", [pytest.param(PAIRED, marks=needs_pairs), "int8"])
+def test_layers_of_one_kernel_run_in_one_call_and_write_the_cache_the_modules_write(
+    checkpoint: Path, copy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = served_model(checkpoint, PAIRED)
+    model = served_model(checkpoint, copy)
     calls = []
-    one_call = native.PairedLayers.__call__
-    monkeypatch.setattr(native.PairedLayers, "__call__", lambda *args: calls.append(args) or one_call(*args))
+    one_call = native.DecoderLayers.__call__
+    monkeypatch.setattr(native.DecoderLayers, "__call__", lambda *args: calls.append(args) or one_call(*args))
     assert_same_step(model, monkeypatch)
     assert len(calls) == 4  # each layout's served steps, with and without `at`
+    assert all(layers.int8 == (copy == "int8") for layers, *_ in calls)  # int8 products, or paired
     calls.clear()
-    replace_layer(model, "model.layers.1.mlp.down_proj", model.model.layers[1].mlp.down_proj.unpacked())
-    assert_same_step(model, monkeypatch)  # one product not paired: the layers run one call at a time
+    path, down = "model.layers.1.mlp.down_proj", model.model.layers[1].mlp.down_proj
+    if copy == PAIRED:
+        replace_layer(model, path, down.unpacked())
+    else:  # an int4 layer: torch's kernel
+        int4 = quantized(nn.Linear(down.in_features, down.out_features), "int4")
+        replace_layer(model, path, int4.bfloat16())
+    assert_same_step(model, monkeypatch)  # one product not of the kernel: the layers run one call at a time
     assert calls == []
 
 
