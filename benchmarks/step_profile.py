@@ -44,7 +44,6 @@ GEMMS = (
     "aten::mm",
     "aten::addmm",
     "aten::bmm",
-    "aten::_weight_int8pack_mm",
     "aten::_weight_int4pack_mm_for_cpu",
     "mkldnn::_linear_pointwise",  # bfloat16 weights packed for oneDNN (workers/models/linears.py)
 )

@@ -109,8 +109,8 @@ class Settings(BaseSettings):
         default_factory=list,
         description=(
             "Variants of each version a worker holds beside it for latency budgets, comma-separated: "
-            "`int8` (weights int8 per channel, CPU), `int4` (weights in 4 bits per group of 32 inputs, "
-            "CPU), `bfloat16`, `float16` (CUDA), `float32`; each has its "
+            "`int8` (weights int8 per group of 32 inputs, CPU), `int4` (weights in 4 bits per group of 32 "
+            "inputs, CPU), `bfloat16`, `float16` (CUDA), `float32`; each has its "
             "own copy of the weights and its own REFLOW_KV_CACHE_MB; the bootstrap and full fine-tunes score "
             "each on the task when they register a version. Empty = the version alone."
         ),

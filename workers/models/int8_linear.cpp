@@ -1,20 +1,22 @@
-// Products of bfloat16 rows with int8 weights on the CPU, one symmetric scale per output channel
-// (workers/models/native.py compiles this file; workers/models/precision.py says when it is used):
-// y = (x W^T) * scale.
+// Products of bfloat16 rows with int8 weights on the CPU, one symmetric scale per GROUP inputs of
+// each output channel (workers/models/native.py compiles this file; workers/models/precision.py says
+// when it is used): y = sum over groups of scale * (x W^T over the group's inputs).
 //
 // The weights of each 16 output channels lie together input by input: [channels / 16][width][16],
-// the 16 bytes of one input one load, widened to 16 float32 lanes (`vpmovsxbd`, `vcvtdq2ps`). Each
-// output is one float32 lane that its row's inputs times its weights are added to, input after
-// input from the first (a fused multiply-add each, where the CPU has them), multiplied by the
-// channel's scale and rounded to bfloat16 once. The same instructions in the same order compute it
-// whichever rows and channels a call holds and whichever thread takes them, so a row has the same
-// bits alone or among any others. A tile of up to ROWS rows by CHANNEL_BLOCKS blocks shares each
-// load: a block's weights are widened once for the tile's rows, a row's input read once for its
-// blocks. Each block's weights are fetched PREFETCH_BYTES ahead of those it multiplies, one cache
-// line at a time. Laid out so, a block's weights are one stream read front to back: the earlier
-// kernel of this file read each channel's weights as a stream of its own (a layout of [channels]
-// [width]) and took SmolLM2's int8 layers at one row at 12-17 GB/s on 2 cores of an AMD EPYC that
-// reads 27 (docs/benchmarks.md).
+// the 16 bytes of one input one load, widened to 16 float32 lanes (`vpmovsxbd`, `vcvtdq2ps`), and
+// their scales likewise, [channels / 16][groups][16] bfloat16. Each output is one float32 lane that
+// its row's inputs times its weights are added to, input after input from the group's first (a
+// fused multiply-add each, where the CPU has them); each group's sum times its scale is added to a
+// second lane, group after group, and that is rounded to bfloat16 once. The same instructions in the
+// same order compute it whichever rows and channels a call holds and whichever thread takes them,
+// so a row has the same bits alone or among any others. A tile of up to ROWS rows by
+// CHANNEL_BLOCKS blocks shares each load: a block's weights are widened once for the tile's rows, a
+// row's input read once for its blocks. Each block's weights are fetched PREFETCH_BYTES ahead of
+// those it multiplies, one cache line at a time. Laid out so, a block's weights are one stream read
+// front to back: the earlier kernel of this file read each channel's weights as a stream of its
+// own (a layout of [channels][width]) and took SmolLM2's int8 layers at one row at 12-17 GB/s on 2
+// cores of an AMD EPYC that reads 27 (docs/benchmarks.md).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -28,13 +30,14 @@
 namespace {
 
 constexpr int64_t BLOCK = 16;  // output channels whose weights lie together, one vector of sums
+constexpr int64_t GROUP = 32;  // inputs of a scale (native.INT8_GROUP)
 #if defined(__AVX512F__)
-// a tile's sums, widened weights and input fill 28 of the 32 vector registers
+// a tile's two sums, widened weights and input fill 28 of the 32 vector registers
 constexpr int64_t CHANNEL_BLOCKS = 3;  // blocks of a tile
-constexpr int64_t ROWS = 8;  // rows of a tile
+constexpr int64_t ROWS = 4;  // rows of a tile
 #else  // 16 registers of 8 floats: a block's sums take two
 constexpr int64_t CHANNEL_BLOCKS = 1;
-constexpr int64_t ROWS = 4;
+constexpr int64_t ROWS = 2;
 #endif
 constexpr int64_t LINE = 64;  // bytes of a cache line: 4 inputs of a block
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead in a block a tile fetches its weights
@@ -53,33 +56,42 @@ inline Block widen(const int8_t* p) {  // a block's 16 weights of one input, as 
 #endif
 }
 
-// blocks [b, b + C) of rows [r, r + R): x [rows, width] float32, w [blocks][width][BLOCK] int8
+inline Block widen(const BFloat16* p) {  // a block's 16 scales of one group, as floats
+  Block scales;
+  for (int64_t l = 0; l < BLOCK; ++l) scales[l] = p[l].load();
+  return scales;
+}
+
+// blocks [b, b + C) of rows [r, r + R): x [rows, width] float32, w [blocks][width][BLOCK] int8,
+// scales [blocks][groups][BLOCK]
 template <int64_t C, int64_t R>
 void tile(const float* x, const int8_t* w, const BFloat16* scales, BFloat16* out, int64_t b, int64_t r,
           int64_t width, int64_t channels) {
-  Block sums[R][C] = {};
-  for (int64_t j = 0; j < width; ++j) {
-    Block weights[C];
+  const int64_t groups = (width + GROUP - 1) / GROUP;
+  Block totals[R][C] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    Block sums[R][C] = {};
+    for (int64_t j = g * GROUP, end = std::min(width, j + GROUP); j < end; ++j) {
+      Block weights[C];
+      for (int64_t i = 0; i < C; ++i) {
+        const int8_t* block = w + ((b + i) * width + j) * BLOCK;
+        // the last lines fetch past the block's end: a prefetch is a hint, which never faults
+        if (j % (LINE / BLOCK) == 0) __builtin_prefetch(block + PREFETCH_BYTES);
+        weights[i] = widen(block);
+      }
+      for (int64_t k = 0; k < R; ++k) {
+        const float input = x[(r + k) * width + j];
+        for (int64_t i = 0; i < C; ++i) sums[k][i] += weights[i] * input;
+      }
+    }
     for (int64_t i = 0; i < C; ++i) {
-      const int8_t* block = w + ((b + i) * width + j) * BLOCK;
-      // the last lines fetch past the block's end: a prefetch is a hint, which never faults
-      if (j % (LINE / BLOCK) == 0) __builtin_prefetch(block + PREFETCH_BYTES);
-      weights[i] = widen(block);
-    }
-    for (int64_t k = 0; k < R; ++k) {
-      const float input = x[(r + k) * width + j];
-      for (int64_t i = 0; i < C; ++i) sums[k][i] += weights[i] * input;
+      const Block scale = widen(scales + ((b + i) * groups + g) * BLOCK);
+      for (int64_t k = 0; k < R; ++k) totals[k][i] += sums[k][i] * scale;
     }
   }
-  for (int64_t i = 0; i < C; ++i) {
-    const int64_t c = (b + i) * BLOCK;
-    Block scale;
-    for (int64_t l = 0; l < BLOCK; ++l) scale[l] = scales[c + l].load();
-    for (int64_t k = 0; k < R; ++k) {
-      const Block y = sums[k][i] * scale;
-      for (int64_t l = 0; l < BLOCK; ++l) out[(r + k) * channels + c + l] = BFloat16::store(y[l]);
-    }
-  }
+  for (int64_t i = 0; i < C; ++i)
+    for (int64_t k = 0; k < R; ++k)
+      for (int64_t l = 0; l < BLOCK; ++l) out[(r + k) * channels + (b + i) * BLOCK + l] = BFloat16::store(totals[k][i][l]);
 }
 
 template <int64_t C, int64_t R = ROWS>
@@ -94,8 +106,9 @@ void blocks(const float* x, const int8_t* w, const BFloat16* scales, BFloat16* o
 
 }  // namespace
 
-// x: [rows, width] bfloat16, contiguous; weight: [channels / 16, width, 16] int8 (native.blocks_of),
-// channels a multiple of 16; scales: [channels] bfloat16; out: [rows, channels] bfloat16
+// x: [rows, width] bfloat16, contiguous; weight: [channels / 16, width, 16] int8 and scales:
+// [channels / 16, groups, 16] bfloat16 (native.blocks_of), channels a multiple of 16; out: [rows,
+// channels] bfloat16
 extern "C" void int8_linear_bfloat16(const void* x, const void* weight, const void* scales, void* out,
                                      int64_t rows, int64_t width, int64_t channels, int threads) {
   std::vector<float> wide(rows * width);  // the rows widened once, not once per block

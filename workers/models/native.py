@@ -33,12 +33,13 @@ autograd differentiates (a fine-tune's forward): the kernel normalises where no 
 recorded, as a worker's forwards and evaluations run.
 
 int8 products: torch's `_weight_int8pack_mm` reads a weight at well under the machine's bandwidth
-(SmolLM2's int8 layers at one row at 10-15 GB/s on 2 cores of an AMD EPYC that reads 27), and
-holds each channel's weights as a row of their own. The kernel takes the weights of each 16
-channels together, input by input (`blocks_of`), so that a tile of rows reads them as one stream,
-and took SmolLM2's layers in 0.45-0.77x torch's time at one row, 0.36-0.72x at 16 and 64
-(int8_linear.cpp says how it computes; `precision.Int8Linear` holds every int8 layer of 16
-channels or a multiple of them laid out for it).
+(SmolLM2's int8 layers at one row at 10-15 GB/s on 2 cores of an AMD EPYC that reads 27), holds
+each channel's weights as a row of their own, and takes one scale a channel. The kernel takes the
+weights of each 16 channels together, input by input (`blocks_of`), so that a tile of rows reads
+them as one stream, and a scale per INT8_GROUP inputs (its copy agrees on more of float32's
+tokens): SmolLM2's layers took 0.54-0.74x torch's time at one row, 0.52-0.94x at 16 and 64
+(int8_linear.cpp says how it computes; `precision.Int8Linear` holds every int8 layer laid out for
+it).
 
 bfloat16 products: oneDNN's packed products (`linears.PackedLinear`) read SmolLM2's weights at 27
 GB/s at one row on 2 cores of an AMD EPYC with AVX-512 BF16 that reads 41-50, 20-45 us a call for
@@ -326,30 +327,32 @@ def multiplies_int8(rows: Tensor) -> bool:
 
 
 INT8_BLOCK = 16  # output channels whose int8 weights lie together input by input (int8_linear.cpp)
+INT8_GROUP = 32  # inputs of an int8 weight's scale (int8_linear.cpp; llama.cpp's Q8_0 takes as many)
 
 
 def blocks_of(weight: Tensor) -> Tensor:
-    """An int8 `weight` [M, K] (M a multiple of INT8_BLOCK) laid out for `int8_linear`:
-    [M / 16, K, 16], each 16 output channels' weights together, input by input."""
+    """int8 weights [M, K] (M a multiple of INT8_BLOCK), or their scales [M, groups], laid out for
+    `int8_linear`: [M / 16, K, 16], each 16 output channels' together, input by input."""
     m, k = weight.shape
     return weight.view(m // INT8_BLOCK, INT8_BLOCK, k).transpose(1, 2).contiguous()
 
 
 def unblocked(blocks: Tensor) -> Tensor:
-    """The weight [M, K] that `blocks_of` laid out as `blocks`."""
+    """The weights [M, K] (or scales) that `blocks_of` laid out as `blocks`."""
     count, k, block = blocks.shape
     return blocks.transpose(1, 2).reshape(count * block, k)
 
 
 def int8_linear(rows: Tensor, blocks: Tensor, scales: Tensor) -> Tensor:
-    """(rows W^T) * scales of bfloat16 `rows` [N, K] (contiguous) and int8 W [M, K] laid out as
-    `blocks` (`blocks_of`), one bfloat16 scale an output channel ([M]): [N, M] bfloat16, each row's
-    the same bits in any batch (int8_linear.cpp). `multiplies_int8(rows)` must be true."""
+    """rows W^T of bfloat16 `rows` [N, K] (contiguous) and int8 W [M, K] laid out as `blocks`, each
+    INT8_GROUP inputs of a channel times its bfloat16 scale (`scales` [M, groups], laid out
+    likewise; `blocks_of`): [N, M] bfloat16, each row's the same bits in any batch
+    (int8_linear.cpp). `multiplies_int8(rows)` must be true."""
     count, width = rows.shape
-    channels = blocks.shape[0] * INT8_BLOCK
+    channels, groups = blocks.shape[0] * INT8_BLOCK, -(-width // INT8_GROUP)
     assert all(x.is_contiguous() for x in (rows, blocks, scales))
     assert blocks.dtype == torch.int8 and blocks.shape[1:] == (width, INT8_BLOCK)
-    assert scales.dtype == torch.bfloat16 and scales.shape == (channels,)
+    assert scales.dtype == torch.bfloat16 and scales.shape == (len(blocks), groups, INT8_BLOCK)
     out = torch.empty(count, channels, dtype=torch.bfloat16)
     library = _library()
     assert library is not None

@@ -4,7 +4,7 @@ and how the fine-tune job scores them on its task before they are ever served.
 `int8` and `int4` are weight-only quantizations of every linear layer, the output head included
 (gpt-fast's recipe): the weights are stored in 8 or 4 bits, and each product runs on bfloat16
 activations in a CPU kernel for such weights (int8: reflow's own, `native.int8_linear`, where it
-builds, else torch's `_weight_int8pack_mm`; int4: torch's `_weight_int4pack_mm_for_cpu`), cast from
+builds; int4: torch's `_weight_int4pack_mm_for_cpu`), cast from
 and back to the model's float around it (none where the model is in bfloat16: its rows go to the
 kernel as they are). Everything else (embeddings, norms, attention, the KV cache) stays as loaded. A
 copy's q/k/v and gate/up projections are fused before they are quantized, as every served copy's are
@@ -12,7 +12,8 @@ copy's q/k/v and gate/up projections are fused before they are quantized, as eve
 channel the same quantized weights and kernel), 7% less time a decode step of SmolLM2 at batch 1 in
 int4 and within the noise at 16 (benchmarks/fusion.py).
 
-- `int8`: one symmetric scale per output channel (absmax / 127).
+- `int8`: symmetric, one scale per native.INT8_GROUP (32) inputs of each output channel (absmax /
+  127, as llama.cpp's Q8_0).
 - `int4`: asymmetric, a scale and a zero point per GROUP_SIZE inputs of each output channel. The
   output head is held in int8: its scores rank the next token among the whole vocabulary, and in 4
   bits they rank it wrong too often (SmolLM2-135M's teacher-forced token agreement with float32 on
@@ -48,10 +49,6 @@ QUANTIZED = ("int8", "int4")  # the weight-only precisions; the others are float
 GROUP_SIZE = 32  # int4: inputs per scale and zero point (gpt-fast's smallest; smaller keeps more)
 INT4_ROWS = 16  # int4: out_features must be a multiple of this for the kernel's packing
 ACTIVATIONS = torch.bfloat16  # what the weight-only kernels multiply
-# int8: inputs are padded to a multiple of this. torch's `_weight_int8pack_mm` reads them 16 at a
-# time with no narrower tail: at 60, 72 or 100 inputs it read past each row (wrong sums) or past
-# the tensor (a crash), where every multiple of 16 gave the right sums (torch 2.13, AVX-512 EPYC).
-INT8_INPUT_MULTIPLE = 16
 
 
 def in_precision(model: CausalLM, name: str) -> CausalLM:
@@ -114,39 +111,42 @@ class WeightOnlyLinear(nn.Module, abc.ABC):
 
 
 class Int8Linear(WeightOnlyLinear):
-    """Weights int8, one symmetric scale per output channel. Multiplied by reflow's kernel
-    (`native.int8_linear`) where it builds and the layer's outputs are a multiple of
-    native.INT8_BLOCK, its weights laid out for it (`native.blocks_of`): it reads them front to back
-    and took SmolLM2's layers at one row in 0.45-0.77x the time of torch's `_weight_int8pack_mm`, and
-    0.37-0.72x at 16 and 64 rows. Else, and in a forward autograd records or a step being compiled,
-    by torch's kernel. A layer whose inputs are not a multiple of INT8_INPUT_MULTIPLE holds zero
-    weights for the inputs it pads its rows with for torch's kernel (they add nothing to a sum). One
-    kernel per layer in a served forward, whatever the rows."""
+    """Weights int8, one symmetric scale per native.INT8_GROUP inputs of each output channel, laid
+    out for reflow's kernel (`native.blocks_of`, with zero channels up to a multiple of
+    native.INT8_BLOCK) and multiplied by it where it builds (`native.int8_linear`): it reads the
+    weights front to back and took SmolLM2's layers at one row in 0.54-0.74x the time of torch's
+    `_weight_int8pack_mm` (one scale a channel), 0.52-0.94x at 16 and 64 rows. Else, and
+    in a forward autograd records or a step being compiled, torch multiplies the weights times their
+    scales in bfloat16 (`dequantized`)."""
 
-    weight: Tensor  # int8: [out / 16, in, 16] where blocked, else [out, in + padded_inputs]
-    scales: Tensor  # [out]
+    weight: Tensor  # int8 [channels / 16, in, 16]
+    scales: Tensor  # bfloat16 [channels / 16, groups, 16]
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
-        weight = linear.weight.detach().float()
-        scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(ACTIVATIONS)
-        q = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        self.padded_inputs = -self.in_features % INT8_INPUT_MULTIPLE
-        self.blocked = self.out_features % native.INT8_BLOCK == 0 and native.available(ACTIVATIONS)
-        self.register_buffer("weight", native.blocks_of(q) if self.blocked else self.padded(q))
-        self.register_buffer("scales", scales)
-
-    def padded(self, weights_or_rows: Tensor) -> Tensor:
-        """Weights [out, in] or rows [N, in] padded with zeros to the inputs torch's kernel reads."""
-        return F.pad(weights_or_rows, (0, self.padded_inputs)) if self.padded_inputs else weights_or_rows
+        groups = -(-self.in_features // native.INT8_GROUP)
+        weight = F.pad(linear.weight.detach().float(), (0, groups * native.INT8_GROUP - self.in_features))
+        weight = weight.view(self.out_features, groups, native.INT8_GROUP)
+        scales = (weight.abs().amax(dim=-1).clamp(min=1e-12) / 127).to(ACTIVATIONS)  # [out, groups]
+        q = torch.round(weight / scales.float()[..., None]).clamp(-127, 127).to(torch.int8)
+        q = q.view(self.out_features, -1)[:, : self.in_features]
+        padded = -self.out_features % native.INT8_BLOCK  # zero channels, whose outputs are dropped
+        self.whole_blocks = padded == 0  # what a served forward's one call of the layers takes
+        self.register_buffer("weight", native.blocks_of(F.pad(q, (0, 0, 0, padded))))
+        self.register_buffer("scales", native.blocks_of(F.pad(scales, (0, 0, 0, padded))))
 
     def product(self, rows: Tensor) -> Tensor:
-        if not self.blocked:
-            return torch._weight_int8pack_mm(self.padded(rows), self.weight, self.scales)
-        if native.multiplies_int8(rows):
-            return native.int8_linear(rows, self.weight, self.scales)
-        weight = self.padded(native.unblocked(self.weight))  # a forward autograd records: torch's
-        return torch._weight_int8pack_mm(self.padded(rows), weight, self.scales)
+        if not native.multiplies_int8(rows):
+            return F.linear(rows, self.dequantized())
+        y = native.int8_linear(rows, self.weight, self.scales)
+        return y if self.whole_blocks else y[:, : self.out_features].contiguous()
+
+    def dequantized(self) -> Tensor:
+        """The weights [out, in] times their scales, in bfloat16."""
+        q = native.unblocked(self.weight)[: self.out_features].float()
+        scales = native.unblocked(self.scales)[: self.out_features].float()
+        scales = scales.repeat_interleave(native.INT8_GROUP, dim=1)[:, : self.in_features]
+        return (q * scales).to(ACTIVATIONS)
 
 
 class Int4Linear(WeightOnlyLinear):

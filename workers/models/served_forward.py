@@ -137,8 +137,8 @@ def _bind(model: Model) -> BoundLayers:
 def _decoder_layers(model: Model) -> native.DecoderLayers | None:
     """`model`'s layers bound for decoder_layers.cpp where it runs them: bfloat16, an MLP as wide as
     a multiple of native.SILU_ROW (where its silu has torch's bits), and every product paired
-    (`linears.PackedLinear`) or every one int8 in reflow's kernel (a weight-only copy's
-    `precision.Int8Linear`, its weights in blocks); else None."""
+    (`linears.PackedLinear`) or every one int8 in whole blocks of reflow's kernel (a weight-only
+    copy's `precision.Int8Linear`); else None."""
     config, layers = model.config, model.model.layers
     products = [
         (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -146,7 +146,7 @@ def _decoder_layers(model: Model) -> native.DecoderLayers | None:
     ]
     every = [linear for layer in products for linear in layer]
     paired = all(getattr(linear, "paired", False) for linear in every)
-    int8 = all(getattr(linear, "blocked", False) for linear in every)
+    int8 = all(getattr(linear, "whole_blocks", False) for linear in every)
     if model.dtype != torch.bfloat16 or config.intermediate_size % native.SILU_ROW or not (paired or int8):
         return None
     bound = []

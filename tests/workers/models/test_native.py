@@ -220,8 +220,8 @@ def test_without_a_compiler_attention_norms_and_int8_products_run_as_torch_opera
         assert torch.equal(norm(x), as_torch_operators(norm, x))
         layer = Int8Linear(torch.nn.Linear(1024, 96, bias=False))
         rows = torch.randn(3, 1024).to(torch.bfloat16)
-        assert not native.multiplies_int8(rows) and not layer.blocked
-        assert torch.equal(layer(rows), torch._weight_int8pack_mm(rows, layer.weight, layer.scales))
+        assert not native.multiplies_int8(rows)
+        assert torch.equal(layer(rows), F.linear(rows, layer.dequantized()))
 
 
 def random_norm(
@@ -276,21 +276,27 @@ def test_a_head_width_the_kernel_does_not_take_attends_as_torch_operators() -> N
 
 
 def int8_weights(channels: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random int8 weights [channels, width] and their bfloat16 scales [channels]."""
+    """Random int8 weights [channels, width] and bfloat16 scales [channels, groups] of them."""
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randint(-127, 128, (channels, width), generator=generator, dtype=torch.int8)
-    return weight, (torch.rand(channels, generator=generator) / 64).to(torch.bfloat16)
+    groups = -(-width // native.INT8_GROUP)
+    return weight, (torch.rand(channels, groups, generator=generator) / 64).to(torch.bfloat16)
+
+
+def scaled(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 `weight` [M, K] times `scales` [M, groups], each scale its group's, in float64."""
+    return weight.double() * scales.double().repeat_interleave(native.INT8_GROUP, dim=1)[:, : weight.shape[1]]
 
 
 @needs_kernel
 @torch.inference_mode()
-def test_an_int8_product_is_each_rows_dot_products_scaled_and_rounded_once() -> None:
-    weight, scales = int8_weights(208, 90, seed=0)  # blocks past a whole number of tiles, any inputs
+def test_an_int8_product_is_each_rows_dot_products_scaled_by_group_and_rounded_once() -> None:
+    weight, scales = int8_weights(208, 90, seed=0)  # blocks past a whole number of tiles; a group of 26
     rows = torch.randn(7, 90, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     assert native.multiplies_int8(rows)
     assert torch.equal(native.unblocked(native.blocks_of(weight)), weight)
-    got = native.int8_linear(rows, native.blocks_of(weight), scales)
-    exact = rows.double() @ weight.double().T * scales.double()
+    got = native.int8_linear(rows, native.blocks_of(weight), native.blocks_of(scales))
+    exact = rows.double() @ scaled(weight, scales).T
     # float32 sums carry about 2^-24 relative error, bfloat16 keeps 2^-8: the product rounded once
     # from them is the exact one rounded, but where the exact value lies right at a rounding boundary
     assert got.shape == (7, 208) and got.dtype == torch.bfloat16
@@ -302,25 +308,28 @@ def test_an_int8_product_is_each_rows_dot_products_scaled_and_rounded_once() -> 
 @torch.inference_mode()
 def test_an_int8_product_gives_a_row_the_same_bits_alone_and_among_any_rows() -> None:
     weight, scales = int8_weights(208, 576, seed=2)
-    blocks = native.blocks_of(weight)
-    rows = torch.randn(19, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    alone = torch.cat([native.int8_linear(rows[i : i + 1], blocks, scales) for i in range(len(rows))])
-    for start, end in [(0, 19), (0, 8), (3, 14), (5, 6), (2, 19)]:  # whole tiles of rows and parts
-        assert torch.equal(native.int8_linear(rows[start:end].contiguous(), blocks, scales), alone[start:end])
+    blocks, scale_blocks = native.blocks_of(weight), native.blocks_of(scales)
+    rows = torch.randn(11, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    alone = torch.cat([native.int8_linear(rows[i : i + 1], blocks, scale_blocks) for i in range(len(rows))])
+    for start, end in [(0, 11), (0, 4), (3, 9), (5, 6), (2, 11)]:  # whole tiles of rows and parts
+        got = native.int8_linear(rows[start:end].contiguous(), blocks, scale_blocks)
+        assert torch.equal(got, alone[start:end])
 
 
 @needs_kernel
 @torch.inference_mode()
-def test_an_int8_layer_multiplies_by_the_kernel_where_its_outputs_fill_blocks_else_by_torchs() -> None:
-    rows = torch.randn(2, 5, 1024).to(torch.bfloat16)
-    blocked = Int8Linear(torch.nn.Linear(1024, 96, bias=False))
-    other = Int8Linear(torch.nn.Linear(1024, 40, bias=False))  # 40 outputs: not whole blocks of 16
-    flat = rows.view(-1, 1024)
-    assert blocked.blocked and not other.blocked
-    assert torch.equal(blocked(rows).view(-1, 96), native.int8_linear(flat, blocked.weight, blocked.scales))
-    assert torch.equal(other(rows).view(-1, 40), torch._weight_int8pack_mm(flat, other.weight, other.scales))
-    with torch.enable_grad():  # an autograd-recorded forward (nothing in a served step) takes torch's
-        assert not native.multiplies_int8(flat)
-        weight = native.unblocked(blocked.weight)
-        by_torch = torch._weight_int8pack_mm(flat, weight, blocked.scales)
-        assert torch.equal(blocked(rows).view(-1, 96), by_torch)
+def test_an_int8_layer_of_any_width_multiplies_by_the_kernel_and_by_torch_where_autograd_records() -> None:
+    rows = torch.randn(2, 5, 1000).to(torch.bfloat16)
+    flat = rows.view(-1, 1000)
+    for outputs in (96, 40):  # whole blocks of 16 channels, or padded with zero channels to them
+        layer = Int8Linear(torch.nn.Linear(1000, outputs, bias=False))
+        blocks = 6 if outputs == 96 else 3  # 40 outputs in 48 channels
+        assert layer.whole_blocks == (outputs == 96) and layer.weight.shape == (blocks, 1000, 16)
+        got = layer(rows).view(-1, outputs)
+        by_kernel = native.int8_linear(flat, layer.weight, layer.scales)
+        assert torch.equal(got, by_kernel[:, :outputs]) and not by_kernel[:, outputs:].any()
+        with torch.enable_grad():  # an autograd-recorded forward (nothing in a served step) takes torch's
+            assert not native.multiplies_int8(flat)
+            by_torch = layer(rows).view(-1, outputs)
+        assert torch.equal(by_torch, F.linear(flat, layer.dequantized()))
+        torch.testing.assert_close(by_torch.float(), got.float(), rtol=0.02, atol=0.02)
