@@ -57,9 +57,14 @@ inline Block widen(const int8_t* p) {  // a block's 16 weights of one input, as 
 }
 
 inline Block widen(const BFloat16* p) {  // a block's 16 scales of one group, as floats
+#if defined(__AVX512F__)  // their bits, shifted: three instructions where the loop below takes 16 inserts
+  return Block(_mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16)));
+#else
   Block scales;
   for (int64_t l = 0; l < BLOCK; ++l) scales[l] = p[l].load();
   return scales;
+#endif
 }
 
 // blocks [b, b + C) of rows [r, r + R): x [rows, width] float32, w [blocks][width][BLOCK] int8,
@@ -90,8 +95,10 @@ void tile(const float* x, const int8_t* w, const BFloat16* scales, BFloat16* out
     }
   }
   for (int64_t i = 0; i < C; ++i)
-    for (int64_t k = 0; k < R; ++k)
-      for (int64_t l = 0; l < BLOCK; ++l) out[(r + k) * channels + (b + i) * BLOCK + l] = BFloat16::store(totals[k][i][l]);
+    for (int64_t k = 0; k < R; ++k) {
+      BFloat16* row = out + (r + k) * channels + (b + i) * BLOCK;
+      for (int64_t l = 0; l < BLOCK; ++l) row[l] = BFloat16::store(totals[k][i][l]);
+    }
 }
 
 template <int64_t C, int64_t R = ROWS>
@@ -117,10 +124,10 @@ extern "C" void int8_linear_bfloat16(const void* x, const void* weight, const vo
   const auto* w = static_cast<const int8_t*>(weight);
   const auto* s = static_cast<const BFloat16*>(scales);
   auto* y = static_cast<BFloat16*>(out);
-  const int64_t count = channels / BLOCK, groups = (count + CHANNEL_BLOCKS - 1) / CHANNEL_BLOCKS;
+  const int64_t count = channels / BLOCK, tiles = (count + CHANNEL_BLOCKS - 1) / CHANNEL_BLOCKS;
 #pragma omp parallel for num_threads(threads) schedule(static) if (channels * width >= PARALLEL_WEIGHTS)
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t first = g * CHANNEL_BLOCKS;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t first = t * CHANNEL_BLOCKS;
     if (first + CHANNEL_BLOCKS <= count) {
       blocks<CHANNEL_BLOCKS>(wide.data(), w, s, y, first, rows, width, channels);
     } else {

@@ -457,8 +457,8 @@ def bind_decoder_layers(
     """The layers whose tensors `layers` names (LAYER_POINTERS each: the norms' weights, each
     product's weights, its scales and its bias, or None for a bias or scales it has not), of
     `sizes` (dim, q width, k and v width, intermediate width, the last a multiple of SILU_ROW) and
-    norms of `eps`, bound for decoder_layers.cpp. The products' weights are int8 (`int8`: laid out
-    by `blocks_of`, a bfloat16 scale an output channel) or bfloat16 in pairs (`pairs_of`, where
+    norms of `eps`, bound for decoder_layers.cpp. The products' weights are int8 (`int8`: they and
+    their bfloat16 scales laid out by `blocks_of`) or bfloat16 in pairs (`pairs_of`, where
     `multiplies_pairs()`); everything else bfloat16."""
     library = _library()
     assert library is not None and sizes[3] % SILU_ROW == 0

@@ -4,13 +4,13 @@ and how the fine-tune job scores them on its task before they are ever served.
 `int8` and `int4` are weight-only quantizations of every linear layer, the output head included
 (gpt-fast's recipe): the weights are stored in 8 or 4 bits, and each product runs on bfloat16
 activations in a CPU kernel for such weights (int8: reflow's own, `native.int8_linear`, where it
-builds; int4: torch's `_weight_int4pack_mm_for_cpu`), cast from
-and back to the model's float around it (none where the model is in bfloat16: its rows go to the
-kernel as they are). Everything else (embeddings, norms, attention, the KV cache) stays as loaded. A
-copy's q/k/v and gate/up projections are fused before they are quantized, as every served copy's are
-(`llama.fuse_projections`): four products a layer instead of seven, the same bits (per output
-channel the same quantized weights and kernel), 7% less time a decode step of SmolLM2 at batch 1 in
-int4 and within the noise at 16 (benchmarks/fusion.py).
+builds; int4: torch's `_weight_int4pack_mm_for_cpu`), cast from and back to the model's float around
+it (none where the model is in bfloat16: its rows go to the kernel as they are). Everything else
+(embeddings, norms, attention, the KV cache) stays as loaded. A copy's q/k/v and gate/up projections
+are fused before they are quantized, as every served copy's are (`llama.fuse_projections`): four
+products a layer instead of seven, the same bits (per output channel the same quantized weights and
+kernel), 7% less time a decode step of SmolLM2 at batch 1 in int4 and within the noise at 16
+(benchmarks/fusion.py).
 
 - `int8`: symmetric, one scale per native.INT8_GROUP (32) inputs of each output channel (absmax /
   127, as llama.cpp's Q8_0).
@@ -115,8 +115,8 @@ class Int8Linear(WeightOnlyLinear):
     out for reflow's kernel (`native.blocks_of`, with zero channels up to a multiple of
     native.INT8_BLOCK) and multiplied by it where it builds (`native.int8_linear`): it reads the
     weights front to back and took SmolLM2's layers at one row in 0.54-0.74x the time of torch's
-    `_weight_int8pack_mm` (one scale a channel), 0.52-0.94x at 16 and 64 rows. Else, and
-    in a forward autograd records or a step being compiled, torch multiplies the weights times their
+    `_weight_int8pack_mm` (one scale a channel), 0.52-0.94x at 16 and 64 rows. Else, and in a
+    forward autograd records or a step being compiled, torch multiplies the weights times their
     scales in bfloat16 (`dequantized`)."""
 
     weight: Tensor  # int8 [channels / 16, in, 16]
