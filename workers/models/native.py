@@ -37,7 +37,7 @@ int8 products: torch's `_weight_int8pack_mm` reads a weight at well under the ma
 each channel's weights as a row of their own, and takes one scale a channel. The kernel takes the
 weights of each 16 channels together, input by input (`blocks_of`), so that a tile of rows reads
 them as one stream, and a scale per INT8_GROUP inputs (its copy agrees on more of float32's
-tokens): SmolLM2's layers took 0.54-0.74x torch's time at one row, 0.52-0.94x at 16 and 64
+tokens): SmolLM2's layers took 0.38-0.87x torch's time at one row, 0.33-0.83x at 16 and 64
 (int8_linear.cpp says how it computes; `precision.Int8Linear` holds every int8 layer laid out for
 it).
 

@@ -114,8 +114,8 @@ class Int8Linear(WeightOnlyLinear):
     """Weights int8, one symmetric scale per native.INT8_GROUP inputs of each output channel, laid
     out for reflow's kernel (`native.blocks_of`, with zero channels up to a multiple of
     native.INT8_BLOCK) and multiplied by it where it builds (`native.int8_linear`): it reads the
-    weights front to back and took SmolLM2's layers at one row in 0.54-0.74x the time of torch's
-    `_weight_int8pack_mm` (one scale a channel), 0.52-0.94x at 16 and 64 rows. Else, and in a
+    weights front to back and took SmolLM2's layers at one row in 0.38-0.87x the time of torch's
+    `_weight_int8pack_mm` (one scale a channel), 0.33-0.83x at 16 and 64 rows. Else, and in a
     forward autograd records or a step being compiled, torch multiplies the weights times their
     scales in bfloat16 (`dequantized`)."""
 
