@@ -9,9 +9,8 @@
 // fused multiply-add each, where the CPU has them); each group's sum times its scale is added to a
 // second lane, group after group, and that is rounded to bfloat16 once. The same instructions in the
 // same order compute it whichever rows and channels a call holds and whichever thread takes them,
-// so a row has the same bits alone or among any others. A tile of up to ROWS rows by
-// CHANNEL_BLOCKS blocks shares each load: a block's weights are widened once for the tile's rows, a
-// row's input read once for its blocks. Each block's weights are fetched PREFETCH_BYTES ahead of
+// so a row has the same bits alone or among any others. A tile of up to ROWS rows of one block
+// shares each load: the block's weights are widened once for the tile's rows. Each block's weights are fetched PREFETCH_BYTES ahead of
 // those it multiplies, one cache line at a time. Laid out so, a block's weights are one stream read
 // front to back: the earlier kernel of this file read each channel's weights as a stream of its
 // own (a layout of [channels][width]) and took SmolLM2's int8 layers at one row at 12-17 GB/s on 2
@@ -34,11 +33,9 @@ constexpr int64_t GROUP = 32;  // inputs of a scale (native.INT8_GROUP)
 #if defined(__AVX512F__)
 // A tile's two sums take 16 of the 32 vector registers. Of the tiles timed on 2 cores of an AMD EPYC
 // over SmolLM2's products (rows x blocks: 4 x 3, 6 x 2, 8 x 1, 12 x 1), 8 x 1 was the fastest at 1
-// and 16 rows and within the noise of 12 x 1 at 64; 4 x 3 took 1.1-1.4x its time.
-constexpr int64_t CHANNEL_BLOCKS = 1;  // blocks of a tile
+// and 16 rows and within the noise of 12 x 1 at 64; 4 x 3 took up to 1.4x its time at 16 and 64.
 constexpr int64_t ROWS = 8;  // rows of a tile
 #else  // 16 registers of 8 floats: a block's sums take two
-constexpr int64_t CHANNEL_BLOCKS = 1;
 constexpr int64_t ROWS = 2;
 #endif
 constexpr int64_t LINE = 64;  // bytes of a cache line: 4 inputs of a block
@@ -69,47 +66,38 @@ inline Block widen(const BFloat16* p) {  // a block's 16 scales of one group, as
 #endif
 }
 
-// blocks [b, b + C) of rows [r, r + R): x [rows, width] float32, w [blocks][width][BLOCK] int8,
-// scales [blocks][groups][BLOCK]
-template <int64_t C, int64_t R>
+// block b of rows [r, r + R): x [rows, width] float32, w [blocks][width][BLOCK] int8, scales
+// [blocks][groups][BLOCK]
+template <int64_t R>
 void tile(const float* x, const int8_t* w, const BFloat16* scales, BFloat16* out, int64_t b, int64_t r,
           int64_t width, int64_t channels) {
   const int64_t groups = (width + GROUP - 1) / GROUP;
-  Block totals[R][C] = {};
+  Block totals[R] = {};
   for (int64_t g = 0; g < groups; ++g) {
-    Block sums[R][C] = {};
+    Block sums[R] = {};
     for (int64_t j = g * GROUP, end = std::min(width, j + GROUP); j < end; ++j) {
-      Block weights[C];
-      for (int64_t i = 0; i < C; ++i) {
-        const int8_t* block = w + ((b + i) * width + j) * BLOCK;
-        // the last lines fetch past the block's end: a prefetch is a hint, which never faults
-        if (j % (LINE / BLOCK) == 0) __builtin_prefetch(block + PREFETCH_BYTES);
-        weights[i] = widen(block);
-      }
-      for (int64_t k = 0; k < R; ++k) {
-        const float input = x[(r + k) * width + j];
-        for (int64_t i = 0; i < C; ++i) sums[k][i] += weights[i] * input;
-      }
+      const int8_t* block = w + (b * width + j) * BLOCK;
+      // the last lines fetch past the block's end: a prefetch is a hint, which never faults
+      if (j % (LINE / BLOCK) == 0) __builtin_prefetch(block + PREFETCH_BYTES);
+      const Block weights = widen(block);
+      for (int64_t k = 0; k < R; ++k) sums[k] += weights * x[(r + k) * width + j];
     }
-    for (int64_t i = 0; i < C; ++i) {
-      const Block scale = widen(scales + ((b + i) * groups + g) * BLOCK);
-      for (int64_t k = 0; k < R; ++k) totals[k][i] += sums[k][i] * scale;
-    }
+    const Block scale = widen(scales + (b * groups + g) * BLOCK);
+    for (int64_t k = 0; k < R; ++k) totals[k] += sums[k] * scale;
   }
-  for (int64_t i = 0; i < C; ++i)
-    for (int64_t k = 0; k < R; ++k) {
-      BFloat16* row = out + (r + k) * channels + (b + i) * BLOCK;
-      for (int64_t l = 0; l < BLOCK; ++l) row[l] = BFloat16::store(totals[k][i][l]);
-    }
+  for (int64_t k = 0; k < R; ++k) {
+    BFloat16* row = out + (r + k) * channels + b * BLOCK;
+    for (int64_t l = 0; l < BLOCK; ++l) row[l] = BFloat16::store(totals[k][l]);
+  }
 }
 
-template <int64_t C, int64_t R = ROWS>
-void blocks(const float* x, const int8_t* w, const BFloat16* scales, BFloat16* out, int64_t b, int64_t rows,
-            int64_t width, int64_t channels) {
+template <int64_t R = ROWS>
+void block_rows(const float* x, const int8_t* w, const BFloat16* scales, BFloat16* out, int64_t b, int64_t rows,
+                int64_t width, int64_t channels) {
   int64_t r = 0;
-  for (; r + R <= rows; r += R) tile<C, R>(x, w, scales, out, b, r, width, channels);
+  for (; r + R <= rows; r += R) tile<R>(x, w, scales, out, b, r, width, channels);
   if constexpr (R > 1) {  // the rest, fewer than R rows: R - 1 of them, then what remains
-    if (r < rows) blocks<C, R - 1>(x + r * width, w, scales, out + r * channels, b, rows - r, width, channels);
+    if (r < rows) block_rows<R - 1>(x + r * width, w, scales, out + r * channels, b, rows - r, width, channels);
   }
 }
 
@@ -126,14 +114,6 @@ extern "C" void int8_linear_bfloat16(const void* x, const void* weight, const vo
   const auto* w = static_cast<const int8_t*>(weight);
   const auto* s = static_cast<const BFloat16*>(scales);
   auto* y = static_cast<BFloat16*>(out);
-  const int64_t count = channels / BLOCK, tiles = (count + CHANNEL_BLOCKS - 1) / CHANNEL_BLOCKS;
 #pragma omp parallel for num_threads(threads) schedule(static) if (channels * width >= PARALLEL_WEIGHTS)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t first = t * CHANNEL_BLOCKS;
-    if (first + CHANNEL_BLOCKS <= count) {
-      blocks<CHANNEL_BLOCKS>(wide.data(), w, s, y, first, rows, width, channels);
-    } else {
-      for (int64_t i = first; i < count; ++i) blocks<1>(wide.data(), w, s, y, i, rows, width, channels);
-    }
-  }
+  for (int64_t b = 0; b < channels / BLOCK; ++b) block_rows(wide.data(), w, s, y, b, rows, width, channels);
 }

@@ -131,9 +131,14 @@ class Int8Linear(WeightOnlyLinear):
         q = torch.round(weight / scales.float()[..., None]).clamp(-127, 127).to(torch.int8)
         q = q.view(self.out_features, -1)[:, : self.in_features]
         padded = -self.out_features % native.INT8_BLOCK  # zero channels, whose outputs are dropped
-        self.whole_blocks = padded == 0  # what a served forward's one call of the layers takes
         self.register_buffer("weight", native.blocks_of(F.pad(q, (0, 0, 0, padded))))
         self.register_buffer("scales", native.blocks_of(F.pad(scales, (0, 0, 0, padded))))
+
+    @property
+    def whole_blocks(self) -> bool:
+        """Whether its outputs fill whole blocks, no zero channels padded: what a served forward's
+        one call of the layers takes."""
+        return len(self.weight) * native.INT8_BLOCK == self.out_features
 
     def product(self, rows: Tensor) -> Tensor:
         if not native.multiplies_int8(rows):

@@ -78,8 +78,8 @@ def served_forward(
     norm = _norm(native_norms)
     width = config.intermediate_size
     bound = _layers.get(model) or _layers.setdefault(model, _bind(model))
-    if bound.native is not None and native_norms:  # every layer in one call, x in place
-        bound.native(x, cache.k, cache.v, attend)
+    if bound.one_call is not None and native_norms:  # every layer in one call, x in place
+        bound.one_call(x, cache.k, cache.v, attend)
     else:
         for i, (input_norm, qkv_product, o_product, post_norm, gate_up_product, down_product) in enumerate(
             bound.calls
@@ -115,7 +115,7 @@ class BoundLayers:
     (native.DecoderLayers) that runs them in C++."""
 
     calls: list[LayerCalls]
-    native: native.DecoderLayers | None
+    one_call: native.DecoderLayers | None
 
 
 _layers: weakref.WeakKeyDictionary[nn.Module, BoundLayers]
