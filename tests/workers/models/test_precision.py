@@ -93,7 +93,7 @@ def test_an_int4_copy_keeps_its_head_in_int8_and_leaves_its_model_as_it_was() ->
     assert isinstance(layers["model.layers.0.mlp.gate_up_proj"], Int4Linear)
     assert isinstance(layers["model.layers.0.mlp.down_proj"], Int4Linear)
     assert not any(isinstance(m, nn.Linear) for m in layers.values())
-    assert int4.dtype == torch.float32  # activations, embeddings and norms stay float
+    assert int4.dtype == torch.bfloat16  # embeddings, norms and activations: what the kernels multiply
 
     logits = int4(tokens)
     assert all(torch.equal(int4(tokens[i : i + 1])[0], logits[i]) for i in range(3))  # each row alone
@@ -111,6 +111,7 @@ def test_a_copy_with_fused_projections_gives_the_logits_of_its_layers_quantized_
     tokens = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(1))
     separate = copy.deepcopy(model)
     quantize_linears(separate, name, model.vocab_size)  # type: ignore[arg-type]  # an nn.Module
+    separate.to(torch.bfloat16)  # type: ignore[attr-defined]  # the rest in bfloat16, as in_precision holds it
     fused = in_precision(model, name)
     assert torch.equal(fused(tokens), separate(tokens))
     adapter = random_adapter(model, LoraConfig(), seed=0)  # type: ignore[arg-type]

@@ -52,9 +52,10 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def served_model(directory: Path, copy: str) -> LlamaForCausalLM:
-    """The model as a worker serves `copy` of it: laid out, then quantized for a variant."""
+    """The model as a worker serves `copy` of it: laid out, then quantized for a variant (of a
+    version in float32, the copy in bfloat16 all the same)."""
     config = json.loads((directory / "config.json").read_text())
-    dtype = torch.bfloat16 if copy in (*QUANTIZED, PAIRED) else getattr(torch, copy)
+    dtype = torch.float32 if copy in QUANTIZED else torch.bfloat16 if copy == PAIRED else getattr(torch, copy)
     model = LlamaForCausalLM.from_checkpoint(directory, config, CPU, dtype)
     if copy == PAIRED:  # whatever the timing of these tiny shapes would choose
         fuse_projections(model)
