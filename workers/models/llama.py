@@ -367,6 +367,15 @@ class LlamaForCausalLM(nn.Module):
         self._max_len = min(max_len or config.max_position_embeddings, config.max_position_embeddings)
         self.register_buffer("rope", rope_table(config, self._max_len), persistent=False)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> LlamaForCausalLM:
+        """What `to`, `bfloat16` and the like apply to every tensor, but the rotary table stays in
+        float32 whatever the weights' dtype, as a model loaded in that dtype holds it (`load_weights`:
+        a variant is cast from its reference, `precision.in_precision`)."""
+        rope = self.rope
+        super()._apply(fn, recurse)
+        self.rope = rope.to(self.rope.device)  # where `fn` put it, its float32 values as they were
+        return self
+
     def forward(
         self,
         tokens: Tensor,

@@ -118,3 +118,18 @@ def test_a_copy_with_fused_projections_gives_the_logits_of_its_layers_quantized_
     adapted = fused(tokens, adapters=adapter.rows(3))
     assert (adapted - fused(tokens)).abs().max() > 0.01  # the adapter matters
     assert torch.equal(adapted, separate(tokens, adapters=adapter.rows(3)))
+
+
+@pytest.mark.parametrize("name", ["int8", "bfloat16"])
+@torch.inference_mode()
+def test_a_copy_turns_q_and_k_by_the_float32_table_a_model_loaded_in_bfloat16_holds(name: str) -> None:
+    # the built-in family turns q and k in pairs by its table as it is: in bfloat16 it would turn
+    # them otherwise than the same weights loaded in bfloat16 do
+    model = tiny_model(0)
+    tokens = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(1))
+    cast = in_precision(model, name)
+    assert cast.rope.dtype == torch.float32  # type: ignore[attr-defined]  # a LlamaForCausalLM
+    if name == "bfloat16":
+        state = {n: t.bfloat16() for n, t in model.state_dict().items()}  # type: ignore[attr-defined]
+        loaded = copy.deepcopy(model).load_weights(state)  # type: ignore[attr-defined]
+        assert torch.equal(cast(tokens), loaded(tokens))
