@@ -368,9 +368,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope", rope_table(config, self._max_len), persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> LlamaForCausalLM:
-        """What `to`, `bfloat16` and the like apply to every tensor, but the rotary table stays in
-        float32 whatever the weights' dtype, as a model loaded in that dtype holds it (`load_weights`:
-        a variant is cast from its reference, `precision.in_precision`)."""
+        """What `to`, `bfloat16` and the like apply to every tensor, except that the rotary table
+        keeps its float32 values, as a model loaded in the new dtype holds it (`load_weights`): a
+        variant is its reference cast so (`precision.in_precision`)."""
         rope = self.rope
         super()._apply(fn, recurse)
         self.rope = rope.to(self.rope.device)  # where `fn` put it, its float32 values as they were
