@@ -10,7 +10,7 @@ attention, the KV cache) is held in bfloat16, whatever the version's dtype: each
 then go to its kernel as they are, and an int8 copy's layers run in one call (`native.
 DecoderLayers`). So computed, SmolLM2-135M's int8 copy of float32 weights agreed with float32 on as
 many tokens as with the rest in float32 (docs/models.md), and on 2 cores of an Ice Lake Xeon, which
-has no bfloat16 instructions and where `auto` serves float32, it served one stream in 12.4-15.4 ms a
+has no bfloat16 instructions and where `auto` serves float32, it served one stream in 10.7-15.4 ms a
 token against 24.0-26.3 with the rest in float32. A copy's q/k/v and gate/up projections
 are fused before they are quantized, as every served copy's are (`llama.fuse_projections`): four
 products a layer instead of seven, the same bits (per output channel the same quantized weights and
@@ -59,12 +59,11 @@ ACTIVATIONS = torch.bfloat16  # what the weight-only kernels multiply
 def in_precision(model: CausalLM, name: str) -> CausalLM:
     """A copy of `model` with its weights in `name` (`int8`, `int4`, or a float dtype's name)."""
     copied: CausalLM = unpacked_copy(model)  # type: ignore[arg-type,assignment]  # an nn.Module
-    if name not in QUANTIZED:
-        return copied.to(getattr(torch, name))  # type: ignore[attr-defined]
-    module: nn.Module = copied  # type: ignore[assignment]  # a CausalLM is an nn.Module
-    fuse_projections(module)  # q/k/v and gate/up in one product each, quantized as one
-    quantize_linears(module, name, model.vocab_size)  # from the weights as loaded, float32's included
-    return copied.to(ACTIVATIONS)  # type: ignore[attr-defined]  # the rest in bfloat16
+    if name in QUANTIZED:  # from the weights as loaded, float32's included; the rest in bfloat16
+        module: nn.Module = copied  # type: ignore[assignment]  # a CausalLM is an nn.Module
+        fuse_projections(module)  # q/k/v and gate/up in one product each, quantized as one
+        quantize_linears(module, name, model.vocab_size)
+    return copied.to(ACTIVATIONS if name in QUANTIZED else getattr(torch, name))  # type: ignore[attr-defined]
 
 
 def quantize_linears(module: nn.Module, name: str, vocab_size: int) -> None:
