@@ -91,19 +91,19 @@ class Versions:
         if isinstance(resident, ResidentVersion):
             if resident.dtype_choice is not None and self.engine.metrics is not None:
                 self.engine.metrics.observe_dtype_choice(name, ref.version, resident.dtype_choice)
-            await self._add_variants(resident, tags)
+            await self._add_variants(resident, tags, directory)
         else:  # an adapter's one copy is its base's reference, measured (or not) with it
             resident.task_scores = task_scores(tags, resident.copies.values())
         logger.info("loaded model=%s version=%s alias=%s device=%s", name, ref.version, alias, self.device)
         return resident
 
-    async def _add_variants(self, version: ResidentVersion, tags: dict[str, str]) -> None:
-        """Builds the variants of a version with weights of its own beside it, then measures its
-        copies against its reference (without variants to build, nothing is measured); each copy's
-        task score comes from the version's tags."""
+    async def _add_variants(self, version: ResidentVersion, tags: dict[str, str], directory: Path) -> None:
+        """Builds the variants of a version with weights of its own (its checkpoint in `directory`)
+        beside it, then measures its copies against its reference (without variants to build,
+        nothing is measured); each copy's task score comes from the version's tags."""
 
         def build(name: str) -> Copy:
-            variant = make_variant(version, name)
+            variant = make_variant(version, name, directory)
             self.engine.add_variant(version, variant)
             return variant
 

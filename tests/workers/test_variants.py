@@ -10,14 +10,17 @@ import grpc
 import pytest
 import torch
 
+from reflow.registry import Registry
 from reflow.v1 import worker_pb2
+from tests.support.hf import tiny_checkpoint
 from tests.support.registry import local_registry
 from workers.engine import Engine, EngineConfig
+from workers.loading import load_directory
 from workers.metrics import WorkerMetrics
 from workers.sampling import SamplingParams
 from workers.sequence import GenerationParams
 from workers.server import WorkerServicer
-from workers.variants import check_variants
+from workers.variants import check_variants, make_variant
 from workers.versions import Versions
 
 GREEDY = GenerationParams(max_tokens=8, sampling=SamplingParams(temperature=0.0))
@@ -102,6 +105,46 @@ async def test_an_unknown_variant_is_not_found_and_a_removed_version_takes_its_v
     assert agreement("float32") is None and agreement("int8") is None  # no series of what is gone
     with pytest.raises(Exception, match="is not loaded"):
         versions.engine.lookup("smollm2", "1", "int8")
+
+
+@pytest.fixture(scope="module")
+def tiny_registry(tmp_path_factory: pytest.TempPathFactory) -> Registry:
+    """Tiny random Llama checkpoints stored in float32, registered: `tied` (its output head the
+    embeddings) and `untied`."""
+    root = tmp_path_factory.mktemp("tiny")
+    registry = local_registry(root)
+    for tied in (True, False):
+        checkpoint = tiny_checkpoint(root / TIES[tied], tie_word_embeddings=tied)
+        registry.register(TIES[tied], checkpoint, params={}, metrics={}, alias="champion")
+    return registry
+
+
+TIES = {True: "tied", False: "untied"}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("name", ["int8", "int4"])
+async def test_a_bfloat16_workers_quantized_copy_is_quantized_from_the_checkpoints_float32_weights(
+    tiny_registry: Registry, tmp_path: Path, name: str, tied: bool
+) -> None:
+    # rounded to bfloat16 first, its weights would cost the copy agreement (docs/models.md)
+    model = TIES[tied]
+    engine = Engine(EngineConfig(max_batch_size=2, kv_cache_mb=4), WorkerMetrics())
+    cpu = torch.device("cpu")
+    try:
+        versions = Versions(engine, tiny_registry, tmp_path, cpu, torch.bfloat16, variants=(name,))
+        await versions.load(model, alias="champion")
+        served = engine.lookup(model, "1", name).copy.model
+    finally:
+        engine.close()
+    checkpoint = tiny_registry.download(tiny_registry.resolve(model, alias="champion"), tmp_path)
+    float32 = make_variant(load_directory(checkpoint, model, "1", cpu, dtype=torch.float32), name).model
+    held = make_variant(load_directory(checkpoint, model, "1", cpu, dtype=torch.bfloat16), name).model
+    tokens = torch.arange(2, 34)[None]
+    with torch.inference_mode():
+        logits = served(tokens)
+        assert logits.dtype == torch.bfloat16 and torch.equal(logits, float32(tokens))
+        assert not torch.equal(logits, held(tokens))  # quantized from the weights as held: not the same
 
 
 def test_int8_off_the_cpu_is_refused_in_one_line() -> None:

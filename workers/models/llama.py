@@ -576,6 +576,23 @@ def _tensor_names(file: Path) -> list[str]:
         raise ValueError(f"{file.name} is not a readable safetensors file ({error})") from None
 
 
+class StoredWeights:
+    """A checkpoint's weights as its safetensors files store them (never a pickle), each read on the
+    CPU in float32 when asked: what a quantized copy of a version held in fewer bits is quantized
+    from (workers/variants.py), one layer's at a time."""
+
+    def __init__(self, directory: Path):
+        self.files = {name: file for file in weight_files(directory) for name in _tensor_names(file)}
+
+    def read(self, name: str) -> Tensor:
+        """The tensor the decoder names `name`; a tied output head's is the embeddings' (a checkpoint
+        that stores no head loaded only where its config ties it: `skeleton`)."""
+        if name == "lm_head.weight" and name not in self.files:
+            name = "model.embed_tokens.weight"
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name).float()
+
+
 def read_weights(directory: Path, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
     """Every tensor of the checkpoint's safetensors files (never a pickle), cast to `dtype`."""
     state: dict[str, Tensor] = {}

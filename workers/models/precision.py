@@ -4,18 +4,18 @@ and how the fine-tune job scores them on its task before they are ever served.
 `int8` and `int4` are weight-only quantizations of every linear layer, the output head included
 (gpt-fast's recipe): the weights are stored in 8 or 4 bits, and each product runs on bfloat16
 activations in a CPU kernel for such weights (int8: reflow's own, `native.int8_linear`, where it
-builds; int4: torch's `_weight_int4pack_mm_for_cpu`). They are quantized from the weights as
-loaded (float32's where the version is in float32), and everything else (embeddings, norms,
-attention, the KV cache) is held in bfloat16, whatever the version's dtype: each product's rows
-then go to its kernel as they are, and an int8 copy's layers run in one call (`native.
-DecoderLayers`). So computed, SmolLM2-135M's int8 copy of float32 weights agreed with float32 on as
-many tokens as with the rest in float32 (docs/models.md), and on 2 cores of an Ice Lake Xeon, which
-has no bfloat16 instructions and where `auto` serves float32, it served one stream in 10.7-15.4 ms a
-token against 24.0-26.3 with the rest in float32. A copy's q/k/v and gate/up projections
-are fused before they are quantized, as every served copy's are (`llama.fuse_projections`): four
-products a layer instead of seven, the same bits (per output channel the same quantized weights and
-kernel), 7% less time a decode step of SmolLM2 at batch 1 in int4 and within the noise at 16
-(benchmarks/fusion.py).
+builds; int4: torch's `_weight_int4pack_mm_for_cpu`). They are quantized from float32 weights
+where the version has them (a bfloat16 version's from its checkpoint: `in_precision`'s `stored`),
+and everything else (embeddings, norms, attention, the KV cache) is held in bfloat16, whatever the
+version's dtype: each product's rows then go to its kernel as they are, and an int8 copy's layers
+run in one call (`native.DecoderLayers`). So computed, SmolLM2-135M's int8 copy of float32
+weights agreed with float32 on as many tokens as with the rest in float32 (docs/models.md), and on 2
+cores of an Ice Lake Xeon, which has no bfloat16 instructions and where `auto` serves float32, it
+served one stream in 10.7-15.4 ms a token against 24.0-26.3 with the rest in float32. A copy's
+q/k/v and gate/up projections are fused before they are quantized, as every served copy's are
+(`llama.fuse_projections`): four products a layer instead of seven, the same bits (per output
+channel the same quantized weights and kernel), 7% less time a decode step of SmolLM2 at batch 1 in
+int4 and within the noise at 16 (benchmarks/fusion.py).
 
 - `int8`: symmetric, one scale per native.INT8_GROUP (32) inputs of each output channel (absmax /
   127, as llama.cpp's Q8_0).
@@ -47,8 +47,8 @@ from torch import Tensor, nn
 
 from workers.models import native
 from workers.models.interface import CausalLM
-from workers.models.linears import replace_layer, unpacked_copy
-from workers.models.llama import fuse_projections
+from workers.models.linears import StackedLinear, replace_layer, unpacked_copy
+from workers.models.llama import StoredWeights, fuse_projections
 
 QUANTIZED = ("int8", "int4")  # the weight-only precisions; the others are float dtypes' names
 GROUP_SIZE = 32  # int4: inputs per scale and zero point (gpt-fast's smallest; smaller keeps more)
@@ -56,29 +56,46 @@ INT4_ROWS = 16  # int4: out_features must be a multiple of this for the kernel's
 ACTIVATIONS = torch.bfloat16  # what the weight-only kernels multiply
 
 
-def in_precision(model: CausalLM, name: str) -> CausalLM:
-    """A copy of `model` with its weights in `name` (`int8`, `int4`, or a float dtype's name)."""
+def in_precision(model: CausalLM, name: str, stored: StoredWeights | None = None) -> CausalLM:
+    """A copy of `model` with its weights in `name` (`int8`, `int4`, or a float dtype's name); a
+    quantized one quantized from `stored` (`model`'s checkpoint as its files hold it) where given,
+    else from the weights as loaded."""
     copied: CausalLM = unpacked_copy(model)  # type: ignore[arg-type,assignment]  # an nn.Module
-    if name in QUANTIZED:  # from the weights as loaded, float32's included; the rest in bfloat16
+    if name in QUANTIZED:  # the rest in bfloat16
         module: nn.Module = copied  # type: ignore[assignment]  # a CausalLM is an nn.Module
         fuse_projections(module)  # q/k/v and gate/up in one product each, quantized as one
-        quantize_linears(module, name, model.vocab_size)
+        quantize_linears(module, name, model.vocab_size, stored)
     return copied.to(ACTIVATIONS if name in QUANTIZED else getattr(torch, name))  # type: ignore[attr-defined]
 
 
-def quantize_linears(module: nn.Module, name: str, vocab_size: int) -> None:
+def quantize_linears(
+    module: nn.Module, name: str, vocab_size: int, stored: StoredWeights | None = None
+) -> None:
     """Replaces every linear layer of `module` by its weights in `name`, the output head (the layer
-    `vocab_size` wide) in int8."""
+    `vocab_size` wide) in int8: each quantized from its weights in `stored` where given."""
     for path, linear in [(p, m) for p, m in module.named_modules() if isinstance(m, nn.Linear)]:
         head = linear.out_features == vocab_size
-        replace_layer(module, path, quantized(linear, "int8" if head else name))
+        weight = None if stored is None else stored_weight(stored, path, linear)
+        replace_layer(module, path, quantized(linear, "int8" if head else name, weight))
 
 
-def quantized(linear: nn.Linear, name: str) -> nn.Module:
-    """`linear` with its weights in `name` (int8, or int4 where its shapes allow)."""
+def stored_weight(stored: StoredWeights, path: str, linear: nn.Linear) -> Tensor:
+    """The weight of `linear` (at `path` in its model) as `stored` holds it: a stacked layer's
+    parts' stacked (`fuse_projections`); ValueError where its shape is not the layer's."""
+    parts = linear.parts if isinstance(linear, StackedLinear) else {path: linear.out_features}
+    weight = torch.cat([stored.read(f"{part}.weight") for part in parts])
+    if weight.shape != linear.weight.shape:
+        loaded = list(linear.weight.shape)
+        raise ValueError(f"{path}.weight is stored as {list(weight.shape)}, loaded as {loaded}")
+    return weight
+
+
+def quantized(linear: nn.Linear, name: str, weight: Tensor | None = None) -> nn.Module:
+    """`linear` with its weights (`weight` where given, of its shape) in `name` (int8, or int4
+    where its shapes allow)."""
     if name == "int4" and linear.out_features % INT4_ROWS == 0 and linear.in_features % GROUP_SIZE == 0:
-        return Int4Linear(linear)
-    return Int8Linear(linear)
+        return Int4Linear(linear, weight)
+    return Int8Linear(linear, weight)
 
 
 class WeightOnlyLinear(nn.Module, abc.ABC):
@@ -90,6 +107,12 @@ class WeightOnlyLinear(nn.Module, abc.ABC):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias: Tensor | None
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    @staticmethod
+    def source(linear: nn.Linear, weight: Tensor | None) -> Tensor:
+        """What a layer is quantized from, in float32: `weight` (of `linear`'s shape) where given,
+        else `linear`'s own."""
+        return (linear.weight if weight is None else weight).detach().float()
 
     def forward(self, x: Tensor) -> Tensor:
         # bfloat16 activations (every copy's: in_precision) go to the kernel as they are: at one row
@@ -126,10 +149,10 @@ class Int8Linear(WeightOnlyLinear):
     weight: Tensor  # int8 [channels / 16, in, 16]
     scales: Tensor  # bfloat16 [channels / 16, groups, 16]
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weight: Tensor | None = None):
         super().__init__(linear)
         groups = -(-self.in_features // native.INT8_GROUP)
-        weight = F.pad(linear.weight.detach().float(), (0, groups * native.INT8_GROUP - self.in_features))
+        weight = F.pad(self.source(linear, weight), (0, groups * native.INT8_GROUP - self.in_features))
         weight = weight.view(self.out_features, groups, native.INT8_GROUP)
         scales = (weight.abs().amax(dim=-1).clamp(min=1e-12) / 127).to(ACTIVATIONS)  # [out, groups]
         q = torch.round(weight / scales.float()[..., None]).clamp(-127, 127).to(torch.int8)
@@ -165,10 +188,9 @@ class Int4Linear(WeightOnlyLinear):
     weight: Tensor  # packed
     scales_and_zeros: Tensor  # [in / G, out, 2]
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weight: Tensor | None = None):
         super().__init__(linear)
-        weight = linear.weight.detach().float()
-        groups = weight.reshape(self.out_features, -1, GROUP_SIZE)  # [out, in / G, G]
+        groups = self.source(linear, weight).reshape(self.out_features, -1, GROUP_SIZE)  # [out, in / G, G]
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scales = ((high - low) / 15).clamp(min=1e-6)
         zeros = low + scales * 8
