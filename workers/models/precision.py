@@ -80,14 +80,10 @@ def quantize_linears(
 
 
 def stored_weight(stored: StoredWeights, path: str, linear: nn.Linear) -> Tensor:
-    """The weight of `linear` (at `path` in its model) as `stored` holds it: a stacked layer's
-    parts' stacked (`fuse_projections`); ValueError where its shape is not the layer's."""
+    """The weight of `linear` (at `path` in its model, which was loaded from `stored`'s files) as
+    `stored` holds it: a stacked layer's parts' stacked (`fuse_projections`)."""
     parts = linear.parts if isinstance(linear, StackedLinear) else {path: linear.out_features}
-    weight = torch.cat([stored.read(f"{part}.weight") for part in parts])
-    if weight.shape != linear.weight.shape:
-        loaded = list(linear.weight.shape)
-        raise ValueError(f"{path}.weight is stored as {list(weight.shape)}, loaded as {loaded}")
-    return weight
+    return torch.cat([stored.read(f"{part}.weight") for part in parts])
 
 
 def quantized(linear: nn.Linear, name: str, weight: Tensor | None = None) -> nn.Module:
