@@ -58,19 +58,19 @@ def wanted_variants(version: ResidentVersion, names: tuple[str, ...]) -> tuple[s
 def make_variant(version: ResidentVersion, name: str, directory: Path | None = None) -> Copy:
     """A copy of a version's reference weights in variant `name`, laid out for serving; a quantized
     one quantized from the version's checkpoint in `directory` where `stored_weights` says so."""
-    model = in_precision(version.model, name, stored_weights(version, directory))
+    model = in_precision(version.model, name, stored_weights(version, name, directory))
     serving_layout(model)  # type: ignore[arg-type]  # a CausalLM is an nn.Module
     return Copy(name, model, max_len=version.max_len)
 
 
-def stored_weights(version: ResidentVersion, directory: Path | None) -> StoredWeights | None:
-    """What a quantized copy of `version` is quantized from: where it is held in fewer bits than
-    float32 (a bfloat16 worker's), the weights its Llama-family checkpoint in `directory` stores, read
-    a layer at a time, so that a checkpoint stored in float32 keeps its bits (SmolLM2-135M's int8 copy
-    agreed with float32 on 0.953 of the worker's tokens so, 0.945 quantized from bfloat16:
-    docs/models.md); None (the weights as loaded) otherwise, where those are float32 already."""
-    held = version.model.dtype
-    if directory is None or held == torch.float32 or model_type(directory) not in MODEL_TYPES:
+def stored_weights(version: ResidentVersion, name: str, directory: Path | None) -> StoredWeights | None:
+    """What a copy of `version` in `name` is quantized from, where `name` is QUANTIZED and the
+    version is held in fewer bits than float32 (a bfloat16 worker's): the weights its Llama-family
+    checkpoint in `directory` stores, read a layer at a time, so that a checkpoint stored in float32
+    keeps its bits (SmolLM2-135M's int8 copy agreed with float32 on 0.953 of the worker's tokens so,
+    0.945 quantized from bfloat16: docs/models.md). None otherwise: the weights as loaded."""
+    quantized_in_fewer_bits = name in QUANTIZED and version.model.dtype != torch.float32
+    if directory is None or not quantized_in_fewer_bits or model_type(directory) not in MODEL_TYPES:
         return None
     return StoredWeights(directory)
 
