@@ -12,9 +12,9 @@
 // so a row has the same bits alone or among any others. A tile of up to ROWS rows of one block
 // shares each load: the block's weights are widened once for the tile's rows. Each block's weights
 // are fetched PREFETCH_BYTES ahead of those it multiplies, one cache line at a time. Laid out so, a
-// block's weights are one stream read front to back: the earlier kernel of this file read each channel's weights as a stream of its
-// own (a layout of [channels][width]) and took SmolLM2's int8 layers at one row at 12-17 GB/s on 2
-// cores of an AMD EPYC that reads 27 (docs/benchmarks.md).
+// block's weights are one stream read front to back: the earlier kernel of this file read each
+// channel's weights as a stream of its own (a layout of [channels][width]) and took SmolLM2's int8
+// layers at one row at 12-17 GB/s on 2 cores of an AMD EPYC that reads 27 (docs/benchmarks.md).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

@@ -582,15 +582,19 @@ class StoredWeights:
     from (workers/variants.py), one layer's at a time."""
 
     def __init__(self, directory: Path):
-        self.files = {name: file for file in weight_files(directory) for name in _tensor_names(file)}
+        self.opened = {  # tensor name -> its file, opened (mapped) once, until this is dropped
+            name: handle
+            for file in weight_files(directory)
+            for handle in [safe_open(str(file), framework="pt")]
+            for name in _tensor_names(file)
+        }
 
     def read(self, name: str) -> Tensor:
         """The tensor the decoder names `name`; a tied output head's is the embeddings' (a checkpoint
         that stores no head loaded only where its config ties it: `skeleton`)."""
-        if name == "lm_head.weight" and name not in self.files:
+        if name == "lm_head.weight" and name not in self.opened:
             name = "model.embed_tokens.weight"
-        with safe_open(str(self.files[name]), framework="pt") as f:
-            return f.get_tensor(name).float()
+        return self.opened[name].get_tensor(name).float()
 
 
 def read_weights(directory: Path, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
