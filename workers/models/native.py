@@ -79,6 +79,7 @@ NORM_SOURCE = Path(__file__).with_name("rms_norm.cpp")
 INT8_SOURCE = Path(__file__).with_name("int8_linear.cpp")
 PAIRED_SOURCE = Path(__file__).with_name("paired_linear.cpp")
 LAYERS_SOURCE = Path(__file__).with_name("decoder_layers.cpp")
+OTHER_SOURCES = (NORM_SOURCE, INT8_SOURCE, PAIRED_SOURCE, LAYERS_SOURCE)  # built with the attention's
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{Path(__file__).parent}")  # vectors.h
 SYMBOLS = {
     torch.bfloat16: "paged_attention_bfloat16",
@@ -135,7 +136,7 @@ def build(attention_source: Path) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("%s: %s", FALLBACK, INSTALL_HINT)
         return None
-    sources = (attention_source, NORM_SOURCE, INT8_SOURCE, PAIRED_SOURCE, LAYERS_SOURCE)
+    sources = (attention_source, *OTHER_SOURCES)
     with tempfile.TemporaryDirectory(prefix="reflow-kernels-") as directory:  # 0700
         built = Path(directory) / "kernels.so"
         try:
