@@ -52,8 +52,10 @@ a shape takes).
 
 The sources are compiled with the C++ compiler `CXX` names (else `g++`, `c++`), `-march=native`,
 into a private temporary directory, in about 2 s, and loaded from there; OpenMP resolves to the
-runtime torch already loaded, so the kernels' threads are torch's. Where no compiler is found or
-the build fails, a warning names the fix and attention and norms run as torch operators.
+runtime torch already loaded, so the kernels' threads are torch's. Their vectors are no wider than
+the CPU's: GCC computes a wider one piece by piece (a test fails on any such operation). Where no
+compiler is found or the build fails, a warning names the fix and attention and norms run as torch
+operators.
 """
 
 from __future__ import annotations
