@@ -40,7 +40,7 @@ constexpr int64_t ROWS = 8;  // rows of a tile
 #else  // AVX2's 16 registers of 8 floats: a block's sums take two
 constexpr int64_t WIDE = 8;
 // Of tiles of 2 to 8 rows timed on 2 cores of an AMD EPYC with AVX2 over SmolLM2's products, 4 and 5
-// were the fastest at 16 and 64 rows (46-51 and 168-185 ms; 2 rows 74-79 and 207-276)
+// were the fastest at 16 and 64 rows (46-51 and 145-185 ms; 2 rows 74-79 and 207-276)
 constexpr int64_t ROWS = 4;
 #endif
 constexpr int64_t PARTS = BLOCK / WIDE;  // vectors of a block's sums

@@ -582,12 +582,9 @@ class StoredWeights:
     from (workers/variants.py), one layer's at a time."""
 
     def __init__(self, directory: Path):
-        self.opened = {  # tensor name -> its file, opened (mapped) once, until this is dropped
-            name: handle
-            for file in weight_files(directory)
-            for handle in [safe_open(str(file), framework="pt")]
-            for name in _tensor_names(file)
-        }
+        self.opened: dict[str, safe_open] = {}  # tensor name -> its file, mapped once, until dropped
+        for file in weight_files(directory):
+            self.opened.update(dict.fromkeys(_tensor_names(file), safe_open(str(file), framework="pt")))
 
     def read(self, name: str) -> Tensor:
         """The tensor the decoder names `name`; a tied output head's is the embeddings' (a checkpoint
