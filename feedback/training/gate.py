@@ -31,7 +31,7 @@ from feedback.tasks.task import Example, Task
 from feedback.training.dataset import Judged
 from feedback.training.evaluation import EVAL_SEED, accuracy
 from feedback.training.examples import example_rows, pad_rows
-from feedback.training.losses import sequence_logps
+from feedback.training.losses import completion_logits, sequence_logps
 from workers.models.greedy import completions, greedy_answers
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.prompts import Prompt, prompt_ids, user_turn
@@ -170,17 +170,18 @@ def regression_shift(
     """Over the champion's own `answers` (teacher-forced): the candidate's mean per-token
     KL(candidate || champion), and the mean negative log-likelihood per token of each model."""
     kl = nll = reference_nll = count = 0.0
-    for start in range(0, len(answers), SHIFT_ROWS):  # [rows, T, V] logits: a few hundred MB each
+    for start in range(0, len(answers), SHIFT_ROWS):  # [answers' tokens, V] logits: tens of MB each
         rows = example_rows(tokenizer, answers[start : start + SHIFT_ROWS])
         tokens, mask = pad_rows(rows, tokenizer.pad_id)
-        tokens, weights = tokens.to(champion.device), mask[:, 1:].to(champion.device).float()  # [B, T-1]
-        reference = champion(tokens[:, :-1]).float().log_softmax(-1)  # [B, T-1, V]
-        logps = candidate(tokens[:, :-1]).float().log_softmax(-1)
-        targets = tokens[:, 1:, None]
-        kl += float(((logps.exp() * (logps - reference)).sum(-1) * weights).sum())
-        nll -= float((logps.gather(-1, targets)[..., 0] * weights).sum())
-        reference_nll -= float((reference.gather(-1, targets)[..., 0] * weights).sum())
-        count += float(weights.sum())
+        tokens, mask = tokens.to(champion.device), mask.to(champion.device)
+        found = completion_logits(champion, tokens, mask)  # [N, V]: the answers' tokens
+        reference = found.logits.float().log_softmax(-1)
+        logps = completion_logits(candidate, tokens, mask).logits.float().log_softmax(-1)
+        targets = found.targets[:, None]
+        kl += float((logps.exp() * (logps - reference)).sum())
+        nll -= float(logps.gather(-1, targets).sum())
+        reference_nll -= float(reference.gather(-1, targets).sum())
+        count += len(targets)
     count = max(count, 1.0)
     return {
         "regression_kl": kl / count,

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from feedback.tasks.task import Example
 from feedback.training.dataset import Dataset, Pair
 from feedback.training.examples import example_rows, learning_rate, pad_rows, training_example
-from feedback.training.losses import KtoResult, dpo_loss, kto_loss, sequence_logps
+from feedback.training.losses import KtoResult, completion_logits, dpo_loss, kto_loss, sequence_logps
 from workers.models.interface import CausalLM, Tokenizer
 from workers.models.lora import Adapter, LoraConfig
 
@@ -131,11 +131,10 @@ def train_candidate(
         replayed = [replay(rng) for _ in range(n_replay)]
         learned = [rng.choice(supervised) for _ in range(config.batch_size - n_replay)]
         tokens, mask = _batch(tokenizer, replayed + learned, device, context)
-        logits = policy(tokens[:, :-1])  # [B, T-1, V]
-        weights = mask[:, 1:].float()  # [B, T-1]: completion tokens
-        losses = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
-        sft = (losses * weights).sum() / weights.sum()
-        kl = _kl_to_reference(logits[:n_replay], reference, tokens[:n_replay], weights[:n_replay])
+        found = completion_logits(policy, tokens, mask)  # [N, V]: the completion tokens'
+        sft = F.cross_entropy(found.logits, found.targets)
+        replayed_logits = found.logits[: int((found.rows < n_replay).sum())]  # the rows come in order
+        kl = _kl_to_reference(replayed_logits, reference, tokens[:n_replay], mask[:n_replay])
         loss = sft + config.kl_weight * kl
         kto_value = reference_point = 0.0
         if rated and config.kto_weight > 0:
@@ -164,15 +163,15 @@ def train_candidate(
     return policy.eval(), history
 
 
-def _kl_to_reference(logits: Tensor, reference: CausalLM, tokens: Tensor, weights: Tensor) -> Tensor:
-    """Mean per-token KL(policy || reference) over the completion tokens of these rows."""
-    if tokens.shape[0] == 0:
+def _kl_to_reference(logits: Tensor, reference: CausalLM, tokens: Tensor, mask: Tensor) -> Tensor:
+    """Mean per-token KL(policy || reference) over the completion tokens of these rows, whose
+    policy `logits` ([N, V], `completion_logits`) are given."""
+    if logits.shape[0] == 0:
         return logits.sum() * 0.0
     with torch.no_grad():
-        reference_logps = reference(tokens[:, :-1]).log_softmax(-1)
+        reference_logps = completion_logits(reference, tokens, mask).logits.log_softmax(-1)
     logps = logits.log_softmax(-1)
-    per_token = (logps.exp() * (logps - reference_logps)).sum(-1)  # [B, T-1]
-    return (per_token * weights).sum() / weights.sum().clamp(min=1.0)
+    return (logps.exp() * (logps - reference_logps)).sum(-1).mean()
 
 
 def _kto(

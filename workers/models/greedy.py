@@ -101,9 +101,9 @@ def _continuations(
     banned = tokenizer.never_generated(model.vocab_size)
     eos = torch.tensor(tokenizer.eos_ids, device=device)
     view = cache.view(tables, [list(range(len(ids))) for ids in encoded], device)  # padding left out
-    logits = model(tokens, cache, view)  # [B, T, V]
+    logits = model(tokens, cache, view, at=rows * max_len + lengths - 1)  # [B, V]: each last token's
     logits[..., banned] = float("-inf")  # as the serving engine does
-    next_ids = _pick(logits[rows, lengths - 1], temperature, generator)  # [B]
+    next_ids = _pick(logits, temperature, generator)  # [B]
     next_pos = lengths.clone()  # [B]: where each row's next token goes
     # A token at position p is fed back only if the one it predicts is still allowed.
     feed_below = (lengths + max_new_tokens - 1).clamp(max=limit)  # [B]

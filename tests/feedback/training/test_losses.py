@@ -1,5 +1,6 @@
 """The preference losses: KTO's and DPO's values computed by hand, gradients that reach only the
-policy, and a DPO pair whose preferred completion training makes the more likely one."""
+policy, and a DPO pair whose preferred completion training makes the more likely one; the logits
+they are computed from, the output head's on the completion tokens alone."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from feedback.tasks.task import Example
 from feedback.training.dataset import Dataset, Pair
 from feedback.training.examples import example_rows, pad_rows
-from feedback.training.losses import dpo_loss, kto_loss, sequence_logps
+from feedback.training.losses import completion_logits, dpo_loss, kto_loss, sequence_logps
 from feedback.training.trainer import FinetuneConfig, train_candidate
 from tests.support.models import tiny_model
 from workers.models.builtin import TOKENIZER
@@ -86,6 +87,20 @@ def test_sequence_logps_counts_only_completion_tokens() -> None:
             1, tokens[:, 7:8]
         ).squeeze(1)
         assert torch.allclose(sequence_logps(model, tokens, some), by_hand, atol=1e-5)
+
+
+def test_completion_logits_are_the_whole_rows_logits_where_a_completion_token_is_predicted() -> None:
+    model = tiny_model(0)
+    tokens = torch.randint(0, 250, (3, 9))
+    mask = torch.zeros_like(tokens)
+    mask[0, 4:], mask[2, 7:] = 1, 1  # ragged completions, and a row (1) with none
+    with torch.no_grad():
+        found = completion_logits(model, tokens, mask)
+        whole = model(tokens[:, :-1])  # [B, T-1, V]: position t predicts token t + 1
+    positions = [(0, t) for t in range(3, 8)] + [(2, 6), (2, 7)]
+    assert found.rows.tolist() == [row for row, _ in positions]
+    assert found.targets.tolist() == [int(tokens[row, t + 1]) for row, t in positions]
+    torch.testing.assert_close(found.logits, torch.stack([whole[row, t] for row, t in positions]))
 
 
 def test_dpo_hand_computed_values_with_and_without_label_smoothing() -> None:
