@@ -35,9 +35,9 @@ NOISY_USERS = Behaviour(thumbs_only=True, temperature=1.0, flip=0.1)
 # an adapter over a tiny model takes a higher rate and more steps than LORA_RECIPE's (sized for SmolLM2)
 LORA = {"finetune_steps": 200, "finetune_batch_size": 16, "finetune_lr": 1e-2}
 # The rule this test is about is the ranking's. The gate checks drift on general prompts first, and a
-# candidate trained on inverted ratings moved the champion's answers there by 0.08 nats/token in one
-# run and 0.11 in another whose training differed only in how its sums were rounded (the limit is
-# 0.1): the drift limits are lifted here, and test_lora_finetune.py holds a candidate to them.
+# candidate trained on inverted ratings made the champion's answers there 0.080 nats/token less likely
+# in one run and 0.113 in another whose training differed only in how its sums were rounded (the
+# limit is 0.1): the drift limits are lifted here, and test_lora_finetune.py holds a candidate to them.
 UNLIMITED_DRIFT = {"finetune_max_regression_kl": 100.0, "finetune_max_regression_nll_increase": 100.0}
 
 
